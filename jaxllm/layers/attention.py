@@ -1,0 +1,71 @@
+"""The paged attention a model layer calls: write this step's K/V into the cache, then attend.
+
+`AttentionMetadata` and `KVCache` are the pytrees the model runner builds on the host each step
+and hands to the one jitted step; the layout is documented in
+`pallas_kernels/ragged_paged_attention/reference.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [L, num_blocks, Hkv, block_size, D]
+    v: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: jax.Array  # int32 [T]: cache slot (block * block_size + offset); -1 = padding
+    kv_lens: jax.Array       # int32 [S]: KV length per sequence incl. this step's tokens
+    block_tables: jax.Array  # int32 [S, B]
+    cu_q_lens: jax.Array     # int32 [S + 1]
+    num_seqs: jax.Array      # int32 [1]
+    max_q_len: int = dataclasses.field(default=0, metadata=dict(static=True))  # 0 = T
+
+
+def attention_impl(backend: str):
+    """The ragged paged attention function for a backend name ('reference' or 'pallas')."""
+    if backend == "reference":
+        return ragged_paged_attention
+    if backend == "pallas":
+        from pallas_kernels.ragged_paged_attention import kernel
+        return kernel.ragged_paged_attention
+    raise ValueError(f"unknown attention backend {backend!r}")
+
+
+def resolve_backend(requested: str) -> str:
+    """auto = Pallas on TPU/GPU, the pure-JAX reference on CPU."""
+    if requested != "auto":
+        return requested
+    return "reference" if jax.default_backend() == "cpu" else "pallas"
+
+
+def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,
+                    md: AttentionMetadata, *, sm_scale: float, backend: str = "reference",
+                    sliding_window=None, soft_cap: Optional[float] = None,
+                    k_scale: Optional[float] = None, v_scale: Optional[float] = None
+                    ) -> tuple[jax.Array, KVCache]:
+    """q [T, Hq, D], k/v [T, Hkv, D] -> (out [T, Hq, D], updated cache)."""
+    kc, vc = write_kv(cache.k, cache.v, layer, k, v, md.slot_mapping,
+                      k_scale=k_scale, v_scale=v_scale)
+    out = attention_impl(backend)(
+        q, kc, vc, layer, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        k_scale=k_scale, v_scale=v_scale, max_q_len=md.max_q_len or None)
+    return out, KVCache(kc, vc)
+
+
+def empty_kv_cache(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
+                   head_dim: int, dtype, sharding=None) -> KVCache:
+    shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return KVCache(make(), make())
