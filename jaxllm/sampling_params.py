@@ -1,0 +1,111 @@
+"""SamplingParams with vLLM's fields, defaults and validation (invalid values name the field)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    # Filled by the engine, not the user.
+    output_kind: str = field(default="cumulative", repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got "
+                                 f"{self.logit_bias!r}") from None
+        self._verify()
+
+    def _verify(self) -> None:
+        def bad(name: str, why: str):
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be at least 1")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            bad("repetition_penalty", "must be greater than zero")
+        if not self.temperature >= 0.0:
+            bad("temperature", "must be non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "must be 0 or -1 (disable), or at least 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", "must be at least 1")
+        if self.min_tokens < 0:
+            bad("min_tokens", "must be greater than or equal to 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad("logprobs", "must be non-negative")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad("prompt_logprobs", "must be non-negative")
+        if any(not s for s in self.stop):
+            bad("stop", "cannot contain an empty string")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            bad("allowed_token_ids", "must not be empty")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer")
+
+    def verify_for_model(self, vocab_size: int, max_logprobs: int) -> None:
+        """Checks that need the model: token ids in range, logprob counts within the cap."""
+        for name, ids in (("logit_bias", list(self.logit_bias or {})),
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("stop_token_ids", self.stop_token_ids)):
+            out = [i for i in ids if not 0 <= i < vocab_size]
+            if out:
+                raise ValueError(f"{name} has token id(s) {out[:5]} outside the vocabulary "
+                                 f"[0, {vocab_size}).")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(f"Requested {name}={value} is more than the maximum "
+                                 f"allowed ({max_logprobs}); raise --max-logprobs.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
