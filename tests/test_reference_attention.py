@@ -71,7 +71,8 @@ def test_reference_matches_naive(q_lens, kv_lens, hq, hkv, window, cap):
     out = ragged_paged_attention(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), 1,
                                  jnp.asarray(kvl), jnp.asarray(bt), jnp.asarray(cu),
                                  jnp.asarray(ns), sm_scale=d ** -0.5, sliding_window=window,
-                                 soft_cap=cap, chunk_blocks=2)
+                                 soft_cap=cap, chunk_blocks=2, q_tile=4,
+                                 tiles_per_group=2)
     want = naive(q, ks, vs, q_lens, kv_lens, d ** -0.5, window, cap)
     n = sum(q_lens)
     np.testing.assert_allclose(np.asarray(out[:n]), want, atol=2e-5, rtol=2e-5)

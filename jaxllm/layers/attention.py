@@ -29,7 +29,6 @@ class AttentionMetadata:
     block_tables: jax.Array  # int32 [S, B]
     cu_q_lens: jax.Array     # int32 [S + 1]
     num_seqs: jax.Array      # int32 [1]
-    max_q_len: int = dataclasses.field(default=0, metadata=dict(static=True))  # 0 = T
 
 
 def attention_impl(backend: str):
@@ -60,7 +59,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, la
     out = attention_impl(backend)(
         q, kc, vc, layer, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scale=k_scale, v_scale=v_scale, max_q_len=md.max_q_len or None)
+        k_scale=k_scale, v_scale=v_scale)
     return out, KVCache(kc, vc)
 
 

@@ -13,9 +13,11 @@ Layout (shared by the reference, the Pallas kernels and the model runner):
 Query i of sequence s sits at position kv_lens[s] - q_len[s] + i and sees keys at positions
 <= its own (causal), and > position - sliding_window when a window is given.
 
-The algorithm gathers each sequence's queries into a [S, max_q_len] tile, then walks the
-sequence's pages in chunks with an online softmax (float32) whose trip count is set by the
-longest live sequence, so the cost follows the real context length, not the table width.
+The algorithm splits each sequence's queries into small tiles, takes the tiles in groups, and
+for each group walks the pages in chunks with an online softmax in float32. Both loops have
+dynamic trip counts (live tiles; keys up to the group's last query position, from the sliding
+window's start), so the cost follows the real ragged work, while the shapes depend only on T
+and the metadata sizes: one compiled step per token bucket.
 """
 
 from __future__ import annotations
@@ -68,76 +70,91 @@ def ragged_paged_attention(
     soft_cap: Optional[float] = None,
     k_scale: Optional[float] = None,
     v_scale: Optional[float] = None,
-    max_q_len: Optional[int] = None,
+    q_tile: int = 8,
+    tiles_per_group: int = 8,
     chunk_blocks: Optional[int] = None,
 ) -> jax.Array:
     """Attention output [T, Hq, D] in q's dtype. See the module docstring for the layout.
 
     sliding_window: None or <= 0 means full attention; may be a traced scalar (per layer).
-    max_q_len: static bound on any sequence's query count this step (default T).
-    chunk_blocks: pages per online-softmax step (default: ~512 keys per step).
+    q_tile: queries per tile (a sequence's queries are split into tiles of this many).
+    tiles_per_group: tiles processed together per loop step.
+    chunk_blocks: pages per online-softmax step (default: ~256 keys per step).
     """
     T, hq, d = q.shape
     _, _, hkv, bs, _ = k_cache.shape
     S, B = block_tables.shape
     g = hq // hkv
-    Q = T if max_q_len is None else min(max_q_len, T)
-    cb = chunk_blocks or max(1, min(B, 512 // bs))
+    qt = min(q_tile, T)
+    cb = chunk_blocks or max(1, min(B, 256 // bs))
     if B % cb:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, cb - B % cb)))
     C = cb * bs
+    tg = tiles_per_group
 
     seq_valid = jnp.arange(S) < num_seqs.reshape(())
     q_lens = jnp.where(seq_valid, cu_q_lens[1:] - cu_q_lens[:-1], 0)
     kv_lens = jnp.where(seq_valid, kv_lens, 0)
 
-    # Queries of each sequence as a [S, Q] tile.
-    qi = jnp.arange(Q)
-    tok = jnp.clip(cu_q_lens[:-1, None] + qi, 0, T - 1)  # [S, Q]
-    q_valid = qi[None, :] < q_lens[:, None]
-    qpos = kv_lens[:, None] - q_lens[:, None] + qi[None, :]  # [S, Q]
-    qs = q[tok].astype(jnp.float32) * sm_scale  # [S, Q, Hq, D]
-    qs = qs.reshape(S, Q, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(S, hkv, g * Q, d)
+    # Split every sequence's queries into tiles of qt; tile j belongs to sequence tile_seq[j].
+    n_tiles_max = min(T, -(-T // qt) + S)
+    tiles_per_seq = (q_lens + qt - 1) // qt
+    tile_end = jnp.cumsum(tiles_per_seq)
+    num_tiles = tile_end[-1]
+    j = jnp.arange(n_tiles_max)
+    tile_seq = jnp.clip(jnp.searchsorted(tile_end, j, side="right"), 0, S - 1)
+    tile_q0 = (j - (tile_end[tile_seq] - tiles_per_seq[tile_seq])) * qt
 
-    window = None
-    if sliding_window is not None:
-        window = jnp.asarray(sliding_window, jnp.int32)
+    window = None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32)
 
-    def body(i, carry):
-        m, l, acc = carry
-        blk = jax.lax.dynamic_slice_in_dim(block_tables, i * cb, cb, axis=1)  # [S, cb]
-        k = _dequant(k_cache[layer, blk], k_scale)  # [S, cb, Hkv, BS, D]
-        v = _dequant(v_cache[layer, blk], v_scale)
-        k = k.transpose(0, 2, 1, 3, 4).reshape(S, hkv, C, d)
-        v = v.transpose(0, 2, 1, 3, 4).reshape(S, hkv, C, d)
-        s = jnp.einsum("shqd,shkd->shqk", qs, k)  # [S, Hkv, G*Q, C]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        kpos = i * C + jnp.arange(C)
-        mask = (kpos[None, None, :] <= qpos[:, :, None]) & q_valid[:, :, None]  # [S, Q, C]
+    def group(gi, out):
+        jj = jnp.minimum(gi * tg + jnp.arange(tg), n_tiles_max - 1)
+        seq = tile_seq[jj]
+        qi = tile_q0[jj][:, None] + jnp.arange(qt)  # [tg, qt] query index within its sequence
+        live = ((gi * tg + jnp.arange(tg)) < num_tiles)[:, None] & (qi < q_lens[seq][:, None])
+        tok = jnp.where(live, cu_q_lens[seq][:, None] + qi, T)  # T = out of range: dropped
+        qpos = kv_lens[seq][:, None] - q_lens[seq][:, None] + qi
+        qg = q[jnp.minimum(tok, T - 1)].astype(jnp.float32) * sm_scale  # [tg, qt, Hq, D]
+        qg = qg.reshape(tg, qt, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(tg, hkv, g * qt, d)
+        tables = block_tables[seq]
+        hi = (jnp.max(jnp.where(live, qpos, -1)) + C) // C  # causal: no key past the last query
+        lo = 0
         if window is not None:
-            mask &= (window <= 0) | (kpos[None, None, :] > qpos[:, :, None] - window)
-        s = s.reshape(S, hkv, g, Q, C)
-        s = jnp.where(mask[:, None, None], s, -jnp.inf).reshape(S, hkv, g * Q, C)
-        m_new = jnp.maximum(m, s.max(-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        corr = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
-        l = l * corr + p.sum(-1)
-        acc = acc * corr[..., None] + jnp.einsum("shqk,shkd->shqd", p, v)
-        return m_new, l, acc
+            first = jnp.min(jnp.where(live, qpos, jnp.iinfo(jnp.int32).max))
+            lo = jnp.where(window > 0, jnp.maximum(first - window + 1, 0) // C, 0)
+            lo = jnp.minimum(lo, hi)
 
-    init = (jnp.full((S, hkv, g * Q), -jnp.inf, jnp.float32),
-            jnp.zeros((S, hkv, g * Q), jnp.float32),
-            jnp.zeros((S, hkv, g * Q, d), jnp.float32))
-    n_chunks = (kv_lens.max() + C - 1) // C
-    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [S, Hkv, G*Q, D]
-    out = out.reshape(S, hkv, g, Q, d).transpose(0, 3, 1, 2, 4).reshape(S, Q, hq, d)
+        def chunk(i, carry):
+            m, l, acc = carry
+            blk = jax.lax.dynamic_slice_in_dim(tables, i * cb, cb, axis=1)  # [tg, cb]
+            k = _dequant(k_cache[layer, blk], k_scale)  # [tg, cb, Hkv, BS, D]
+            v = _dequant(v_cache[layer, blk], v_scale)
+            k = k.transpose(0, 2, 1, 3, 4).reshape(tg, hkv, C, d)
+            v = v.transpose(0, 2, 1, 3, 4).reshape(tg, hkv, C, d)
+            s = jnp.einsum("thqd,thkd->thqk", qg, k)  # [tg, Hkv, G*qt, C]
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            kpos = i * C + jnp.arange(C)
+            mask = (kpos[None, None, :] <= qpos[:, :, None]) & live[:, :, None]  # [tg, qt, C]
+            if window is not None:
+                mask &= (window <= 0) | (kpos[None, None, :] > qpos[:, :, None] - window)
+            s = s.reshape(tg, hkv, g, qt, C)
+            s = jnp.where(mask[:, None, None], s, -jnp.inf).reshape(tg, hkv, g * qt, C)
+            m_new = jnp.maximum(m, s.max(-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.exp(s - m_safe[..., None])
+            corr = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+            l = l * corr + p.sum(-1)
+            acc = acc * corr[..., None] + jnp.einsum("thqk,thkd->thqd", p, v)
+            return m_new, l, acc
 
-    # Back to the flat token order.
-    t = jnp.arange(T)
-    seq_of = jnp.clip(jnp.searchsorted(cu_q_lens[1:], t, side="right"), 0, S - 1)
-    live = t < cu_q_lens[num_seqs.reshape(())]
-    o = out[seq_of, jnp.clip(t - cu_q_lens[seq_of], 0, Q - 1)]
-    return jnp.where(live[:, None, None], o, 0).astype(q.dtype)
+        init = (jnp.full((tg, hkv, g * qt), -jnp.inf, jnp.float32),
+                jnp.zeros((tg, hkv, g * qt), jnp.float32),
+                jnp.zeros((tg, hkv, g * qt, d), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(lo, hi, chunk, init)
+        o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        o = o.reshape(tg, hkv, g, qt, d).transpose(0, 3, 1, 2, 4).reshape(tg, qt, hq, d)
+        return out.at[tok].set(o.astype(out.dtype), mode="drop")
+
+    out = jnp.zeros((T, hq, d), q.dtype)
+    return jax.lax.fori_loop(0, (num_tiles + tg - 1) // tg, group, out)
