@@ -1,0 +1,133 @@
+"""AsyncLLMEngine: the engine loop on its own thread, streamed to asyncio consumers.
+
+The server's event loop never runs a model step: `generate()` hands the request to the engine
+thread and awaits its outputs on an asyncio queue. Only the engine thread touches the engine, so
+the scheduler needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Optional
+
+from jaxllm.config import EngineArgs
+from jaxllm.engine.engine import LLMEngine, PromptType
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxllm")
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.engine_args = engine.args
+        self.model_config = engine.model_config
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stats = engine.stats()
+        self._error: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
+        return cls(LLMEngine(args))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> dict:
+        """The engine's counters as of its last step (read without stopping the loop)."""
+        return dict(self._stats)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs as tokens arrive; invalid requests raise before the first yield."""
+        if self._error is not None:
+            raise RuntimeError(f"the engine loop died: {self._error!r}")
+        loop = asyncio.get_running_loop()
+        out_q: asyncio.Queue = asyncio.Queue()
+        added = loop.create_future()
+        self._streams[request_id] = (loop, out_q)
+        self._commands.put(("add", request_id, prompt, sampling_params, priority, loop, added))
+        finished = False
+        try:
+            await added  # raises the engine's ValueError for a bad request
+            while True:
+                item = await out_q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("noop",))
+        self._thread.join(timeout=10)
+
+    # --- engine thread -----------------------------------------------------------------------
+    def _send(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _handle(self, cmd) -> None:
+        if cmd[0] == "add":
+            _, rid, prompt, params, priority, loop, fut = cmd
+            error = None
+            try:
+                self.engine.add_request(rid, prompt, params, priority)
+            except Exception as e:  # invalid request: report to its caller, keep serving
+                error = e
+            loop.call_soon_threadsafe(_settle, fut, error)
+        elif cmd[0] == "abort":
+            self.engine.abort_request(cmd[1])
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                block = not self.engine.has_unfinished_requests()
+                try:
+                    cmd = self._commands.get(block=block, timeout=0.5 if block else None)
+                    self._handle(cmd)
+                    while True:
+                        self._handle(self._commands.get_nowait())
+                except queue.Empty:
+                    pass
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._send(out.request_id, out)
+                self._stats = self.engine.stats()
+        except BaseException as e:  # report to every waiting stream, then stop
+            logger.exception("engine loop failed")
+            self._error = e
+            for rid in list(self._streams):
+                self._send(rid, RuntimeError(f"engine failed: {e!r}"))
+
+
+def _settle(fut: asyncio.Future, error: Optional[BaseException]) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

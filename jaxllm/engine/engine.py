@@ -1,0 +1,267 @@
+"""The engine loop: add/abort requests, and `step()` = schedule -> one model step -> detokenize.
+
+Everything here is host-side Python. A user request with n > 1 is fanned out into n sequences
+(`Request`s) that share the prompt (and, through prefix caching, its KV blocks); their outputs are
+gathered back into one `RequestOutput`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from jaxllm.config import EngineArgs
+from jaxllm.engine.detokenizer import IncrementalDetokenizer, decode_logprob_token
+from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.engine.request import Request, RequestStatus
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxllm")
+
+PromptType = Union[str, list[int], dict]
+
+
+@dataclass
+class _Child:
+    seq: Request
+    detok: Optional[IncrementalDetokenizer]
+    logprobs: Optional[list] = None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class _UserRequest:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[_Child] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        from jaxllm.engine.startup import build_engine_parts
+        self.args = args
+        t0 = time.perf_counter()
+        parts = build_engine_parts(args)
+        self.model_config = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.eos_token_ids = parts.eos_token_ids
+        self.generation_defaults = parts.generation_defaults
+        self.runner = parts.runner
+        self.kv_cache_manager = KVCacheManager(
+            parts.num_blocks, args.block_size, enable_prefix_caching=args.prefix_caching,
+            hash_algo=args.prefix_caching_hash_algo)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=self.runner.max_num_batched_tokens,
+            max_model_len=self.model_config.max_model_len,
+            enable_chunked_prefill=args.chunked_prefill, policy=args.scheduling_policy,
+            block_size=args.block_size)
+        self.startup_times = dict(parts.startup_times, total=time.perf_counter() - t0)
+        self._requests: dict[str, _UserRequest] = {}
+        self._seq_owner: dict[str, _UserRequest] = {}
+        self._rng = np.random.default_rng(args.seed)
+        self._last_log = time.monotonic()
+        self._log_counts = [0, 0]  # prompt, generation tokens since the last stats line
+        self.total_prompt_tokens = 0
+        self.total_generation_tokens = 0
+        logger.info("Engine ready in %.1f s (%s)", self.startup_times["total"],
+                    ", ".join(f"{k} {v:.1f} s" for k, v in parts.startup_times.items()))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # --- requests ----------------------------------------------------------------------------
+    def process_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """Text and token ids of a prompt given as text, token ids, or a vLLM prompt dict."""
+        text, ids = None, None
+        if isinstance(prompt, dict):
+            ids = prompt.get("prompt_token_ids")
+            text = prompt.get("prompt")
+            if ids is None and text is None:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text = prompt
+        else:
+            ids = prompt
+        if ids is None:
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set); "
+                                 "pass prompt_token_ids")
+            ids = self.tokenizer.encode(text)
+        ids = [int(i) for i in ids]
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError("The prompt cannot be empty.")
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary (size {vocab}).")
+        limit = self.model_config.max_model_len
+        if len(ids) > limit:
+            raise ValueError(f"The prompt (length {len(ids)}) is longer than the maximum model "
+                             f"length of {limit}. Make it shorter, or raise --max-model-len.")
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: Optional[SamplingParams] = None, priority: int = 0,
+                    arrival_time: Optional[float] = None) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        params = params.clone() if params is not None else SamplingParams()
+        params.verify_for_model(self.model_config.vocab_size, self.args.max_logprobs)
+        text, ids = self.process_prompt(prompt)
+        if params.max_tokens is None:
+            params.max_tokens = self.model_config.max_model_len - len(ids)
+        if self.args.scheduling_policy != "priority" and priority != 0:
+            raise ValueError("priority is only used with --scheduling-policy priority")
+        now = time.monotonic() if arrival_time is None else arrival_time
+        user = _UserRequest(request_id, text, ids, params, metrics={"arrival_time": now})
+        for i in range(params.n):
+            if params.seed is not None:
+                seed = params.seed + i
+            else:
+                seed = int(self._rng.integers(2**31 - 1))
+            seq_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            seq = Request(seq_id, list(ids), params, eos_token_ids=self.eos_token_ids,
+                          arrival_time=now, priority=priority, seed=seed)
+            detok = None
+            if self.tokenizer is not None and params.detokenize:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
+                    stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+            user.children.append(_Child(seq, detok, [] if params.logprobs is not None else None))
+            self._seq_owner[seq_id] = user
+            self.scheduler.add_request(seq)
+        self._requests[request_id] = user
+
+    def abort_request(self, request_ids: Union[str, list[str]]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            user = self._requests.pop(rid, None)
+            if user is None:
+                continue
+            seq_ids = [c.seq.request_id for c in user.children]
+            self.scheduler.abort_requests(seq_ids)
+            for sid in seq_ids:
+                self._seq_owner.pop(sid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # --- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled model step; return the outputs of the requests that progressed."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        sampled = self.runner.execute(sched)
+        self.scheduler.update_from_output(sched, {rid: s.token for rid, s in sampled.items()})
+        now = time.monotonic()
+        touched: dict[str, _UserRequest] = {}
+        for item in sched.scheduled:
+            seq = item.request
+            self._log_counts[0] += max(0, min(item.start + item.num_tokens,
+                                              seq.num_prompt_tokens) - item.start)
+            user = self._seq_owner.get(seq.request_id)
+            if user is None or seq.request_id not in sampled:
+                continue
+            self._log_counts[1] += 1
+            self.total_generation_tokens += 1
+            child = next(c for c in user.children if c.seq is seq)
+            self._record_token(child, sampled[seq.request_id])
+            user.metrics.setdefault("first_token_time", now)
+            touched[user.request_id] = user
+        outputs = []
+        for user in touched.values():
+            done = all(c.seq.is_finished for c in user.children)
+            if done:
+                user.metrics["finished_time"] = now
+                self._requests.pop(user.request_id, None)
+                for c in user.children:
+                    self._seq_owner.pop(c.seq.request_id, None)
+                self.total_prompt_tokens += len(user.prompt_token_ids)
+            outputs.append(self._make_output(user, done))
+        self._maybe_log_stats(now)
+        return outputs
+
+    def _record_token(self, child: _Child, s) -> None:
+        seq = child.seq
+        token = s.token
+        if child.logprobs is not None or s.logprob is not None:
+            child.cumulative_logprob += float(s.logprob)
+        if child.logprobs is not None:
+            child.logprobs.append(self._logprob_dict(token, s))
+        if child.detok is not None:
+            _, stop_str = child.detok.add_tokens([token])
+            if stop_str is not None and not seq.is_finished:
+                seq.stop_reason = stop_str
+                self.scheduler.finish_requests([seq.request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _logprob_dict(self, token: int, s) -> dict[int, Logprob]:
+        def dec(i):
+            return decode_logprob_token(self.tokenizer, i) if self.tokenizer is not None else None
+        out = {token: Logprob(float(s.logprob), int(s.rank), dec(token))}
+        for rank, (tid, lp) in enumerate(s.top, start=1):
+            out.setdefault(int(tid), Logprob(float(lp), rank, dec(int(tid))))
+        return out
+
+    def _make_output(self, user: _UserRequest, finished: bool) -> RequestOutput:
+        outs = []
+        for i, c in enumerate(user.children):
+            seq = c.seq
+            outs.append(CompletionOutput(
+                index=i, text=c.detok.text if c.detok is not None else "",
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
+        return RequestOutput(
+            request_id=user.request_id, prompt=user.prompt,
+            prompt_token_ids=user.prompt_token_ids, prompt_logprobs=None, outputs=outs,
+            finished=finished, num_cached_tokens=user.children[0].seq.num_cached_tokens,
+            metrics=dict(user.metrics))
+
+    # --- stats -------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        kv = self.kv_cache_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": kv.usage,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_total_blocks": kv.num_blocks,
+            "prompt_tokens_total": self.total_prompt_tokens,
+            "generation_tokens_total": self.total_generation_tokens,
+        }
+
+    def _maybe_log_stats(self, now: float) -> None:
+        if self.args.disable_log_stats or now - self._last_log < 5.0:
+            return
+        dt = now - self._last_log
+        s = self.stats()
+        q = s["prefix_cache_queries"]
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: "
+            "%.1f%%", self._log_counts[0] / dt, self._log_counts[1] / dt, s["num_running"],
+            s["num_waiting"], 100 * s["kv_cache_usage"], 100 * s["prefix_cache_hits"] / q if q else 0)
+        self._last_log = now
+        self._log_counts = [0, 0]

@@ -1,0 +1,132 @@
+"""Start-up: resolve the model, build the mesh, load weights, size the KV cache, compile.
+
+Kept apart from the engine loop so the loop file reads as the data path only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import ConfigError, EngineArgs, cpu_kv_cache_bytes
+from jaxllm.loader.default_model import resolve_model
+from jaxllm.loader.loader import load_model
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.tokenizer import get_tokenizer, load_generation_config
+from jaxllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("jaxllm")
+
+_KV_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32,
+              "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
+              "fp8_e5m2": jnp.float8_e5m2}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class EngineParts:
+    model_config: Any
+    tokenizer: Any
+    eos_token_ids: frozenset
+    generation_defaults: dict
+    runner: ModelRunner
+    num_blocks: int
+    startup_times: dict
+
+
+def setup_compilation_cache() -> None:
+    """JAX's persistent compilation cache, on by default ($JAXLLM_CACHE_DIR, '' to disable)."""
+    path = os.environ.get("JAXLLM_CACHE_DIR",
+                          os.path.join(os.path.expanduser("~"), ".cache", "jaxllm", "xla"))
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def kv_cache_dtype(args: EngineArgs, model_dtype) -> Any:
+    return model_dtype if args.kv_cache_dtype == "auto" else _KV_DTYPES[args.kv_cache_dtype]
+
+
+def num_kv_blocks(args: EngineArgs, mc, dtype) -> int:
+    """Blocks that fit the KV budget; fails early when one max_model_len sequence cannot fit."""
+    per_block = (2 * mc.num_layers * mc.num_kv_heads * args.block_size * mc.head_dim
+                 * jnp.dtype(dtype).itemsize)
+    if args.num_gpu_blocks_override is not None:
+        num, source = args.num_gpu_blocks_override, "--num-gpu-blocks-override"
+    else:
+        if args.kv_cache_memory_bytes is not None:
+            budget, source = args.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
+        elif jax.default_backend() == "cpu":
+            budget, source = cpu_kv_cache_bytes(), "JAXLLM_CPU_KVCACHE_SPACE"
+        else:
+            budget, source = _device_kv_budget(args), "--gpu-memory-utilization"
+        num = int(budget // per_block)
+    need = math.ceil(mc.max_model_len / args.block_size)
+    if num < need:
+        raise ConfigError(
+            f"The KV cache holds {num} blocks of {args.block_size} tokens ({num * per_block / 2**30:.2f}"
+            f" GiB, set by {source}) = {num * args.block_size} tokens, but one sequence of "
+            f"max_model_len={mc.max_model_len} needs {need} blocks ({need * per_block / 2**30:.2f} "
+            f"GiB). Lower --max-model-len (at most {num * args.block_size} fits), or give the cache "
+            f"more memory (--gpu-memory-utilization, --kv-cache-memory-bytes, "
+            f"JAXLLM_CPU_KVCACHE_SPACE on CPU, --num-gpu-blocks-override), or use "
+            f"--kv-cache-dtype fp8.")
+    return num
+
+
+def _device_kv_budget(args: EngineArgs) -> int:
+    """Accelerator memory left for the KV cache after weights, per device, times devices used."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        raise ConfigError("cannot read device memory; pass --num-gpu-blocks-override or "
+                          "--kv-cache-memory-bytes")
+    free = limit * args.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+    return int(max(free, 0) * 0.9) * args.tensor_parallel_size  # 10% for activations
+
+
+def build_engine_parts(args: EngineArgs) -> EngineParts:
+    times = {}
+    setup_compilation_cache()
+    path = resolve_model(args.model)
+    args = dataclasses.replace(args, model=path)
+    t = time.perf_counter()
+    mesh = make_mesh(args.tensor_parallel_size)
+    model, mc = load_model(args, mesh)
+    times["load"] = time.perf_counter() - t
+    t = time.perf_counter()
+    tokenizer = None if args.skip_tokenizer_init else get_tokenizer(args)
+    gen = load_generation_config(path, args.generation_config, revision=args.revision,
+                                 download_dir=args.download_dir)
+    eos = set(gen.get("eos_token_id") or mc.eos_token_ids)
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = {tokenizer.eos_token_id}
+    times["tokenizer"] = time.perf_counter() - t
+    dtype = kv_cache_dtype(args, mc.jnp_dtype)
+    num_blocks = num_kv_blocks(args, mc, dtype)
+    max_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if not args.chunked_prefill:
+        max_tokens = max(max_tokens, mc.max_model_len)  # a whole prompt must fit one step
+    if max_tokens < args.max_num_seqs:
+        max_tokens = args.max_num_seqs
+    runner = ModelRunner(model, mc, mesh, num_blocks=num_blocks, block_size=args.block_size,
+                         kv_cache_dtype=dtype, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=max_tokens, max_logprobs=args.max_logprobs,
+                         enforce_eager=args.enforce_eager)
+    logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d, %d token buckets",
+                num_blocks, args.block_size, jnp.dtype(dtype).name, mc.max_model_len,
+                len(runner.token_buckets))
+    t = time.perf_counter()
+    runner.warmup()
+    times["compile"] = time.perf_counter() - t
+    defaults = {k: v for k, v in gen.items() if k != "eos_token_id"}
+    return EngineParts(mc, tokenizer, frozenset(eos), defaults, runner, num_blocks, times)
