@@ -1,0 +1,145 @@
+"""Read a GGUF checkpoint as an HF config plus HF-named float32 tensors.
+
+The tensors feed the same loader as safetensors checkpoints, so everything GGUF-specific is
+undone here: llama.cpp's tensor names, its row permutation of Q and K (llama architecture only),
+Gemma's `1 + w` norm storage, and quantization (dequantized with the `gguf` package, one tensor at
+a time so peak memory stays near one float32 tensor).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import struct
+from typing import Any, Iterator
+
+import numpy as np
+
+_LLAMA = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_QWEN3 = {**_LLAMA, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GEMMA3 = {**_QWEN3, "ffn_norm": "pre_feedforward_layernorm",
+           "post_attention_norm": "post_attention_layernorm",
+           "post_ffw_norm": "post_feedforward_layernorm"}
+
+# GGUF `general.architecture` -> per-layer GGUF name -> HF name under `model.layers.N.`.
+BLOCK_NAMES = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _QWEN3, "gemma3": _GEMMA3}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                "output": "lm_head"}
+# transformers' model_type for each (a llama file named "mistral" becomes model_type mistral).
+_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text"}
+
+# What the `gguf` package and transformers' GGUF reader raise on truncated or corrupt files.
+_READ_ERRORS = (OSError, ValueError, IndexError, KeyError, struct.error)
+
+_TENSOR = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<part>\w+)\.(?P<kind>weight|bias)")
+
+
+class GGUFError(ValueError):
+    """A GGUF file jaxllm cannot read; the message names the file (and tensor)."""
+
+
+def read_gguf(path: str):
+    """Open a GGUF file, turning the `gguf` package's low-level errors into one naming the file.
+
+    Cached per (path, size, mtime): parsing SmolLM2's tokenizer metadata takes seconds, and
+    start-up reads the config, tensors and EOS id from the same file.
+    """
+    st = os.stat(path)
+    return _read_gguf(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf(path: str, size: int, mtime_ns: int):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except _READ_ERRORS as e:
+        raise GGUFError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
+
+
+def gguf_value(reader, key: str, default: Any = None) -> Any:
+    """One metadata value (scalar, string or list), or `default` when the key is absent."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_hf_config(path: str):
+    """The HF config transformers derives from the GGUF metadata, with its gaps filled in.
+
+    Filled in: `architectures` (transformers leaves it empty; the model registry keys on it) and
+    `rms_norm_eps` rounded back from float32 (GGUF stores 1e-5 as 9.9999997e-06).
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    except _READ_ERRORS as e:
+        raise GGUFError(f"{path}: cannot read a model config from it: {e}") from e
+    if config.model_type not in _MODEL_TYPES:
+        raise GGUFError(f"{path}: GGUF architecture {config.model_type!r} is not supported "
+                        f"(supported: {', '.join(sorted(BLOCK_NAMES))})")
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    if getattr(config, "rms_norm_eps", None) is not None:
+        config.rms_norm_eps = float(str(np.float32(config.rms_norm_eps)))
+    return config
+
+
+def iter_gguf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield `(hf_name, float32 array)` in HF's [out, in] layout, one dequantized tensor at a time.
+
+    A tied checkpoint has no `output.weight`, so no `lm_head.weight` is yielded, as in HF
+    safetensors. Every tensor name is checked before the first is yielded, so an unknown tensor
+    fails before anything is loaded.
+    """
+    from gguf.quants import dequantize
+
+    reader = read_gguf(path)
+    arch = gguf_value(reader, "general.architecture")
+    if arch not in BLOCK_NAMES:
+        raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported "
+                        f"(supported: {', '.join(sorted(BLOCK_NAMES))})")
+    named = [(t, _hf_name(t.name, BLOCK_NAMES[arch], path, arch)) for t in reader.tensors]
+    n_head = gguf_value(reader, f"{arch}.attention.head_count")
+    n_kv_head = gguf_value(reader, f"{arch}.attention.head_count_kv", n_head)
+    for tensor, hf_name in named:
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+        try:
+            w = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        except NotImplementedError as e:
+            raise GGUFError(f"{path}: tensor {tensor.name!r}: {e}") from e
+        w = w.astype(np.float32, copy=not w.flags.writeable)  # F32 data is a read-only file view
+        part = tensor.name.split(".")[-2]
+        if arch == "llama" and part in ("attn_q", "attn_k"):
+            w = _unpermute(w, n_head if part == "attn_q" else n_kv_head)
+        if arch == "gemma3" and part.endswith("norm"):
+            w = w - np.float32(1.0)
+        yield hf_name, w
+
+
+def _hf_name(gguf_name: str, block_names: dict, path: str, arch: str) -> str:
+    m = _TENSOR.fullmatch(gguf_name)
+    table = GLOBAL_NAMES if m and m["layer"] is None else block_names
+    if not m or m["part"] not in table:
+        raise GGUFError(f"{path}: tensor {gguf_name!r} has no known HF name for a {arch} model")
+    prefix = "" if m["layer"] is None else f"model.layers.{m['layer']}."
+    return f"{prefix}{table[m['part']]}.{m['kind']}"
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of Q/K (its RoPE pairs rows 2i, 2i+1)."""
+    return (w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
