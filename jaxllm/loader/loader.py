@@ -1,0 +1,73 @@
+"""`load_model`: engine arguments -> (decoder with sharded weights, ModelConfig)."""
+
+from __future__ import annotations
+
+import os
+
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxllm.config import ConfigError, EngineArgs
+from jaxllm.layers.attention import resolve_backend
+from jaxllm.loader import hf
+from jaxllm.loader.default_model import resolve_model
+from jaxllm.loader.weights import load_weights, param_shardings
+from jaxllm.models.decoder import Decoder, abstract_decoder, init_decoder
+from jaxllm.models.model_config import ModelConfig
+
+
+def model_path(args: EngineArgs) -> str:
+    """A local folder or .gguf file for --model (the default model, a path, or a hub snapshot)."""
+    path = os.path.expanduser(resolve_model(args.model))
+    if os.path.exists(path):
+        return path
+    if path.endswith(".gguf"):
+        raise ConfigError(f"--model {args.model!r}: no such file")
+    return hf.download(args)
+
+
+def load_format(args: EngineArgs, path: str) -> str:
+    """--load-format, with auto resolved: gguf for a .gguf file, else the folder's weight files
+    decide (safetensors, else pt)."""
+    fmt = args.load_format
+    if fmt == "sharded_state":
+        raise ConfigError("--load-format=sharded_state is not implemented yet")
+    if fmt == "auto" and path.endswith(".gguf"):
+        return "gguf"
+    if fmt not in ("auto", "dummy") and (fmt == "gguf") != path.endswith(".gguf"):
+        raise ConfigError(f"--load-format={fmt} cannot read {path}")
+    return fmt
+
+
+def hf_config(path: str):
+    """The transformers config of a model folder or GGUF file."""
+    if path.endswith(".gguf"):
+        from jaxllm.loader.gguf import gguf_hf_config
+        return gguf_hf_config(path)
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model {path}: cannot read its config.json: {e}") from e
+
+
+def load_model(args: EngineArgs, mesh: Mesh) -> tuple[Decoder, ModelConfig]:
+    """The model of --model with its weights placed (sharded) on `mesh`, and its config."""
+    path = model_path(args)
+    fmt = load_format(args, path)
+    cfg = ModelConfig.from_hf(hf_config(path), args)
+    backend = resolve_backend(args.attention_backend)
+    model = abstract_decoder(cfg, backend)
+    if fmt == "dummy":
+        shardings = param_shardings(nnx.state(model), mesh)
+        return init_decoder(cfg, args.seed, backend, shardings), cfg
+    if fmt == "gguf":
+        from jaxllm.loader.gguf import iter_gguf_tensors
+        tensors, where = iter_gguf_tensors(path), path
+    else:
+        fmt, files = hf.weight_files(path, fmt)
+        origins: dict[str, str] = {}
+        tensors = hf.iter_weight_files(files, fmt, origins)
+        where = lambda name: origins.get(name, path)  # noqa: E731
+    return load_weights(model, tensors, mesh, where=where,
+                        progress=args.use_tqdm_on_load), cfg

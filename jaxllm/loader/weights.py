@@ -1,0 +1,149 @@
+"""Hugging Face tensors -> the decoder's stacked, fused, sharded parameters.
+
+Each parameter is allocated once on the devices with its sharding; every incoming tensor is
+transposed/fused on the host and written into its slice by a jitted in-place (donated) update.
+So tensors may arrive in any order (safetensors, `.bin` or GGUF), and host memory holds about
+one tensor at a time: the model is never materialized twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from tqdm.auto import tqdm
+
+from jaxllm.models.decoder import Decoder
+from jaxllm.models.model_config import ModelConfig
+from jaxllm.parallel.mesh import named_sharding
+
+# Tensors some checkpoints carry that the model recomputes or never needs.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A weight file that is unreadable or does not fit the model; names the file and tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where one HF tensor goes: `param[start:start + block.shape] = to_block(tensor)`."""
+    param: tuple[str, ...]   # path of the parameter in the model state
+    start: tuple[int, ...]
+    shape: tuple[int, ...]   # the HF tensor's expected shape
+    to_block: Callable[[np.ndarray], np.ndarray]
+
+
+def hf_targets(cfg: ModelConfig) -> dict[str, Target]:
+    """Every tensor name a checkpoint of this model must provide, and where it goes."""
+    V, E, F, D = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    K, G = cfg.num_kv_heads, cfg.q_per_kv
+    same = lambda x: x  # noqa: E731
+    out = {"model.embed_tokens.weight": Target(("embed",), (0, 0), (V, E), same),
+           "model.norm.weight": Target(("final_norm",), (0,), (E,), same)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = Target(("lm_head",), (0, 0), (V, E), same)
+
+    # [out, in] HF layouts -> the fused layouts of `Layers` (leading layer axis added below)
+    def heads_in(n):  # [n*D, E] -> [E, K, n, D]
+        return lambda x: x.reshape(K, n, D, E).transpose(3, 0, 1, 2)
+
+    def bias_in(n):  # [n*D] -> [K, n, D]
+        return lambda x: x.reshape(K, n, D)
+
+    def gate_up(x):  # [F, E] -> [E, 1, F]
+        return x.T[:, None, :]
+
+    per_layer = [
+        ("input_layernorm.weight", "attn_norm", (0,), (E,), same),
+        ("self_attn.q_proj.weight", "qkv", (0, 0, 0, 0), (K * G * D, E), heads_in(G)),
+        ("self_attn.k_proj.weight", "qkv", (0, 0, G, 0), (K * D, E), heads_in(1)),
+        ("self_attn.v_proj.weight", "qkv", (0, 0, G + 1, 0), (K * D, E), heads_in(1)),
+        ("self_attn.o_proj.weight", "o", (0, 0, 0, 0), (E, K * G * D),
+         lambda x: x.reshape(E, K, G, D).transpose(1, 2, 3, 0)),
+        ("mlp.gate_proj.weight", "gate_up", (0, 0, 0), (F, E), gate_up),
+        ("mlp.up_proj.weight", "gate_up", (0, 1, 0), (F, E), gate_up),
+        ("mlp.down_proj.weight", "down", (0, 0), (E, F), lambda x: x.T),
+    ]
+    if cfg.qkv_bias:
+        per_layer += [("self_attn.q_proj.bias", "qkv_bias", (0, 0, 0), (K * G * D,), bias_in(G)),
+                      ("self_attn.k_proj.bias", "qkv_bias", (0, G, 0), (K * D,), bias_in(1)),
+                      ("self_attn.v_proj.bias", "qkv_bias", (0, G + 1, 0), (K * D,), bias_in(1))]
+    if cfg.o_bias:
+        per_layer.append(("self_attn.o_proj.bias", "o_bias", (0,), (E,), same))
+    if cfg.qk_norm:
+        per_layer += [("self_attn.q_norm.weight", "q_norm", (0,), (D,), same),
+                      ("self_attn.k_norm.weight", "k_norm", (0,), (D,), same)]
+    if cfg.sandwich_norms:  # Gemma 3: post_attention_layernorm really follows attention
+        per_layer += [("post_attention_layernorm.weight", "post_attn_norm", (0,), (E,), same),
+                      ("pre_feedforward_layernorm.weight", "mlp_norm", (0,), (E,), same),
+                      ("post_feedforward_layernorm.weight", "post_mlp_norm", (0,), (E,), same)]
+    else:  # Llama's post_attention_layernorm is the norm before the MLP
+        per_layer.append(("post_attention_layernorm.weight", "mlp_norm", (0,), (E,), same))
+
+    for i in range(cfg.num_layers):
+        for name, param, start, shape, fn in per_layer:
+            out[f"model.layers.{i}.{name}"] = Target(("layers", param), (i, *start), shape,
+                                                     lambda x, fn=fn: fn(x)[None])
+    return out
+
+
+def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
+    """The state with each parameter replaced by its NamedSharding (from its logical axes)."""
+    return jax.tree.map(
+        lambda v: v.replace(named_sharding(mesh, v.get_metadata()["out_sharding"], v.shape)),
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _write(buf: jax.Array, block: jax.Array, start: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_slice(buf, block, tuple(start))
+
+
+def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh: Mesh, *,
+                 where: Union[str, Callable[[str], str]], progress: bool = False) -> Decoder:
+    """Fill an abstract `Decoder` from (HF name, array) pairs; returns the loaded module.
+
+    where: the checkpoint file (or name -> file) for error messages. A tied model may omit
+    lm_head.weight; a tensor the model does not use is an error, unless in IGNORED_SUFFIXES.
+    """
+    cfg = model.cfg
+    origin = (lambda name: where) if isinstance(where, str) else where
+    targets = hf_targets(cfg)
+    graphdef, state = nnx.split(model)
+    shardings = param_shardings(state, mesh)
+    state = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), state),
+                    out_shardings=shardings)()
+    params = dict(nnx.to_flat_state(state))
+    writers = {path: jax.jit(_write, donate_argnums=0, out_shardings=sh.get_value())
+               for path, sh in nnx.to_flat_state(shardings)}
+
+    dtype, seen = cfg.jnp_dtype, set()
+    for name, array in tqdm(tensors, total=len(targets), desc="Loading weights", unit="tensor",
+                            disable=not progress):
+        t = targets.get(name)
+        if t is None:
+            if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight"
+                                                   and cfg.tie_word_embeddings):
+                continue
+            raise CheckpointError(f"{origin(name)}: unexpected tensor {name!r} (shape "
+                                  f"{tuple(array.shape)}) for {cfg.architecture}")
+        if tuple(array.shape) != t.shape:
+            raise CheckpointError(f"{origin(name)}: tensor {name!r} has shape "
+                                  f"{tuple(array.shape)}, expected {t.shape}")
+        if name in seen:
+            raise CheckpointError(f"{origin(name)}: tensor {name!r} appears twice")
+        seen.add(name)
+        block = t.to_block(np.asarray(array).astype(dtype, copy=False))
+        var = params[t.param]
+        var.set_value(writers[t.param](var.get_value(), block, np.asarray(t.start, np.int32)))
+
+    missing = [n for n in targets if n not in seen]
+    if missing:
+        raise CheckpointError(f"{origin(missing[0])}: {len(missing)} tensor(s) missing for "
+                              f"{cfg.architecture}, e.g. {', '.join(missing[:4])}")
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,192 @@
+"""The one decoder-only transformer; Llama 1-3, Mistral, Qwen2/2.5, Qwen3 and Gemma 2/3 are
+flags of `ModelConfig`, not copies.
+
+Weights are stacked over layers and a single `lax.scan` runs them, so compile time does not grow
+with depth. The stacked KV cache rides in the scan carry; each layer writes its K/V before it
+reads the cache, which lets XLA update the donated cache in place. Q/K/V and gate/up are fused
+into one matmul each (fewer, larger dots run fastest on XLA:CPU). Every weight carries logical
+axis names (`out_sharding` metadata) that `jaxllm.parallel.mesh` maps onto the device mesh.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.config import ConfigError
+from jaxllm.layers.attention import AttentionMetadata, KVCache, paged_attention
+from jaxllm.models.model_config import ModelConfig
+from jaxllm.models.rope import apply_rope, rope_tables
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": partial(jax.nn.gelu, approximate=True),
+    "gelu": partial(jax.nn.gelu, approximate=False),
+}
+
+
+def _weight(seed: int, name: str, shape, axes, dtype) -> nnx.Param:
+    """Pseudo-random values in [-0.05, 0.05) (the dummy weights) from an integer hash of the
+    element index: jax.random's threefry takes XLA:CPU ~2 s to compile per call."""
+    x = jax.lax.iota(jnp.uint32, math.prod(shape)) * jnp.uint32(0x9E3779B9)
+    x = x + jnp.uint32(zlib.crc32(f"{seed}/{name}".encode()))
+    x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
+    x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
+    x = (x ^ (x >> 16)).astype(jnp.float32) * (0.1 / 2**32) - 0.05
+    return nnx.Param(x.reshape(shape).astype(dtype), out_sharding=axes)
+
+
+def _constant(value: float, shape, axes, dtype) -> nnx.Param:
+    return nnx.Param(jnp.full(shape, value, dtype), out_sharding=axes)
+
+
+class Layers(nnx.Module):
+    """All decoder layers' weights, each stacked on a leading 'layers' axis."""
+
+    def __init__(self, cfg: ModelConfig, seed: int):
+        L, E, F, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        K, G, dt = cfg.num_kv_heads, cfg.q_per_kv, cfg.jnp_dtype
+        one = 1.0 - cfg.norm_offset  # a norm weight that scales by one
+        norm = partial(_constant, one, (L, E), ("layers", "embed"), dt)
+        self.attn_norm = norm()
+        weight = partial(_weight, seed)
+        self.qkv = weight("qkv", (L, E, K, G + 2, D),
+                          ("layers", "embed", "kv_heads", "q_per_kv", "head_dim"), dt)
+        self.qkv_bias = (_constant(0.0, (L, K, G + 2, D),
+                                   ("layers", "kv_heads", "q_per_kv", "head_dim"), dt)
+                         if cfg.qkv_bias else None)
+        head_norm = partial(_constant, one, (L, D), ("layers", "head_dim"), dt)
+        self.q_norm = head_norm() if cfg.qk_norm else None
+        self.k_norm = head_norm() if cfg.qk_norm else None
+        self.o = weight("o", (L, K, G, D, E),
+                        ("layers", "kv_heads", "q_per_kv", "head_dim", "embed"), dt)
+        self.o_bias = _constant(0.0, (L, E), ("layers", "embed"), dt) if cfg.o_bias else None
+        self.post_attn_norm = norm() if cfg.sandwich_norms else None
+        self.mlp_norm = norm()
+        self.gate_up = weight("gate_up", (L, E, 2, F), ("layers", "embed", None, "mlp"), dt)
+        self.down = weight("down", (L, F, E), ("layers", "mlp", "embed"), dt)
+        self.post_mlp_norm = norm() if cfg.sandwich_norms else None
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+class Decoder(nnx.Module):
+    """token ids + positions + paged KV cache -> final hidden states; `compute_logits` -> logits.
+
+    attention_backend is static: 'reference' (pure JAX, CPU) or 'pallas'. `seed` only picks the
+    initial (dummy) weights; real ones come from the loader.
+    """
+
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "reference", seed: int = 0):
+        if cfg.activation not in ACTIVATIONS:
+            raise ConfigError(f"activation {cfg.activation!r} is not supported (supported: "
+                              f"{', '.join(ACTIVATIONS)})")
+        self.cfg = cfg
+        self.attention_backend = attention_backend
+        V, E, dt = cfg.vocab_size, cfg.hidden_size, cfg.jnp_dtype
+        self.embed = _weight(seed, "embed", (V, E), ("vocab", "embed"), dt)
+        self.layers = Layers(cfg, seed)
+        self.final_norm = _constant(1.0 - cfg.norm_offset, (E,), ("embed",), dt)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else _weight(seed, "lm_head", (V, E), ("vocab", "embed"), dt))
+
+    def __call__(self, kv_cache: KVCache, token_ids: jax.Array, positions: jax.Array,
+                 md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
+        cfg = self.cfg
+        h = jnp.take(self.embed[...], token_ids, axis=0)
+        if cfg.embed_scale is not None:
+            h = h * jnp.asarray(cfg.embed_scale, h.dtype)
+        specs = tuple(dict.fromkeys(cfg.rope))  # distinct RoPE settings (Gemma 3: local/global)
+        cos, sin = rope_tables(specs, cfg.head_dim, positions, h.dtype)
+        rope_ids = jnp.asarray([specs.index(s) for s in cfg.rope], jnp.int32)
+        windowed = any(cfg.sliding_window)
+        windows = jnp.asarray(cfg.sliding_window, jnp.int32)
+
+        def body(carry, xs):
+            h, cache = carry
+            w, layer, rope_id, window = xs
+            h, cache = _layer(cfg, self.attention_backend, w, h, cache, layer, md,
+                              cos[rope_id], sin[rope_id], window if windowed else None)
+            return (h, cache), None
+
+        xs = (self.layers.arrays(), jnp.arange(cfg.num_layers, dtype=jnp.int32), rope_ids,
+              windows)
+        (h, kv_cache), _ = jax.lax.scan(body, (h, kv_cache), xs)
+        return rms_norm(h, self.final_norm[...], cfg), kv_cache
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [N, E] -> float32 logits [N, V], final soft-capping applied."""
+        w = self.embed[...] if self.lm_head is None else self.lm_head[...]
+        logits = jnp.einsum("ne,ve->nv", hidden, w, preferred_element_type=jnp.float32)
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """RMSNorm over the last axis in float32; Gemma's (1 + w) scales in float32 too, Llama's w
+    after casting back (both as transformers does it)."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    if cfg.norm_offset:
+        return (y * (cfg.norm_offset + w.astype(jnp.float32))).astype(x.dtype)
+    return w * y.astype(x.dtype)
+
+
+def _dot(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
+
+
+def _layer(cfg: ModelConfig, backend: str, w: dict, h: jax.Array, cache: KVCache, layer,
+           md: AttentionMetadata, cos, sin, window) -> tuple[jax.Array, KVCache]:
+    T, dt = h.shape[0], h.dtype
+    K, G, D = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
+
+    x = rms_norm(h, w["attn_norm"], cfg)
+    qkv = _dot("te,ekgd->tkgd", x, w["qkv"])
+    if cfg.qkv_bias:
+        qkv = qkv + w["qkv_bias"]
+    qkv = qkv.astype(dt)
+    q, k, v = qkv[:, :, :G].reshape(T, K * G, D), qkv[:, :, G], qkv[:, :, G + 1]
+    if cfg.qk_norm:
+        q, k = rms_norm(q, w["q_norm"], cfg), rms_norm(k, w["k_norm"], cfg)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    o, cache = paged_attention(q, k, v, cache, layer, md, sm_scale=cfg.sm_scale, backend=backend,
+                               sliding_window=window, soft_cap=cfg.attn_logit_softcap)
+    a = _dot("tkgd,kgde->te", o.reshape(T, K, G, D), w["o"])
+    if cfg.o_bias:
+        a = a + w["o_bias"]
+    a = a.astype(dt)
+    if cfg.sandwich_norms:
+        a = rms_norm(a, w["post_attn_norm"], cfg)
+    h = h + a
+
+    x = rms_norm(h, w["mlp_norm"], cfg)
+    gate_up = _dot("te,eaf->taf", x, w["gate_up"]).astype(dt)
+    m = ACTIVATIONS[cfg.activation](gate_up[:, 0]) * gate_up[:, 1]
+    m = _dot("tf,fe->te", m, w["down"]).astype(dt)
+    if cfg.sandwich_norms:
+        m = rms_norm(m, w["post_mlp_norm"], cfg)
+    return h + m, cache
+
+
+def abstract_decoder(cfg: ModelConfig, attention_backend: str = "reference") -> Decoder:
+    """The module with shapes only (nothing allocated); the loader fills in the weights."""
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(lambda: Decoder(cfg, attention_backend))
+
+
+def init_decoder(cfg: ModelConfig, seed: int = 0, attention_backend: str = "reference",
+                 shardings=None) -> Decoder:
+    """Dummy weights (uniform in +-0.05, norms at identity), created directly with `shardings`."""
+    def make():
+        with nnx.use_eager_sharding(False):
+            return nnx.split(Decoder(cfg, attention_backend, seed))[1]
+
+    graphdef = nnx.graphdef(abstract_decoder(cfg, attention_backend))
+    return nnx.merge(graphdef, jax.jit(make, out_shardings=shardings)())

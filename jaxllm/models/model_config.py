@@ -1,0 +1,183 @@
+"""`ModelConfig`: everything the decoder needs, normalized from a transformers config.
+
+One place reads the many spellings of Hugging Face configs (transformers 5 `rope_parameters`
+vs. legacy `rope_theta`/`rope_scaling`, `hidden_act` vs. `hidden_activation`, `dtype` vs.
+`torch_dtype`) and applies the engine's overrides and vLLM's rules for `--dtype auto` and
+`--max-model-len`. The result is frozen and hashable, so it can sit in a jitted module.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from typing import Optional
+
+import jax.numpy as jnp
+
+from jaxllm.config import ConfigError, EngineArgs
+from jaxllm.models.registry import arch_features
+from jaxllm.models.rope import RopeSpec
+
+# vLLM's keys for the model's context length; the smallest present wins.
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                 "model_max_length", "max_sequence_length", "max_seq_length", "seq_len")
+_NO_FLOAT16 = ("gemma2", "gemma3", "gemma3_text")  # activations overflow float16 (as vLLM)
+_DTYPE_NAMES = {"half": "float16", "float": "float32"}
+ALLOW_LONG_ENV = "JAXLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: tuple[RopeSpec, ...]         # one per layer
+    sliding_window: tuple[int, ...]    # one per layer; 0 = full attention
+    max_model_len: int
+    dtype: str                         # 'bfloat16' | 'float16' | 'float32'
+    eos_token_ids: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
+    activation: str = "silu"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False               # Qwen3, Gemma 3: RMSNorm over head_dim on q and k
+    norm_offset: float = 0.0            # Gemma: norms scale by (1 + w)
+    embed_scale: Optional[float] = None  # Gemma: embeddings times sqrt(hidden)
+    sandwich_norms: bool = False        # Gemma 2/3: extra norms after attention and the MLP
+    query_pre_attn_scalar: Optional[float] = None  # Gemma: softmax scale is its -1/2 power
+    attn_logit_softcap: Optional[float] = None
+    final_logit_softcap: Optional[float] = None
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def sm_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @classmethod
+    def from_hf(cls, hf_config, args: Optional[EngineArgs] = None) -> "ModelConfig":
+        """From a transformers `PretrainedConfig`, with the engine's overrides applied."""
+        args = args or EngineArgs()
+        c = copy.deepcopy(hf_config)
+        overrides = dict(args.hf_overrides or {})
+        rope_scaling = args.rope_scaling or overrides.pop("rope_scaling", None)
+        rope_theta = args.rope_theta or overrides.pop("rope_theta", None)
+        for key, value in overrides.items():
+            setattr(c, key, value)
+        if hasattr(c, "get_text_config"):
+            c = c.get_text_config()
+        arch, features = arch_features(c)
+
+        n_layers = c.num_hidden_layers
+        heads = c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        if heads % kv_heads:
+            raise ConfigError(f"{heads} attention heads do not divide into {kv_heads} KV heads")
+        if getattr(c, "mlp_bias", False):
+            raise ConfigError("MLP biases (mlp_bias=True) are not supported")
+        bias = bool(getattr(c, "attention_bias", False))
+        layer_types = getattr(c, "layer_types", None) or [None] * n_layers
+        rope = tuple(_layer_rope(c, t, rope_scaling, rope_theta) for t in layer_types)
+        window = _windows(c, layer_types)
+        max_len = _max_model_len(c, rope, window, args)
+        if args.disable_sliding_window:
+            window = (0,) * n_layers
+        eos = getattr(c, "eos_token_id", None)
+        fields = dict(
+            architecture=arch,
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            num_layers=n_layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            intermediate_size=c.intermediate_size,
+            rms_norm_eps=float(c.rms_norm_eps),
+            rope=rope,
+            sliding_window=window,
+            max_model_len=max_len,
+            dtype=_resolve_dtype(args.dtype, c),
+            eos_token_ids=tuple([eos] if isinstance(eos, int) else eos or ()),
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            activation=getattr(c, "hidden_activation", None) or c.hidden_act,
+            qkv_bias=bias,
+            o_bias=bias,
+        )
+        fields.update(features)
+        return cls(**fields)
+
+
+def _layer_rope(c, layer_type, rope_scaling, rope_theta) -> RopeSpec:
+    """One layer's RoPE from either spelling. Gemma 3's sliding layers have their own (local)
+    RoPE; the engine's overrides apply to the other, global, layers."""
+    params = getattr(c, "rope_parameters", None) or {}
+    nested = layer_type in params
+    local = layer_type == "sliding_attention" and (nested or hasattr(c, "rope_local_base_freq"))
+    params = dict(params[layer_type] if nested else params)
+    if not params and not local:  # legacy spelling
+        params = dict(getattr(c, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", (getattr(c, "rope_local_base_freq", None) if local else None)
+                      or getattr(c, "rope_theta", None) or 10000.0)
+    if not local and rope_scaling:
+        params = {"rope_theta": params["rope_theta"], **rope_scaling}
+    if not local and rope_theta:
+        params["rope_theta"] = rope_theta
+    return RopeSpec.from_hf(params, c.max_position_embeddings)
+
+
+def _windows(c, layer_types) -> tuple[int, ...]:
+    """Per-layer sliding window (0 = full): `layer_types` when given, else the whole model."""
+    w = getattr(c, "sliding_window", None) or 0
+    if any(t is not None for t in layer_types):
+        return tuple(w if t == "sliding_attention" else 0 for t in layer_types)
+    return (w,) * len(layer_types)
+
+
+def _max_model_len(c, rope, window, args: EngineArgs) -> int:
+    """vLLM's rule: the config's context length, stretched by RoPE scaling, capped by the
+    smallest sliding window when that is disabled; a larger --max-model-len is an error."""
+    lens = [(getattr(c, k), k) for k in _MAX_LEN_KEYS if isinstance(getattr(c, k, None), int)]
+    derived, key = min(lens) if lens else (2048, "default")
+    spec = rope[window.index(0)] if 0 in window else rope[0]  # a global layer's RoPE
+    if spec.rope_type == "yarn":
+        derived, key = spec.original_max_position_embeddings * spec.factor, "yarn rope_scaling"
+    elif spec.rope_type in ("linear", "dynamic"):
+        derived, key = derived * spec.factor, f"{key} x rope_scaling factor"
+    if args.disable_sliding_window and any(window):
+        derived, key = min(min(w for w in window if w), derived), "sliding_window"
+    derived = int(derived)
+    if args.max_model_len is None:
+        return derived
+    if args.max_model_len > derived and os.environ.get(ALLOW_LONG_ENV) != "1":
+        raise ConfigError(f"--max-model-len={args.max_model_len} is greater than the model's "
+                          f"maximum length ({key}={derived}); set {ALLOW_LONG_ENV}=1 to allow it")
+    return args.max_model_len
+
+
+def _resolve_dtype(requested: str, c) -> str:
+    """vLLM's --dtype: auto = the checkpoint's dtype, float32 checkpoints in bfloat16."""
+    ckpt = getattr(c, "dtype", None) or getattr(c, "torch_dtype", None) or "float32"
+    ckpt = str(ckpt).removeprefix("torch.")
+    model_type = getattr(c, "model_type", "")
+    if requested == "auto":
+        if ckpt == "float16" and model_type in _NO_FLOAT16:
+            return "bfloat16"
+        return ckpt if ckpt in ("bfloat16", "float16") else "bfloat16"
+    dtype = _DTYPE_NAMES.get(requested, requested)
+    if dtype == "float16" and model_type in _NO_FLOAT16:
+        raise ConfigError(f"--dtype={requested}: {model_type} overflows in float16; use "
+                          "bfloat16 or float32")
+    return dtype

