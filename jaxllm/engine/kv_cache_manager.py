@@ -1,0 +1,210 @@
+"""Paged KV-cache blocks with automatic prefix caching, as in vLLM V1.
+
+Each block is in exactly one state: in use (ref_cnt > 0, possibly shared read-only), free (holds
+nothing reusable), or cached-evictable (ref_cnt 0 but its KV is kept under its hash). New blocks
+come from the free pool first, then by evicting the least recently released cached block, which
+loses its hash.
+
+A full block is keyed by the chain hash h_i = H(h_{i-1}, tokens_i), so equal hashes mean equal
+prefixes, unless the hash collides. Hits are therefore verified exactly: each cached block keeps
+its tokens and the `uid` of the cached block it extends (uids are never reused), and a lookup
+follows a chain only through those very blocks. A collision costs a miss, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict, deque
+from itertools import count
+
+from jaxllm.engine.request import Request
+
+_ROOT = 0  # the parent uid of a first block
+
+
+def _hash_builtin(parent, tokens: tuple) -> int:
+    return hash((parent, tokens))
+
+
+def _hash_sha256(parent, tokens: tuple) -> bytes:
+    return hashlib.sha256(parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_cnt", "hash", "uid", "parent_uid", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.hash = None  # set while the block is in the prefix cache
+        self.uid = None
+        self.parent_uid = None
+        self.token_ids: tuple = ()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_algo: str = "builtin"):
+        if hash_algo not in ("builtin", "sha256"):
+            raise ValueError(f"unknown prefix caching hash algorithm {hash_algo!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._hash = _hash_sha256 if hash_algo == "sha256" else _hash_builtin
+        self._root_hash = b"" if hash_algo == "sha256" else 0
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently released first
+        self._cached: dict = {}  # hash -> Block
+        self._uids = count(1)
+        self._req_blocks: dict[str, list[int]] = {}
+        self._req_uids: dict[str, list] = {}  # uid chain of each request's registered blocks
+        self._req_hashes: dict[str, list] = {}  # memo: each block is hashed once per request
+        self.prefix_cache_queries = 0  # tokens looked up, once per admission
+        self.prefix_cache_hits = 0     # of those, tokens found cached
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: free plus cached-evictable."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (the live list: it grows as the request does)."""
+        return self._req_blocks.get(request_id, [])
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest verified cached prefix of full blocks, leaving at least one token to compute
+        (the model must run on the last token to sample the next). No side effects."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = self._block_hashes(req, (req.num_tokens - 1) // self.block_size)
+        ids, parent = [], _ROOT
+        for i, h in enumerate(hashes):
+            b = self._cached.get(h)
+            if b is None or b.parent_uid != parent or b.token_ids != self._block_tokens(req, i):
+                break
+            ids.append(b.block_id)
+            parent = b.uid
+        return ids, len(ids) * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> bool:
+        """Make room for num_new_tokens after req.num_computed_tokens plus the computed_blocks
+        (a prefix hit, given at admission). All or nothing: False changes nothing."""
+        computed = [self.blocks[i] for i in computed_blocks or ()]
+        owned = self._req_blocks.get(req.request_id)
+        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        need = -(-total // self.block_size) - len(computed) - len(owned or ())
+        revived = sum(b.ref_cnt == 0 for b in computed)  # hits leave the evictable pool
+        if need > self.num_free_blocks - revived:
+            return False
+        if owned is None:
+            owned = self._req_blocks[req.request_id] = []
+            self._req_uids[req.request_id] = [b.uid for b in computed]
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += len(computed) * self.block_size
+        for b in computed:
+            if b.ref_cnt == 0:
+                del self._evictable[b.block_id]
+            b.ref_cnt += 1
+            owned.append(b.block_id)
+        for _ in range(need):
+            owned.append(self._take())
+        return True
+
+    def cache_blocks(self, req: Request) -> None:
+        """Register the request's blocks that are full of computed tokens.
+
+        Call after every model step, once num_computed_tokens has advanced: a block's KV is only
+        written when the step runs, so caching it at allocation would let another request hit a
+        block that is still empty.
+        """
+        if not self.enable_prefix_caching:
+            return
+        uids = self._req_uids[req.request_id]
+        num_full = req.num_computed_tokens // self.block_size
+        if len(uids) >= num_full:
+            return
+        hashes = self._block_hashes(req, num_full)
+        ids = self._req_blocks[req.request_id]
+        for i in range(len(uids), num_full):
+            parent = uids[-1] if uids else _ROOT
+            if parent is None:  # the chain broke at a collision: nothing after it is verifiable
+                uids.append(None)
+                continue
+            tokens = self._block_tokens(req, i)
+            other = self._cached.get(hashes[i])
+            if other is None:
+                b = self.blocks[ids[i]]
+                b.hash, b.uid, b.parent_uid = hashes[i], next(self._uids), parent
+                b.token_ids = tokens
+                self._cached[b.hash] = b
+                uids.append(b.uid)
+            elif other.parent_uid == parent and other.token_ids == tokens:
+                uids.append(other.uid)  # computed twice at once: keep the first, ours stays private
+            else:
+                uids.append(None)  # a true hash collision: leave ours uncached
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks (safe to call twice). Tail blocks are released first so
+        they are evicted before the prefix they extend. A preempted (unfinished) request keeps
+        its block hashes for its return: its tokens only grow."""
+        self._req_uids.pop(req.request_id, None)
+        if req.is_finished:
+            self._req_hashes.pop(req.request_id, None)
+        for bid in reversed(self._req_blocks.pop(req.request_id, ())):
+            b = self.blocks[bid]
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                if b.hash is None:
+                    self._free.append(bid)
+                else:
+                    self._evictable[bid] = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (e.g. after new weights). As in vLLM, refused (False) while
+        any request holds blocks. The hit counters are cumulative and not reset."""
+        if self._req_blocks:
+            return False
+        for b in list(self._cached.values()):
+            self._uncache(b)
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        return True
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _take(self) -> int:
+        if self._free:
+            bid = self._free.popleft()
+        else:
+            bid, _ = self._evictable.popitem(last=False)
+            self._uncache(self.blocks[bid])
+        self.blocks[bid].ref_cnt = 1
+        return bid
+
+    def _uncache(self, b: Block) -> None:
+        del self._cached[b.hash]
+        b.hash = b.uid = b.parent_uid = None
+        b.token_ids = ()
+
+    def _block_tokens(self, req: Request, i: int) -> tuple:
+        s, e = i * self.block_size, (i + 1) * self.block_size
+        p = req.prompt_token_ids
+        tokens = p[s:e]
+        if e > len(p):
+            tokens = tokens + req.output_token_ids[max(s - len(p), 0):e - len(p)]
+        return tuple(tokens)
+
+    def _block_hashes(self, req: Request, num_blocks: int) -> list:
+        """Chain hashes of the request's first num_blocks full blocks (of known tokens)."""
+        hashes = self._req_hashes.setdefault(req.request_id, [])
+        while len(hashes) < num_blocks:
+            parent = hashes[-1] if hashes else self._root_hash
+            hashes.append(self._hash(parent, self._block_tokens(req, len(hashes))))
+        return hashes
