@@ -1,0 +1,459 @@
+"""Batched sampling inside the runner's jitted step: logits [S, V] -> tokens (+ raw logprobs).
+
+Host side, `SamplingTensors.from_requests` packs every request's SamplingParams into fixed-shape
+arrays; device side, `sample(logits, tensors)` applies them per row, in vLLM's order:
+allowed_token_ids -> min_tokens and logit_bias -> repetition/frequency/presence penalties ->
+(greedy rows: argmax) -> temperature -> min_p -> top_k -> top_p -> draw.
+Logprobs are of the raw logits (vLLM's default "raw_logprobs").
+
+Compiled variants. Shapes are fixed by the runner: S = pad_to, V = vocab_size, the penalty table
+width W (`penalty_width`, e.g. max_model_len plus room for logit_bias ids) and K = max_logprobs.
+Exactly four static fields then select the program:
+  all_greedy        every row greedy: no random draw at all
+  needs_filters     some random row uses top_k or top_p (min_p alone does not need it)
+  needs_processing  some row uses a penalty, logit_bias, allowed_token_ids or an active
+                    min_tokens; when False the penalty table and allowed bitmask have width 0
+  num_logprobs      None (no row asked for logprobs) or max_logprobs (some row did)
+all_greedy=True forces needs_filters=False: 4 + 8 = 12 variants per pad_to, and
+`warmup_tensors` returns one SamplingTensors for each.
+
+Why the code looks like this (XLA:CPU, 2 cores, S=256, V=49152): a full sort takes ~3.6 s and
+`jnp.argmax` 30-70 ms against ~3 ms for a plain max; a fused reduction over [256, V] runs ~10x
+slower per element than over [8, V]. So rows go through `lax.map` in chunks of `_ROWS`, argmax
+and top-k go through block maxima, nothing sorts the vocabulary, and a draw is an inverse CDF
+over block masses driven by one uniform per row, hashed on the host from (seed, step): the same
+draw whatever else is in the batch, and no device RNG (threefry over [S, V] cost ~270 ms, and
+~1 s of compile per variant even for one number per row). top_k (k <= _CAND) and most top_p
+cuts are decided exactly on the top _CAND candidates; the rest by an exact per-row bisection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxllm.engine.request import Request
+from jaxllm.sampling_params import SamplingParams
+
+_SAMPLING_EPS = 1e-5
+_ROWS = 8          # rows per lax.map step
+_BLOCK = 64        # vocab block for argmax and inverse-CDF masses; logits are padded to a multiple
+_CAND = 128        # candidates that decide top_k (k <= _CAND) and most top_p cuts
+_CAND_BLOCK = 32   # block size of the two-level candidate search
+_ALL_BITS = np.uint32(0xFFFFFFFF)
+_PAD_ID = np.iinfo(np.int32).max  # penalty-table padding: out of range, so gathers fill and scatters drop
+
+
+def _static():
+    return dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    temperature: jax.Array         # f32 [S]; 1.0 on greedy and padded rows
+    greedy: jax.Array              # bool [S]; padded rows are greedy
+    top_k: jax.Array               # int32 [S]; 0 = off (also for k >= V)
+    top_p: jax.Array               # f32 [S]; 1.0 = off
+    min_p: jax.Array               # f32 [S]; 0.0 = off
+    uniforms: jax.Array            # f32 [S] in [0, 1): the row's draw, from (seed, step)
+    repetition_penalty: jax.Array  # f32 [S]
+    frequency_penalty: jax.Array   # f32 [S]
+    presence_penalty: jax.Array    # f32 [S]
+    pen_ids: jax.Array             # int32 [S, W]; unique token ids per row, padded with _PAD_ID
+    pen_counts: jax.Array          # f32 [S, W]; occurrences among the output tokens
+    pen_seen: jax.Array            # bool [S, W]; in prompt or output, and repetition_penalty != 1
+    pen_bias: jax.Array            # f32 [S, W]; logit_bias, -inf for stop ids under min_tokens
+    allowed_bits: jax.Array        # uint32 [S, ceil(V/32)]; bit i%32 of word i//32: token i allowed
+    all_greedy: bool = _static()
+    needs_filters: bool = _static()
+    needs_processing: bool = _static()
+    num_logprobs: Optional[int] = _static()
+
+    @classmethod
+    def from_requests(cls, requests: list[Request], pad_to: int, vocab_size: int, *,
+                      max_logprobs: int, penalty_width: int) -> "SamplingTensors":
+        """Rows follow `requests`; rows past them are greedy no-ops. penalty_width is the fixed
+        width W of the penalty table (unique prompt+output ids, logit_bias ids and min_tokens
+        stop ids of a row); a row needing more raises ValueError."""
+        n, S = len(requests), pad_to
+        if n > S:
+            raise ValueError(f"{n} requests do not fit pad_to={S}")
+        sps = [r.sampling_params for r in requests]
+
+        def column(values, fill, dtype, rows=None):
+            out = np.full(S, fill, dtype)
+            out[:n] = values
+            return out if rows is None else np.where(rows, out, fill).astype(dtype)
+
+        greedy = column([sp.temperature < _SAMPLING_EPS for sp in sps], True, bool)
+        rand = ~greedy  # greedy and padded rows keep the neutral temperature and filters
+        temperature = column([sp.temperature for sp in sps], 1, np.float32, rand)
+        top_k = column([sp.top_k if sp.top_k < vocab_size else 0 for sp in sps], 0, np.int32, rand)
+        top_p = column([sp.top_p for sp in sps], 1, np.float32, rand)
+        min_p = column([sp.min_p for sp in sps], 0, np.float32, rand)
+        uniforms = column(draw_uniforms([r.seed for r in requests],
+                                        [len(r.output_token_ids) for r in requests]), 0, np.float32)
+        penalties = [column([getattr(sp, name) for sp in sps], fill, np.float32)
+                     for name, fill in (("repetition_penalty", 1), ("frequency_penalty", 0),
+                                        ("presence_penalty", 0))]
+        processing = [_needs_processing(r) for r in requests]
+        width = penalty_width if any(processing) else 0
+        table = _penalty_table(requests, processing, S, width, vocab_size)
+        bits = _allowed_bits(requests, S, -(-vocab_size // 32) if any(processing) else 0)
+        return cls(temperature, greedy, top_k, top_p, min_p, uniforms, *penalties, *table, bits,
+                   all_greedy=bool(greedy.all()),
+                   needs_filters=bool(((top_k > 0) | (top_p < 1)).any()),
+                   needs_processing=any(processing),
+                   num_logprobs=max_logprobs if any(sp.logprobs is not None for sp in sps)
+                   else None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: jax.Array                       # int32 [S]
+    logprobs: Optional[jax.Array] = None       # f32 [S]: raw logprob of the sampled token
+    ranks: Optional[jax.Array] = None          # int32 [S]: tokens with logprob >= it (vLLM's rank)
+    top_logprobs: Optional[jax.Array] = None   # f32 [S, K], K = num_logprobs, descending
+    top_token_ids: Optional[jax.Array] = None  # int32 [S, K]
+
+
+def warmup_tensors(pad_to: int, vocab_size: int, *, max_logprobs: int,
+                   penalty_width: int) -> list[SamplingTensors]:
+    """One SamplingTensors per compiled variant (the 12 static combinations) for this pad_to."""
+    out = []
+    for greedy in (True, False):
+        for filters in ((False,) if greedy else (False, True)):
+            for penalty in (1.0, 1.1):
+                for logprobs in (None, 0):
+                    sp = SamplingParams(temperature=0.0 if greedy else 1.0,
+                                        top_k=2 if filters else 0, repetition_penalty=penalty,
+                                        logprobs=logprobs)
+                    out.append(SamplingTensors.from_requests(
+                        [Request("warmup", [0], sp)], pad_to, vocab_size,
+                        max_logprobs=max_logprobs, penalty_width=penalty_width))
+    return out
+
+
+# ----------------------------------------------------------------------------- host packing
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def draw_uniforms(seeds: list[int], steps: list[int]) -> np.ndarray:
+    """The uniform behind token number `step` of a request seeded `seed`: splitmix64 of
+    (seed, step), 24 bits, so a seeded request draws the same tokens in any batch."""
+    z = _splitmix64(np.array([s % (1 << 64) for s in seeds], np.uint64))
+    z = _splitmix64(z ^ np.array(steps, np.uint64))
+    return ((z >> np.uint64(40)).astype(np.float64) * 2.0 ** -24).astype(np.float32)
+
+
+def _min_tokens_stop_ids(r: Request) -> set[int]:
+    """vLLM masks eos and stop_token_ids (even with ignore_eos) until min_tokens outputs."""
+    sp = r.sampling_params
+    if len(r.output_token_ids) >= sp.min_tokens:
+        return set()
+    return set(r.eos_token_ids) | set(sp.stop_token_ids)
+
+
+def _needs_processing(r: Request) -> bool:
+    sp = r.sampling_params
+    return bool(sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty
+                or sp.logit_bias or sp.allowed_token_ids is not None or _min_tokens_stop_ids(r))
+
+
+def _unique(a: np.ndarray):
+    """Sorted unique values and their counts (np.unique's hash path was ~10x slower here)."""
+    a = np.sort(a)
+    first = np.flatnonzero(np.r_[len(a) > 0, a[1:] != a[:-1]])
+    return a[first], np.diff(np.r_[first, len(a)])
+
+
+def _penalty_table(requests, processing, S, width, V):
+    """The [S, W] penalty table, built for all rows at once on (row * V + token) keys."""
+    none = np.zeros(0, np.int64)
+    seen, counted, bias = [none], [none], {}
+    for i, r in enumerate(requests):
+        if not processing[i]:
+            continue
+        sp = r.sampling_params
+        if sp.repetition_penalty != 1.0:
+            seen.append(i * V + np.asarray(r.prompt_token_ids + r.output_token_ids, np.int64))
+        if sp.frequency_penalty or sp.presence_penalty:
+            counted.append(i * V + np.asarray(r.output_token_ids, np.int64))
+        row_bias = dict(sp.logit_bias or {})
+        row_bias.update(dict.fromkeys(_min_tokens_stop_ids(r), -np.inf))
+        bias.update({i * V + t: b for t, b in row_bias.items() if 0 <= t < V})
+    seen = _unique(np.concatenate(seen))[0]
+    c_keys, c_num = _unique(np.concatenate(counted))
+    biased = np.fromiter(bias, np.int64, len(bias))
+    keys = _unique(np.concatenate([seen, c_keys, biased]))[0]
+    row = keys // V
+    col = np.arange(len(keys)) - np.searchsorted(row, row)
+    if len(keys) and col.max() >= width:
+        r = requests[row[col.argmax()]]
+        raise ValueError(f"request {r.request_id!r} needs more than penalty_width={width} "
+                         f"penalty entries (unique prompt+output ids, logit_bias, stop ids)")
+    flat = [keys % V, np.zeros(len(keys), np.float32), np.zeros(len(keys), bool),
+            np.zeros(len(keys), np.float32)]
+    flat[1][np.searchsorted(keys, c_keys)] = c_num
+    flat[2][np.searchsorted(keys, seen)] = True
+    flat[3][np.searchsorted(keys, biased)] = np.fromiter(bias.values(), np.float32, len(bias))
+    out = (np.full((S, width), _PAD_ID, np.int32), np.zeros((S, width), np.float32),
+           np.zeros((S, width), bool), np.zeros((S, width), np.float32))
+    for table, values in zip(out, flat):
+        table[row, col] = values
+    return out
+
+
+def _allowed_bits(requests, S, words):
+    bits = np.full((S, words), _ALL_BITS, np.uint32)
+    if words == 0:
+        return bits
+    for i, r in enumerate(requests):
+        allowed = r.sampling_params.allowed_token_ids
+        if allowed is not None:
+            a = np.unique(np.asarray(allowed, np.int64))
+            bits[i] = 0
+            np.bitwise_or.at(bits[i], a >> 5, (np.uint32(1) << (a & 31).astype(np.uint32)))
+    return bits
+
+
+# ----------------------------------------------------------------------------- device side
+
+
+def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
+    """logits [S, V] (any float dtype; sampled in f32) -> SamplerOutput. Jit-safe; every row
+    independent of the others."""
+    return _by_rows(_sample_rows, logits, t)
+
+
+def token_logprobs(logits: jax.Array, token_ids: jax.Array, num_top: int):
+    """Raw log-softmax of logits [S, V] at token_ids [S]: (logprob [S], vLLM rank [S], the top
+    num_top logprobs [S, K] and their ids [S, K]). Also fits prompt logprobs (rows = positions)."""
+    return _by_rows(lambda x, ids: _token_logprobs(x, ids, num_top), logits, token_ids)
+
+
+def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """allowed_token_ids, min_tokens, logit_bias, then repetition (HF: divide positive logits,
+    multiply the others) and frequency/presence penalties (OpenAI), in vLLM's order.
+    Only meaningful when t.needs_processing."""
+    S, V = logits.shape
+    unpack = lambda x: jnp.where(_unpack_bits(t.allowed_bits, V), x, -jnp.inf)
+    x = lax.cond(jnp.any(t.allowed_bits != _ALL_BITS), unpack, lambda x: x, logits)
+    rows = jnp.arange(S)[:, None]
+    g = x.at[rows, t.pen_ids].get(mode="fill", fill_value=0.0) + t.pen_bias
+    r = t.repetition_penalty[:, None]
+    g = jnp.where(t.pen_seen, jnp.where(g > 0, g / r, g * r), g)
+    g = (g - t.frequency_penalty[:, None] * t.pen_counts
+         - t.presence_penalty[:, None] * (t.pen_counts > 0))
+    return x.at[rows, t.pen_ids].set(g, mode="drop")
+
+
+def _by_rows(f, *args):
+    """f over chunks of _ROWS rows with lax.map, so each chunk's passes over V stay in cache."""
+    S = jax.tree.leaves(args)[0].shape[0]
+    c = math.gcd(S, _ROWS)
+    if c == S:
+        return f(*args)
+    chunks = jax.tree.map(lambda a: a.reshape(S // c, c, *a.shape[1:]), args)
+    out = lax.map(lambda a: f(*a), chunks)
+    return jax.tree.map(lambda a: a.reshape(S, *a.shape[2:]), out)
+
+
+def _sample_rows(logits, t):
+    logits = logits.astype(jnp.float32)  # as vLLM: a bf16 model's logits are sampled in f32
+    V = logits.shape[1]
+    x = _pad_vocab(process_logits(logits, t) if t.needs_processing else logits)
+    if t.all_greedy:
+        tokens = _argmax(x)
+    else:
+        tokens = _random_tokens(x, t)
+        greedy = lax.cond(jnp.any(t.greedy), _argmax, lambda x: jnp.zeros_like(tokens), x)
+        tokens = jnp.where(t.greedy, greedy, tokens)
+    tokens = jnp.clip(tokens, 0, V - 1).astype(jnp.int32)
+    if t.num_logprobs is None:
+        return SamplerOutput(tokens)
+    return SamplerOutput(tokens, *_token_logprobs(logits, tokens, t.num_logprobs))
+
+
+def _token_logprobs(logits, token_ids, num_top):
+    x = _pad_vocab(logits)
+    m = jnp.max(x, -1)
+    lse = m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), -1))
+    chosen = jnp.take_along_axis(x, token_ids[:, None], 1)
+    ranks = jnp.sum(jnp.where(x >= chosen, 1.0, 0.0), -1).astype(jnp.int32)
+    top_v, top_i = _top_candidates(x, num_top)
+    return chosen[:, 0] - lse, ranks, top_v - lse[:, None], top_i
+
+
+def _pad_vocab(x):
+    pad = -x.shape[1] % _BLOCK
+    return jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x
+
+
+def _unpack_bits(bits, V):
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    on = (bits[:, :, None] >> shifts) & 1
+    return on.reshape(bits.shape[0], -1)[:, :V] == 1
+
+
+def _argmax(x):
+    """First index of the row max, via block maxima (jnp.argmax over V is ~20x slower here)."""
+    S, V = x.shape
+    xb = x.reshape(S, V // _BLOCK, _BLOCK)
+    b = jnp.argmax(xb.max(-1), -1)
+    block = jnp.take_along_axis(xb, b[:, None, None], 1)[:, 0]
+    return b * _BLOCK + jnp.argmax(block, -1)
+
+
+def _top_candidates(x, k):
+    """Exact top-k values (descending) and ids, searching only the k blocks with the largest
+    maxima: every top-k element lies in one of them."""
+    S, V = x.shape
+    nb = V // _CAND_BLOCK
+    if k == 0:
+        return jnp.zeros((S, 0), x.dtype), jnp.zeros((S, 0), jnp.int32)
+    if k >= nb:
+        return lax.top_k(x, min(k, V))
+    xb = x.reshape(S, nb, _CAND_BLOCK)
+    _, blocks = lax.top_k(xb.max(-1), k)
+    vals, pos = lax.top_k(jnp.take_along_axis(xb, blocks[:, :, None], 1).reshape(S, -1), k)
+    ids = jnp.take_along_axis(blocks, pos // _CAND_BLOCK, 1) * _CAND_BLOCK + pos % _CAND_BLOCK
+    return vals, ids
+
+
+def _cumsum(w, chunk=128):
+    """Row cumsum [S, n] by triangular matmuls: jnp.cumsum lowers to an associative scan that
+    took ~1 s to compile here."""
+    S, n = w.shape
+    if n <= chunk:
+        tri = jnp.triu(jnp.ones((n, n), w.dtype))
+        return jnp.dot(w, tri, precision=lax.Precision.HIGHEST)
+    wc = jnp.pad(w, ((0, 0), (0, -n % chunk))).reshape(S, -1, chunk)
+    inner = _cumsum(wc.reshape(-1, chunk)).reshape(wc.shape)
+    before = _cumsum(inner[:, :, -1]) - inner[:, :, -1]
+    return (inner + before[:, :, None]).reshape(S, -1)[:, :n]
+
+
+def _first_above(w, target):
+    """Inverse CDF over non-negative weights [S, n]: first index whose cumulative weight exceeds
+    target [S], never one of zero weight (rounding falls back to the last positive index)."""
+    c = _cumsum(w)
+    ok = (c > target[:, None]) & (w > 0)
+    last = jnp.max(jnp.where(w > 0, jnp.arange(w.shape[1]), 0), -1)
+    return jnp.where(ok.any(-1), jnp.argmax(ok, -1), last)
+
+
+def _block_mass(x, temp, m, tau):
+    """Per-block mass of exp(x/T - m) over tokens with x/T >= tau: [S, V // _BLOCK]."""
+    S, V = x.shape
+    s = x / temp[:, None]
+    e = jnp.where(s >= tau[:, None], jnp.exp(s - m[:, None]), 0.0)
+    return e.reshape(S, V // _BLOCK, _BLOCK).sum(-1)
+
+
+def _draw(x, temp, m, tau, mass, u):
+    """Inverse-CDF draw over the whole vocabulary: pick a block by mass, then a token in it."""
+    S, V = x.shape
+    target = u * mass.sum(-1)
+    b = _first_above(mass, target)
+    before = jnp.take_along_axis(_cumsum(mass) - mass, b[:, None], 1)[:, 0]
+    s = jnp.take_along_axis(x.reshape(S, -1, _BLOCK), b[:, None, None], 1)[:, 0] / temp[:, None]
+    e = jnp.where(s >= tau[:, None], jnp.exp(s - m[:, None]), 0.0)
+    return b * _BLOCK + _first_above(e, target - before)
+
+
+def _random_tokens(x, t):
+    """Temperature, min_p, top_k, top_p and the draw for every row (greedy rows are replaced
+    by the caller). Each row keeps exactly the tokens with x/T >= its threshold."""
+    S, V = x.shape
+    temp, u = t.temperature, t.uniforms
+    m = jnp.max(x, -1) / temp                       # = max(x / T): division is monotone
+    tau = m + jnp.log(t.min_p)                      # min_p: p >= min_p * p_max; log(0) = -inf
+    if not t.needs_filters:
+        return _draw(x, temp, m, tau, _block_mass(x, temp, m, tau), u)
+
+    C = min(_CAND, V)
+    cand, cand_ids = _top_candidates(x, C)
+    sc = cand / temp[:, None]
+    k, p = t.top_k, t.top_p
+    kth = jnp.take_along_axis(sc, jnp.clip(k - 1, 0, C - 1)[:, None], 1)[:, 0]
+    tau = jnp.where((k > 0) & (k <= C), jnp.maximum(tau, kth), tau)
+    inside = sc[:, -1] < tau                        # every survivor is a candidate
+    mass = lax.cond(jnp.any(~t.greedy & ~inside), lambda: _block_mass(x, temp, m, tau),
+                    lambda: jnp.zeros((S, V // _BLOCK), jnp.float32))
+
+    # top_p on the candidates: keep while the mass strictly above a token is < p * Z.
+    ec = jnp.where(sc >= tau[:, None], jnp.exp(sc - m[:, None]), 0.0)
+    z = jnp.where(inside, ec.sum(-1), mass.sum(-1))
+    above = _cumsum(ec) - ec
+    top_p_on, big_k = p < 1, k > C
+    keep = (ec > 0) & (~top_p_on[:, None] | (above < (p * z)[:, None]))
+    cut = jnp.take_along_axis(sc, jnp.maximum(keep.sum(-1) - 1, 0)[:, None], 1)[:, 0]
+    cand_ok = inside | (top_p_on & ~big_k & (sc[:, -1] < cut))
+    w = jnp.where(sc >= jnp.maximum(tau, cut)[:, None], ec, 0.0)
+    from_cand = jnp.take_along_axis(cand_ids, _first_above(w, u * w.sum(-1))[:, None], 1)[:, 0]
+    tokens = jnp.where(cand_ok, from_cand, _draw(x, temp, m, tau, mass, u))
+
+    # Rows whose cut lies beyond the candidates: exact threshold by bisection, one row at a time.
+    fallback = ~t.greedy & ~cand_ok & (top_p_on | big_k)
+    rows = jnp.nonzero(fallback, size=S, fill_value=0)[0]
+
+    def one_row(i, tokens):
+        r = rows[i]
+        xr = lax.dynamic_slice_in_dim(x, r, 1)
+        tr, mr, ur = temp[r][None], m[r][None], u[r][None]
+        tau_r = _exact_threshold(xr[0] / tr[0], mr[0], tau[r], jnp.where(big_k[r], k[r], 0), p[r])
+        tau_r = tau_r[None]
+        return tokens.at[r].set(_draw(xr, tr, mr, tau_r, _block_mass(xr, tr, mr, tau_r), ur)[0])
+
+    return lax.fori_loop(0, fallback.sum(), one_row, tokens)
+
+
+def _to_key(f):
+    """float32 -> uint32 with the same order (NaN aside)."""
+    b = lax.bitcast_convert_type(f, jnp.uint32)
+    return jnp.where(b >> 31 == 1, ~b, b | np.uint32(0x80000000))
+
+
+def _from_key(key):
+    b = jnp.where(key >> 31 == 1, key & np.uint32(0x7FFFFFFF), ~key)
+    return lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _largest_key(pred):
+    """Largest uint32 K with pred(K), for pred true at 0 and monotone: 32 bit-by-bit steps."""
+    def step(i, key):
+        cand = key | (np.uint32(1) << (31 - i).astype(jnp.uint32))
+        return jnp.where(pred(cand), cand, key)
+    return lax.fori_loop(0, 32, step, jnp.uint32(0))
+
+
+def _exact_threshold(s, m, tau, k, p):
+    """One row s [V]: the x/T threshold after top_k (k > 0) and top_p (p < 1) on the survivors
+    s >= tau, found by bisection on the float order (the fallback when candidates cannot)."""
+    keys = _to_key(s)
+    kth = lambda: _from_key(_largest_key(lambda K: jnp.sum(keys >= K) >= k))
+    off = lambda: jnp.float32(-jnp.inf)
+    tau = jnp.maximum(tau, lax.cond(k > 0, kth, off))
+
+    def nucleus():
+        e = jnp.where(s >= tau, jnp.exp(s - m), 0.0)
+        target = p * jnp.sum(e)
+        last_dropped = _largest_key(lambda K: jnp.sum(jnp.where(keys > K, e, 0.0)) >= target)
+        return _from_key(jnp.minimum(last_dropped, np.uint32(0xFFFFFFFE)) + 1)
+
+    return jnp.maximum(tau, lax.cond(p < 1, nucleus, off))
