@@ -21,6 +21,7 @@ from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.worker.model_runner import EXTRA_PENALTY_IDS
 
 logger = logging.getLogger("jaxllm")
 
@@ -121,6 +122,12 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         params = params.clone() if params is not None else SamplingParams()
         params.verify_for_model(self.model_config.vocab_size, self.args.max_logprobs)
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet by jaxllm")
+        extra = len(params.logit_bias or {}) + len(params.stop_token_ids) + len(self.eos_token_ids)
+        if extra > EXTRA_PENALTY_IDS:
+            raise ValueError(f"logit_bias and stop_token_ids name {extra} tokens; at most "
+                             f"{EXTRA_PENALTY_IDS} are supported.")
         text, ids = self.process_prompt(prompt)
         if params.max_tokens is None:
             params.max_tokens = self.model_config.max_model_len - len(ids)
@@ -141,7 +148,8 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(
                     self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
-                    stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+                    stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens)
             user.children.append(_Child(seq, detok, [] if params.logprobs is not None else None))
             self._seq_owner[seq_id] = user
             self.scheduler.add_request(seq)
@@ -207,10 +215,14 @@ class LLMEngine:
         if child.logprobs is not None:
             child.logprobs.append(self._logprob_dict(token, s))
         if child.detok is not None:
-            _, stop_str = child.detok.add_tokens([token])
+            # Finished already here = ended by EOS or a stop token, whose text is left out.
+            ended_by_token = seq.status == RequestStatus.FINISHED_STOPPED
+            _, stop_str = child.detok.add_tokens([token], stop_terminated=ended_by_token)
             if stop_str is not None and not seq.is_finished:
                 seq.stop_reason = stop_str
                 self.scheduler.finish_requests([seq.request_id], RequestStatus.FINISHED_STOPPED)
+            if seq.is_finished:
+                child.detok.flush()
 
     def _logprob_dict(self, token: int, s) -> dict[int, Logprob]:
         def dec(i):
@@ -225,7 +237,7 @@ class LLMEngine:
         for i, c in enumerate(user.children):
             seq = c.seq
             outs.append(CompletionOutput(
-                index=i, text=c.detok.text if c.detok is not None else "",
+                index=i, text=c.detok.released_text if c.detok is not None else "",
                 token_ids=list(seq.output_token_ids),
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
                 logprobs=list(c.logprobs) if c.logprobs is not None else None,

@@ -69,7 +69,10 @@ def num_kv_blocks(args: EngineArgs, mc, dtype) -> int:
             budget, source = cpu_kv_cache_bytes(), "JAXLLM_CPU_KVCACHE_SPACE"
         else:
             budget, source = _device_kv_budget(args), "--gpu-memory-utilization"
-        num = int(budget // per_block)
+        # More blocks than max_num_seqs full-length sequences can hold would only feed the
+        # prefix cache; cap there so small models do not allocate the whole budget.
+        cap = args.max_num_seqs * math.ceil(mc.max_model_len / args.block_size)
+        num = min(int(budget // per_block), cap)
     need = math.ceil(mc.max_model_len / args.block_size)
     if num < need:
         raise ConfigError(

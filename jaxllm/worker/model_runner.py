@@ -1,13 +1,17 @@
 """Host batch -> padded bucket arrays -> one jitted model step -> one jitted sampling step.
 
 Two compiled functions, each over a small set of shapes known at start-up:
-  forward(state, kv_cache, token_ids[T], positions[T], metadata) -> (hidden[T, E], kv_cache)
-      T is a power-of-two token bucket; the metadata arrays have fixed sizes (max_num_seqs rows,
-      the full block-table width), so nothing else changes shape. The cache is donated.
-  sample(state, hidden, logits_indices[R], sampling tensors) -> sampled tokens (+ logprobs)
-      R is a power-of-two bucket of the rows that sample this step.
-Both are compiled at start-up (unless --enforce-eager); a compile after warm-up is counted,
-logged, and raised when JAXLLM_FAIL_ON_RECOMPILE=1 (the tests set it).
+  forward(state, kv_cache, token_ids[T], positions[T], metadata, logits_indices[max_num_seqs])
+      -> (hidden rows to sample [max_num_seqs, E], kv_cache)
+      T is a power-of-two token bucket; every other input has a fixed size (max_num_seqs rows,
+      the full block-table width), so T alone picks the program. The cache is donated.
+  sample(state, rows, sampling tensors) -> sampled tokens (+ logprobs)
+      for the first R rows, R a power-of-two bucket of the rows that sample this step, and the
+      sampler's static variant (see jaxllm/layers/sampler.py).
+At start-up every (bucket, variant) is lowered, then compiled ahead of time on all cores, and
+steps dispatch to those executables; a shape outside them is compiled on the spot, counted,
+logged, and raised when JAXLLM_FAIL_ON_RECOMPILE=1 (the tests set it). --enforce-eager skips
+the warm-up and runs unpadded shapes through plain jit.
 The only device-to-host transfer per step is the sampler's output.
 """
 
@@ -16,22 +20,25 @@ from __future__ import annotations
 import logging
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxllm.layers.attention import AttentionMetadata, KVCache, empty_kv_cache
-from jaxllm.layers.sampler import SamplingTensors, sample, sampler_variants
+from jaxllm.layers.sampler import SamplingTensors, sample, warmup_tensors
 from jaxllm.parallel.mesh import named_sharding
 
 logger = logging.getLogger("jaxllm")
 
 KV_CACHE_AXES = ("layers", "cache_blocks", "kv_heads", "cache_block_size", "head_dim")
+# Room in the sampler's per-row token table beyond the context: logit_bias, stop and EOS ids.
+EXTRA_PENALTY_IDS = 512
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -71,26 +78,30 @@ class ModelRunner:
         self.enforce_eager = enforce_eager
         self.blocks_per_seq = math.ceil(model_config.max_model_len / block_size)
         self.token_buckets = pow2_buckets(1, max_num_batched_tokens)
+        self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
         self.row_buckets = pow2_buckets(1, max_num_seqs)
         self.graphdef, self.state = nnx.split(model)
         mc = model_config
         shape = (mc.num_layers, num_blocks, mc.num_kv_heads, block_size, mc.head_dim)
-        self.kv_cache: KVCache = empty_kv_cache(
-            *shape, dtype=kv_cache_dtype, sharding=named_sharding(mesh, KV_CACHE_AXES, shape))
-        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,))
+        kv_sharding = named_sharding(mesh, KV_CACHE_AXES, shape)
+        self.kv_cache: KVCache = empty_kv_cache(*shape, dtype=kv_cache_dtype, sharding=kv_sharding)
+        self.rows_sharding = NamedSharding(mesh, P())  # replicated: the sampler reads all rows
+        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
+                                out_shardings=(self.rows_sharding, KVCache(kv_sharding, kv_sharding)))
         self._sample = jax.jit(self._sample_fn)
-        self._warm = False
-        self._compiled = 0
+        self._executables: dict = {}  # ("forward", T) / ("sample", R, treedef) -> compiled
         self.num_recompiles = 0
 
     # --- the jitted functions ----------------------------------------------------------------
-    def _forward_fn(self, state, kv_cache, token_ids, positions, md):
+    def _forward_fn(self, state, kv_cache, token_ids, positions, md, logits_indices):
         model = nnx.merge(self.graphdef, state)
-        return model(kv_cache, token_ids, positions, md)
+        hidden, kv_cache = model(kv_cache, token_ids, positions, md)
+        return hidden[logits_indices], kv_cache
 
-    def _sample_fn(self, state, hidden, logits_indices, tensors):
+    def _sample_fn(self, state, rows, tensors):
         model = nnx.merge(self.graphdef, state)
-        return sample(model.compute_logits(hidden[logits_indices]), tensors)
+        r = tensors.temperature.shape[0]
+        return sample(model.compute_logits(rows[:r]), tensors)
 
     # --- host side ---------------------------------------------------------------------------
     def _prepare(self, sched) -> tuple:
@@ -121,68 +132,78 @@ class ModelRunner:
                 rows.append((req, t - 1))
         cu[len(items) + 1:] = t
         md = AttentionMetadata(slots, kv_lens, tables, cu, np.array([len(items)], np.int32))
-        return token_ids, positions, md, rows
+        logits_indices = np.zeros(S, np.int32)
+        logits_indices[:len(rows)] = [r[1] for r in rows]
+        return (token_ids, positions, md, logits_indices), [r[0] for r in rows]
 
     def execute(self, sched) -> dict[str, SampleResult]:
         """Run one step; return the sampled token (and logprobs) of each request that samples."""
-        token_ids, positions, md, rows = self._prepare(sched)
-        hidden, self.kv_cache = self._forward(self.state, self.kv_cache, token_ids, positions, md)
-        if not rows:
-            self._check_compiles()
+        inputs, reqs = self._prepare(sched)
+        T = inputs[0].shape[0]
+        rows, self.kv_cache = self._run(("forward", T), self._forward,
+                                        self.state, self.kv_cache, *inputs)
+        if not reqs:
             return {}
-        R = len(rows) if self.enforce_eager else bucket(len(rows), self.row_buckets)
-        idx = np.zeros(R, np.int32)
-        idx[:len(rows)] = [r[1] for r in rows]
-        tensors = SamplingTensors.from_requests([r[0] for r in rows], pad_to=R,
+        R = len(reqs) if self.enforce_eager else bucket(len(reqs), self.row_buckets)
+        tensors = SamplingTensors.from_requests(reqs, pad_to=R,
                                                 vocab_size=self.model_config.vocab_size,
-                                                max_logprobs=self.max_logprobs)
-        out = jax.device_get(self._sample(self.state, hidden, idx, tensors))
-        self._check_compiles()
-        return {req.request_id: _result(out, i, req) for i, (req, _) in enumerate(rows)}
+                                                max_logprobs=self.max_logprobs,
+                                                penalty_width=self.penalty_width)
+        key = ("sample", R, jax.tree_util.tree_structure(tensors))
+        out = jax.device_get(self._run(key, self._sample, self.state, rows, tensors))
+        return {req.request_id: _result(out, i, req) for i, req in enumerate(reqs)}
 
     # --- compilation -------------------------------------------------------------------------
-    def warmup(self) -> None:
-        """Compile every token bucket and every (row bucket, sampler variant) now."""
+    def _run(self, key, fn, *args):
         if self.enforce_eager:
-            return
-        S = self.max_num_seqs
-        md_for = lambda T: AttentionMetadata(  # noqa: E731  (all padding: nothing is written)
-            np.full(T, -1, np.int32), np.zeros(S, np.int32),
-            np.zeros((S, self.blocks_per_seq), np.int32), np.zeros(S + 1, np.int32),
-            np.zeros(1, np.int32))
-        jobs = [("forward", T) for T in self.token_buckets]
-        jobs += [("sample", R, v) for R in self.row_buckets for v in sampler_variants(self.max_logprobs)]
-        hidden = None
-        for job in tqdm(jobs, desc="Compiling buckets", unit="bucket", leave=False):
-            if job[0] == "forward":
-                T = job[1]
-                z = np.zeros(T, np.int32)
-                hidden, self.kv_cache = self._forward(self.state, self.kv_cache, z, z, md_for(T))
-            else:
-                _, R, variant = job
-                tensors = SamplingTensors.dummy(R, self.model_config.vocab_size, variant)
-                jax.block_until_ready(self._sample(self.state, hidden, np.zeros(R, np.int32),
-                                                   tensors))
-        jax.block_until_ready(self.kv_cache)
-        self._compiled = self._num_compiled()
-        self._warm = True
-        logger.info("Compiled %d token buckets %s and %d sampler shapes", len(self.token_buckets),
-                    self.token_buckets, len(jobs) - len(self.token_buckets))
-
-    def _num_compiled(self) -> int:
-        return self._forward._cache_size() + self._sample._cache_size()
-
-    def _check_compiles(self) -> None:
-        if not self._warm:
-            return
-        n = self._num_compiled()
-        if n != self._compiled:
-            self.num_recompiles += n - self._compiled
-            self._compiled = n
-            msg = "a step compiled after warm-up (a shape outside the buckets)"
+            return fn(*args)
+        exe = self._executables.get(key)
+        if exe is None:
+            self.num_recompiles += 1
+            msg = f"compiling {key[:2]} after warm-up (a shape outside the buckets)"
             if os.environ.get("JAXLLM_FAIL_ON_RECOMPILE") == "1":
                 raise RuntimeError(msg)
             logger.warning(msg)
+            exe = self._executables[key] = fn.lower(*args).compile()
+        return exe(*args)
+
+    def warmup(self) -> None:
+        """Lower every token bucket and (row bucket, sampler variant), compile them on all cores."""
+        if self.enforce_eager:
+            return
+        S = self.max_num_seqs
+        md = lambda T: AttentionMetadata(  # noqa: E731  (all padding: nothing is written)
+            np.full(T, -1, np.int32), np.zeros(S, np.int32),
+            np.zeros((S, self.blocks_per_seq), np.int32), np.zeros(S + 1, np.int32),
+            np.zeros(1, np.int32))
+        lowered = {}
+        for T in self.token_buckets:
+            z = np.zeros(T, np.int32)
+            lowered[("forward", T)] = self._forward.lower(
+                self.state, self.kv_cache, z, z, md(T), np.zeros(S, np.int32))
+        rows = jax.eval_shape(self._forward_fn, self.state, self.kv_cache, z, z, md(T),
+                              np.zeros(S, np.int32))[0]
+        rows = jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=self.rows_sharding)
+        for R in self.row_buckets:
+            for t in warmup_tensors(R, self.model_config.vocab_size,
+                                    max_logprobs=self.max_logprobs,
+                                    penalty_width=self.penalty_width):
+                key = ("sample", R, jax.tree_util.tree_structure(t))
+                lowered[key] = self._sample.lower(self.state, rows, t)
+        bar = tqdm(total=len(lowered), desc="Compiling buckets", unit="shape", leave=False)
+
+        def compile_one(item):
+            key, low = item
+            exe = low.compile()
+            bar.update(1)
+            return key, exe
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            self._executables.update(pool.map(compile_one, lowered.items()))
+        bar.close()
+        logger.info("Compiled %d token buckets %s and %d sampler shapes",
+                    len(self.token_buckets), self.token_buckets,
+                    len(lowered) - len(self.token_buckets))
 
 
 def _token_slice(req, start: int, n: int) -> list[int]:
@@ -198,6 +219,6 @@ def _token_slice(req, start: int, n: int) -> list[int]:
 def _result(out, i: int, req) -> SampleResult:
     k = req.sampling_params.logprobs
     if k is None:
-        return SampleResult(int(out.tokens[i]))
-    top = tuple(zip(out.topk_ids[i, :k].tolist(), out.topk_logprobs[i, :k].tolist()))
-    return SampleResult(int(out.tokens[i]), float(out.logprobs[i]), int(out.ranks[i]), top)
+        return SampleResult(int(out.token_ids[i]))
+    top = tuple(zip(out.top_token_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()))
+    return SampleResult(int(out.token_ids[i]), float(out.logprobs[i]), int(out.ranks[i]), top)

@@ -1,0 +1,242 @@
+"""The engine end to end through `LLM`: continuous batching, chunked prefill, prefix caching,
+preemption, sampling features, and no compilation after warm-up — transformers is the oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+
+NEW = 12  # greedy tokens compared per prompt
+
+
+@pytest.fixture(autouse=True)
+def _fail_on_recompile(monkeypatch):
+    monkeypatch.setenv("JAXLLM_FAIL_ON_RECOMPILE", "1")
+
+
+def small_llm(path: str, **kw) -> LLM:
+    args = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, block_size=4,
+                use_tqdm_on_load=False, seed=0, disable_log_stats=True)
+    return LLM(path, **{**args, **kw})
+
+
+def mixed_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def hf_greedy(path: str, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' greedy continuation (EOS not special: the engine runs with ignore_eos)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model(ids, use_cache=True)
+            toks = []
+            for _ in range(new):
+                nxt = int(out.logits[0, -1].argmax())
+                toks.append(nxt)
+                out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values,
+                            use_cache=True)
+            outs.append(toks)
+    return outs
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return mixed_prompts(64)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama, prompts):
+    return hf_greedy(tiny_llama, prompts, NEW)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return small_llm(tiny_llama)
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_batch_equals_transformers_and_one_by_one(llm, prompts, expected):
+    batch = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                   use_tqdm=False))
+    assert batch == expected
+    singles = [token_ids(llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False))[0]
+               for p in prompts[:6]]
+    assert singles == expected[:6]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(enable_chunked_prefill=False, max_num_batched_tokens=64),
+    dict(enable_prefix_caching=False),
+    dict(num_gpu_blocks_override=64),  # 256 slots; 8 running sequences need ~400: preemption
+    dict(enforce_eager=True),
+], ids=["no-chunked-prefill", "no-prefix-caching", "preemption", "eager"])
+def test_engine_variants_match_transformers(tiny_llama, prompts, expected, kw):
+    llm = small_llm(tiny_llama, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert token_ids(outs) == expected
+    eng = llm.llm_engine
+    if "num_gpu_blocks_override" in kw:
+        assert eng.scheduler.num_preemptions > 0
+    assert eng.kv_cache_manager.usage == 0.0  # everything freed when idle
+
+
+def test_chunked_prefill_splits_long_prompt(tiny_llama):
+    llm = small_llm(tiny_llama, max_num_batched_tokens=16)
+    prompt = mixed_prompts(1, seed=5, lo=60, hi=61)[0]
+    steps = []
+    run = llm.llm_engine.runner.execute
+    llm.llm_engine.runner.execute = lambda s: (steps.append(s.total_num_tokens), run(s))[1]
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    assert token_ids(out) == hf_greedy(tiny_llama, [prompt], NEW)
+    assert max(steps) <= 16 and steps[:4] == [16, 16, 16, 12]
+
+
+def test_prefix_caching_computes_only_new_tokens(llm):
+    shared = mixed_prompts(1, seed=7, lo=33, hi=34)[0]
+    first, second = shared + [11, 12, 13], shared + [21, 22]
+    llm.generate({"prompt_token_ids": first}, GREEDY, use_tqdm=False)
+    steps = []
+    run = llm.llm_engine.runner.execute
+    llm.llm_engine.runner.execute = lambda s: (steps.append(s.total_num_tokens), run(s))[1]
+    try:
+        out = llm.generate({"prompt_token_ids": second}, GREEDY, use_tqdm=False)[0]
+    finally:
+        llm.llm_engine.runner.execute = run
+    # 35 prompt tokens, the first 32 (8 full blocks of 4) cached -> 3 computed, then decodes
+    assert steps[0] == len(second) - 32
+    assert out.num_cached_tokens == 32
+    llm.llm_engine.kv_cache_manager.reset_prefix_cache()
+    again = llm.generate({"prompt_token_ids": second}, GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_seeded_sampling_independent_of_batch(llm, prompts):
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": prompts[0]}, p, use_tqdm=False)[0]
+    others = [SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True) for n in (3, 7, 12)]
+    batch = llm.generate([{"prompt_token_ids": q} for q in prompts[1:4]]
+                         + [{"prompt_token_ids": prompts[0]}], others + [p], use_tqdm=False)
+    assert batch[-1].outputs[0].token_ids == alone.outputs[0].token_ids
+    unseeded = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    a, b = llm.generate([{"prompt_token_ids": prompts[0]}] * 2, unseeded, use_tqdm=False)
+    assert a.outputs[0].token_ids != b.outputs[0].token_ids  # fresh seeds per request
+
+
+def test_n_returns_distinct_completions(llm, prompts):
+    out = llm.generate({"prompt_token_ids": prompts[1]},
+                       SamplingParams(n=3, temperature=1.0, max_tokens=8, ignore_eos=True, seed=3),
+                       use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+
+
+def test_logprobs_match_transformers(tiny_llama, llm, prompts):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = prompts[2]
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0]
+    ref = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+    total = 0.0
+    for step, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert lp[tok].rank == 1
+        assert abs(lp[tok].logprob - float(ref[step, tok])) < 1e-4
+        top = torch.topk(ref[step], 3).indices.tolist()
+        assert [i for i, _ in sorted(lp.items(), key=lambda kv: -kv[1].logprob)][:3] == top
+        total += lp[tok].logprob
+    assert abs(out.cumulative_logprob - total) < 1e-4
+
+
+def test_stop_strings_and_stop_tokens(llm, prompts):
+    tok = llm.get_tokenizer()
+    free = llm.generate({"prompt_token_ids": prompts[3]},
+                        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop_tok = free.token_ids[4]
+    out = llm.generate({"prompt_token_ids": prompts[3]},
+                       SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True,
+                                      stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[-1] == stop_tok and out.finish_reason == "stop"
+    assert out.stop_reason == stop_tok and stop_tok not in out.token_ids[:-1]
+    text = free.text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), "test needs a non-blank stop string"
+    out = llm.generate({"prompt_token_ids": prompts[3]},
+                       SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True,
+                                      stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert tok is not None
+
+
+def test_min_tokens_and_eos(tiny_llama, llm):
+    eos = next(iter(llm.llm_engine.eos_token_ids))
+    # A bias makes EOS the greedy choice at once; min_tokens holds it back.
+    p = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5, logit_bias={eos: 100.0})
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, p, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.token_ids[-1] == eos
+    assert eos not in out.token_ids[:-1] and out.finish_reason == "stop"
+
+
+def test_text_prompts_chat_and_order(llm):
+    outs = llm.generate(["Hello world", "The capital of France is"],
+                        SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["Hello world", "The capital of France is"]
+    tok = llm.get_tokenizer()
+    assert outs[0].prompt_token_ids == tok.encode("Hello world")
+    chat = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=4),
+                    use_tqdm=False)[0]
+    assert chat.prompt.endswith("<|im_start|>assistant\n")
+    assert chat.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_invalid_requests_fail_clearly(llm):
+    limit = llm.llm_engine.model_config.max_model_len
+    with pytest.raises(ValueError, match=rf"length {limit + 1}\).*{limit}"):
+        llm.generate({"prompt_token_ids": [5] * (limit + 1)}, GREEDY, use_tqdm=False)
+    for field, value in [("top_p", 0), ("n", 0), ("temperature", -1), ("max_tokens", 0)]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate("hi", SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_kv_cache_too_small_fails_at_startup(tiny_llama):
+    from jaxllm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"max_model_len=256 needs 64 blocks.*--max-model-len"):
+        small_llm(tiny_llama, num_gpu_blocks_override=10)
+
+
+def test_no_recompilation_on_random_workload(llm):
+    rng = np.random.default_rng(1)
+    prompts = mixed_prompts(20, seed=11, lo=1, hi=90)
+    params = [SamplingParams(temperature=float(rng.choice([0.0, 0.7])), top_k=int(rng.choice([0, 5])),
+                             repetition_penalty=float(rng.choice([1.0, 1.2])),
+                             logprobs=int(rng.choice([0, 2])) if rng.random() < 0.3 else None,
+                             max_tokens=int(rng.integers(1, 20)), ignore_eos=True)
+              for _ in prompts]
+    before = llm.llm_engine.runner.num_recompiles
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.llm_engine.runner.num_recompiles == before == 0
