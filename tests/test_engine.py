@@ -240,3 +240,11 @@ def test_no_recompilation_on_random_workload(llm):
     before = llm.llm_engine.runner.num_recompiles
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert llm.llm_engine.runner.num_recompiles == before == 0
+
+
+def test_pallas_backend_matches_reference(tiny_llama, prompts, expected):
+    """--attention-backend pallas runs the Pallas kernel (interpret mode on CPU) end to end."""
+    llm = small_llm(tiny_llama, attention_backend="pallas", max_num_seqs=4)
+    assert llm.llm_engine.runner.state is not None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], GREEDY, use_tqdm=False)
+    assert token_ids(outs) == expected[:4]

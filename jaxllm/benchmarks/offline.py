@@ -1,0 +1,71 @@
+"""`jaxllm bench throughput` and `jaxllm bench latency`: the engine in-process, as vLLM's."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import numpy as np
+
+from jaxllm.benchmarks.datasets import BenchRequest, file_requests, random_requests
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def make_requests(llm, args) -> list[BenchRequest]:
+    mc = llm.llm_engine.model_config
+    if getattr(args, "dataset", None):
+        return file_requests(args.dataset, llm.get_tokenizer(), args.num_prompts,
+                             args.output_len, seed=args.seed)
+    return random_requests(args.num_prompts, args.input_len, args.output_len, mc.vocab_size,
+                           args.random_range_ratio, seed=args.seed,
+                           avoid_ids=tuple(llm.llm_engine.eos_token_ids))
+
+
+def run_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True) -> dict:
+    """All requests at once; fixed output lengths (ignore_eos) so every engine does equal work."""
+    from jaxllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": r.prompt} if isinstance(r.prompt, list) else r.prompt
+               for r in requests]
+    params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
+              for r in requests]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    return {"elapsed_s": elapsed, "num_requests": len(outs),
+            "requests_per_s": len(outs) / elapsed, "output_tokens_per_s": n_out / elapsed,
+            "total_tokens_per_s": (n_in + n_out) / elapsed, "prompt_tokens": n_in,
+            "output_tokens": n_out, "peak_rss_gib": peak_rss_gib()}
+
+
+def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: int,
+                warmup: int, seed: int = 0) -> dict:
+    """One batch end to end; prefill time from max_tokens=1 runs; decode = the rest per token."""
+    from jaxllm import SamplingParams
+
+    reqs = random_requests(batch_size, input_len, output_len, llm.llm_engine.model_config.vocab_size,
+                           seed=seed, avoid_ids=tuple(llm.llm_engine.eos_token_ids))
+    prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
+
+    def timed(max_tokens: int) -> float:
+        p = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+        t = time.perf_counter()
+        llm.generate(prompts, p, use_tqdm=False)
+        return time.perf_counter() - t
+
+    for _ in range(warmup):
+        timed(output_len)
+    e2e = np.array([timed(output_len) for _ in range(iters)])
+    prefill = np.array([timed(1) for _ in range(iters)])
+    decode = (np.median(e2e) - np.median(prefill)) / max(output_len - 1, 1)
+    pct = {f"p{p}": float(np.percentile(e2e, p)) for p in (10, 25, 50, 75, 90, 99)}
+    return {"avg_latency_s": float(e2e.mean()), "latency_percentiles_s": pct,
+            "prefill_s_median": float(np.median(prefill)),
+            "decode_s_per_token": float(decode),
+            "decode_tokens_per_s": batch_size / decode if decode > 0 else float("inf"),
+            "peak_rss_gib": peak_rss_gib()}
