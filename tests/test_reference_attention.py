@@ -68,15 +68,19 @@ def test_reference_matches_naive(q_lens, kv_lens, hq, hkv, window, cap):
     rng = np.random.default_rng(0)
     d, bs = 16, 4
     q, kc, vc, kvl, bt, cu, ns, ks, vs = build_case(rng, q_lens, kv_lens, hq, hkv, d, bs)
-    out = ragged_paged_attention(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), 1,
-                                 jnp.asarray(kvl), jnp.asarray(bt), jnp.asarray(cu),
-                                 jnp.asarray(ns), sm_scale=d ** -0.5, sliding_window=window,
-                                 soft_cap=cap, chunk_blocks=2, q_tile=4,
-                                 tiles_per_group=2)
     want = naive(q, ks, vs, q_lens, kv_lens, d ** -0.5, window, cap)
     n = sum(q_lens)
-    np.testing.assert_allclose(np.asarray(out[:n]), want, atol=2e-5, rtol=2e-5)
-    assert np.all(np.asarray(out[n:]) == 0)  # padding tokens produce zeros
+    tilings = [(4, 2, 2), (16, 4, 64)]  # (q_tile, tiles_per_group, chunk_blocks)
+    if max(q_lens) == 1:
+        tilings.append((1, 64, 32))     # the engine's decode-only tiling
+    for q_tile, groups, chunk in tilings:
+        out = ragged_paged_attention(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), 1,
+                                     jnp.asarray(kvl), jnp.asarray(bt), jnp.asarray(cu),
+                                     jnp.asarray(ns), sm_scale=d ** -0.5, sliding_window=window,
+                                     soft_cap=cap, chunk_blocks=chunk, q_tile=q_tile,
+                                     tiles_per_group=groups)
+        np.testing.assert_allclose(np.asarray(out[:n]), want, atol=2e-5, rtol=2e-5)
+        assert np.all(np.asarray(out[n:]) == 0)  # padding tokens produce zeros
 
 
 def test_write_kv_scatters_and_drops_padding():

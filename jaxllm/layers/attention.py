@@ -29,6 +29,15 @@ class AttentionMetadata:
     block_tables: jax.Array  # int32 [S, B]
     cu_q_lens: jax.Array     # int32 [S + 1]
     num_seqs: jax.Array      # int32 [1]
+    # Static: every sequence has exactly one query (a pure decode step), so the reference can
+    # use one-query tiles. The runner compiles both kinds for token buckets <= max_num_seqs.
+    decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+
+# The pure-JAX reference's tiling: (queries per tile, tiles per loop step, keys per chunk).
+# Decode: one query per sequence, many sequences per step, short chunks so short contexts
+# gather little. Mixed/prefill: 16-query tiles so a prompt's pages are gathered once per 16.
+REFERENCE_TILING = {True: (1, 64, 128), False: (16, 4, 256)}
 
 
 def attention_impl(backend: str):
@@ -56,10 +65,15 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, la
     """q [T, Hq, D], k/v [T, Hkv, D] -> (out [T, Hq, D], updated cache)."""
     kc, vc = write_kv(cache.k, cache.v, layer, k, v, md.slot_mapping,
                       k_scale=k_scale, v_scale=v_scale)
+    tiling = {}
+    if backend == "reference":
+        q_tile, groups, keys = REFERENCE_TILING[md.decode_only]
+        tiling = dict(q_tile=q_tile, tiles_per_group=groups,
+                      chunk_blocks=max(1, keys // kc.shape[3]))
     out = attention_impl(backend)(
         q, kc, vc, layer, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scale=k_scale, v_scale=v_scale)
+        k_scale=k_scale, v_scale=v_scale, **tiling)
     return out, KVCache(kc, vc)
 
 

@@ -131,7 +131,9 @@ class ModelRunner:
             if it.sample:
                 rows.append((req, t - 1))
         cu[len(items) + 1:] = t
-        md = AttentionMetadata(slots, kv_lens, tables, cu, np.array([len(items)], np.int32))
+        decode_only = num_tokens == len(items)
+        md = AttentionMetadata(slots, kv_lens, tables, cu, np.array([len(items)], np.int32),
+                               decode_only=decode_only)
         logits_indices = np.zeros(S, np.int32)
         logits_indices[:len(rows)] = [r[1] for r in rows]
         return (token_ids, positions, md, logits_indices), [r[0] for r in rows]
@@ -140,7 +142,7 @@ class ModelRunner:
         """Run one step; return the sampled token (and logprobs) of each request that samples."""
         inputs, reqs = self._prepare(sched)
         T = inputs[0].shape[0]
-        rows, self.kv_cache = self._run(("forward", T), self._forward,
+        rows, self.kv_cache = self._run(("forward", T, inputs[2].decode_only), self._forward,
                                         self.state, self.kv_cache, *inputs)
         if not reqs:
             return {}
@@ -172,16 +174,17 @@ class ModelRunner:
         if self.enforce_eager:
             return
         S = self.max_num_seqs
-        md = lambda T: AttentionMetadata(  # noqa: E731  (all padding: nothing is written)
+        md = lambda T, d: AttentionMetadata(  # noqa: E731  (all padding: nothing is written)
             np.full(T, -1, np.int32), np.zeros(S, np.int32),
             np.zeros((S, self.blocks_per_seq), np.int32), np.zeros(S + 1, np.int32),
-            np.zeros(1, np.int32))
+            np.zeros(1, np.int32), decode_only=d)
         lowered = {}
         for T in self.token_buckets:
             z = np.zeros(T, np.int32)
-            lowered[("forward", T)] = self._forward.lower(
-                self.state, self.kv_cache, z, z, md(T), np.zeros(S, np.int32))
-        rows = jax.eval_shape(self._forward_fn, self.state, self.kv_cache, z, z, md(T),
+            for decode_only in (False, True) if T <= S else (False,):
+                lowered[("forward", T, decode_only)] = self._forward.lower(
+                    self.state, self.kv_cache, z, z, md(T, decode_only), np.zeros(S, np.int32))
+        rows = jax.eval_shape(self._forward_fn, self.state, self.kv_cache, z, z, md(T, False),
                               np.zeros(S, np.int32))[0]
         rows = jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=self.rows_sharding)
         for R in self.row_buckets:
@@ -201,9 +204,9 @@ class ModelRunner:
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             self._executables.update(pool.map(compile_one, lowered.items()))
         bar.close()
-        logger.info("Compiled %d token buckets %s and %d sampler shapes",
-                    len(self.token_buckets), self.token_buckets,
-                    len(lowered) - len(self.token_buckets))
+        n_fwd = sum(k[0] == "forward" for k in lowered)
+        logger.info("Compiled %d forward shapes (token buckets %s) and %d sampler shapes",
+                    n_fwd, self.token_buckets, len(lowered) - n_fwd)
 
 
 def _token_slice(req, start: int, n: int) -> list[int]:

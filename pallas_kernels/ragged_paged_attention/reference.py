@@ -90,7 +90,6 @@ def ragged_paged_attention(
     if B % cb:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, cb - B % cb)))
     C = cb * bs
-    tg = tiles_per_group
 
     seq_valid = jnp.arange(S) < num_seqs.reshape(())
     q_lens = jnp.where(seq_valid, cu_q_lens[1:] - cu_q_lens[:-1], 0)
@@ -98,6 +97,7 @@ def ragged_paged_attention(
 
     # Split every sequence's queries into tiles of qt; tile j belongs to sequence tile_seq[j].
     n_tiles_max = min(T, -(-T // qt) + S)
+    tg = min(tiles_per_group, n_tiles_max)
     tiles_per_seq = (q_lens + qt - 1) // qt
     tile_end = jnp.cumsum(tiles_per_seq)
     num_tiles = tile_end[-1]
