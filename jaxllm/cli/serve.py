@@ -1,0 +1,35 @@
+"""`jaxllm serve [MODEL] [options]`: the OpenAI-compatible server, flags as `vllm serve`."""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxllm.config import EngineArgs
+from serving.cli_args import add_server_args, expand_config_file
+
+
+def make_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_server_args(parser)
+    EngineArgs.add_cli_args(parser, positional_model=True)
+    return parser
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve", help="Start the OpenAI-compatible API server.",
+        description="Start the OpenAI-compatible API server (same flags as `vllm serve`).",
+        usage="jaxllm serve [MODEL] [options]")
+    make_parser(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse `serve` flags, `--config FILE.yaml` included (what the CLI and tests both use)."""
+    parser = make_parser(argparse.ArgumentParser(prog="jaxllm serve"))
+    return parser.parse_args(expand_config_file(parser, argv))
+
+
+def run(args: argparse.Namespace) -> None:
+    from serving.api_server import run_server  # FastAPI and the engine load only when serving
+    run_server(args)

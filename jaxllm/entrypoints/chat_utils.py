@@ -1,0 +1,95 @@
+"""OpenAI chat messages -> one prompt string, through the tokenizer's Jinja chat template.
+
+Shared by the server and `LLM.chat`, so both render a conversation identically. Errors are
+ValueErrors whose message the server can return to the client as a 400.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Optional
+
+from jinja2 import TemplateError
+
+TEXT_PART_TYPES = ("text", "input_text")
+# Arguments apply_chat_template takes from us; chat_template_kwargs may not override them.
+_RESERVED_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template",
+                    "add_generation_prompt", "continue_final_message", "tokenize", "return_dict"}
+
+
+def load_chat_template(value: Optional[str]) -> Optional[str]:
+    """--chat-template takes a file path or the Jinja template itself, as in vLLM."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
+
+
+def normalize_messages(messages: Iterable[Any]) -> list[dict]:
+    """Plain dicts with string content: content-part lists are joined (text parts, newline
+    separated, like vLLM's 'string' content format). Image and audio parts are refused, since no
+    model here takes them."""
+    out = []
+    for i, message in enumerate(messages):
+        if hasattr(message, "model_dump"):
+            message = message.model_dump(exclude_none=True)
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+        message = dict(message)
+        message["content"] = _content_text(message.get("content"), i)
+        out.append(message)
+    if not out:
+        raise ValueError("messages must not be empty")
+    return out
+
+
+def _content_text(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"messages[{i}].content must be a string or a list of content parts")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PART_TYPES:
+            raise ValueError(f"messages[{i}].content: part type {kind!r} is not supported "
+                             f"(text only)")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"messages[{i}].content: a text part needs a string 'text'")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def render_chat_prompt(tokenizer, messages: Iterable[Any], *,
+                        chat_template: Optional[str] = None,
+                        add_generation_prompt: bool = True,
+                        continue_final_message: bool = False,
+                        tools: Optional[list[dict]] = None,
+                        chat_template_kwargs: Optional[dict] = None) -> str:
+    """The prompt text for `messages`; tokenize it without adding special tokens again."""
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer (this engine was started with "
+                         "skip_tokenizer_init)")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("The tokenizer has no chat template; pass one with --chat-template "
+                         "(a file or a Jinja string).")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+    kwargs = dict(chat_template_kwargs or {})
+    clash = sorted(_RESERVED_KWARGS & set(kwargs))
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
+    conversation = normalize_messages(messages)
+    try:
+        return tokenizer.apply_chat_template(
+            conversation, tools=tools, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=False, **kwargs)
+    except (TemplateError, TypeError, KeyError, IndexError) as e:  # the template refused input
+        raise ValueError(f"chat template error: {e}") from None

@@ -1,0 +1,222 @@
+"""The FastAPI app (routes, CORS, API key, request ids) and the uvicorn runner of `jaxllm serve`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import os
+import socket
+import uuid
+from typing import Optional
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.datastructures import Headers
+
+import jaxllm
+from serving.errors import error_response, install_error_handlers
+from serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                              ModelCard, ModelList, TokenizeRequest, random_id)
+from serving.serving_chat import create_chat_completion
+from serving.serving_completion import create_completion
+from serving.serving_tokenization import detokenize, tokenize
+from serving.sse import EventStreamResponse, until_disconnect
+from serving.state import ServingState
+
+logger = logging.getLogger("jaxllm.serving")
+router = APIRouter()
+
+
+def _state(request: Request) -> ServingState:
+    return request.app.state.serving
+
+
+def _base_id(request: Request) -> str:
+    return request.headers.get("x-request-id") or random_id()
+
+
+async def _respond(request: Request, work) -> Response:
+    result = await until_disconnect(request, work)
+    if isinstance(result, Response):
+        return result
+    if isinstance(result, BaseModel):
+        return JSONResponse(result.model_dump())
+    return EventStreamResponse(result)
+
+
+@router.get("/health")
+async def health() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version():
+    return {"version": jaxllm.__version__}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    s = _state(request)
+    return ModelList(data=[ModelCard(id=name, root=s.model_path, max_model_len=s.max_model_len)
+                           for name in s.served_model_names]).model_dump()
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    return await _respond(request, create_completion(_state(request), body, _base_id(request)))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    return await _respond(request,
+                          create_chat_completion(_state(request), body, _base_id(request)))
+
+
+@router.post("/tokenize")
+async def tokenize_route(body: TokenizeRequest, request: Request):
+    return (await tokenize(_state(request), body)).model_dump()
+
+
+@router.post("/detokenize")
+async def detokenize_route(body: DetokenizeRequest, request: Request):
+    return (await detokenize(_state(request), body)).model_dump()
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+class APIKeyMiddleware:
+    """/v1/* needs 'Authorization: Bearer <key>' (constant-time compare); the rest stays open."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+            path, root = scope["path"], scope.get("root_path", "")
+            if root and path.startswith(root):
+                path = path[len(root):]
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if path.startswith("/v1") and not hmac.compare_digest(given, self.expected):
+                response = error_response("Invalid or missing API key.", 401)
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """Echo X-Request-Id (making one up if absent); the engine request id is built from it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = Headers(scope=scope).get("x-request-id")
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+            scope = dict(scope, headers=[*scope["headers"], (b"x-request-id", request_id.encode())])
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=[*message.get("headers", []),
+                                                 (b"x-request-id", request_id.encode())])
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def build_app(state: ServingState, args: argparse.Namespace) -> FastAPI:
+    docs = {} if not args.disable_fastapi_docs else dict(openapi_url=None, docs_url=None,
+                                                          redoc_url=None)
+    app = FastAPI(title="jaxllm OpenAI-compatible API", version=jaxllm.__version__, **docs)
+    app.state.serving = state
+    install_error_handlers(app)
+    app.include_router(router)
+    # Added last = outermost: CORS answers preflights and decorates 401s too.
+    api_key = args.api_key or os.environ.get("JAXLLM_API_KEY")
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if args.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
+                       allow_credentials=args.allow_credentials,
+                       allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)
+    return app
+
+
+def bind_socket(host: Optional[str], port: int) -> socket.socket:
+    """Take the port before loading the model, so a busy port fails in a second, not minutes."""
+    family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host or "", port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"error: cannot listen on {host or '0.0.0.0'}:{port}: {e.strerror}. "
+                         f"Is another server running there? Choose another --port.") from None
+    return sock
+
+
+def run_server(args: argparse.Namespace) -> None:
+    from jaxllm.config import ConfigError, EngineArgs
+    from jaxllm.entrypoints.chat_utils import load_chat_template
+
+    _setup_logging()
+    try:
+        engine_args = EngineArgs.from_cli_args(args)
+        chat_template = load_chat_template(args.chat_template)
+    except (ConfigError, ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    sock = bind_socket(args.host, args.port)
+    asyncio.run(_serve(args, engine_args, chat_template, sock))
+
+
+async def _serve(args, engine_args, chat_template, sock: socket.socket) -> None:
+    import uvicorn
+
+    from jaxllm.engine.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    state = ServingState.from_engine(engine, chat_template=chat_template,
+                                     response_role=args.response_role,
+                                     log_requests=not args.disable_log_requests,
+                                     max_log_len=args.max_log_len)
+    try:
+        config = uvicorn.Config(build_app(state, args), log_level=args.uvicorn_log_level,
+                                access_log=not args.disable_uvicorn_access_log,
+                                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                                ssl_ca_certs=args.ssl_ca_certs, root_path=args.root_path or "",
+                                timeout_keep_alive=5)
+        server = uvicorn.Server(config)
+        scheme = "https" if args.ssl_certfile else "http"
+        url = f"{scheme}://{args.host or '0.0.0.0'}:{sock.getsockname()[1]}"  # --port 0 too
+        docs = "" if args.disable_fastapi_docs else f"; docs at {url}/docs"
+        announce = asyncio.ensure_future(
+            _announce(server, f"{url} (model: {', '.join(state.served_model_names)}{docs})"))
+        await server.serve(sockets=[sock])
+        announce.cancel()
+    finally:
+        state.close()
+        engine.shutdown()
+
+
+async def _announce(server, where: str) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    logger.info("jaxllm API server ready at %s", where)
+
+
+def _setup_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO,
+                            format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+                            datefmt="%m-%d %H:%M:%S")

@@ -1,0 +1,117 @@
+"""`jaxllm serve` front-end flags (names and defaults as `vllm serve`) and `--config FILE.yaml`.
+
+Kept free of heavy imports: `jaxllm serve --help` builds its parser from this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _json_list(value: str) -> list:
+    out = json.loads(value)
+    if not isinstance(out, list):
+        raise ValueError(value)
+    return out
+
+
+_json_list.__name__ = "JSON list"  # argparse's message: "invalid JSON list value: ..."
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("server arguments")
+    g.add_argument("--config", metavar="FILE.yaml",
+                   help="YAML file of these options (keys as the flags, without '--'); flags "
+                        "given on the command line win.")
+    g.add_argument("--host", default=None, help="Host name to bind (default: all interfaces).")
+    g.add_argument("--port", type=int, default=8000, help="Port number.")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["debug", "info", "warning", "error", "critical", "trace"],
+                   help="Log level for uvicorn.")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="Disable uvicorn's access log.")
+    g.add_argument("--allow-credentials", action="store_true", help="Allow CORS credentials.")
+    g.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                   help='Allowed CORS origins, as a JSON list (default ["*"]).')
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"],
+                   help='Allowed CORS methods, as a JSON list (default ["*"]).')
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"],
+                   help='Allowed CORS headers, as a JSON list (default ["*"]).')
+    g.add_argument("--api-key", default=None,
+                   help="If set (or $JAXLLM_API_KEY), /v1/* requires 'Authorization: Bearer "
+                        "<key>'.")
+    g.add_argument("--chat-template", default=None,
+                   help="Chat template: a file path or the Jinja template itself (default: the "
+                        "tokenizer's).")
+    g.add_argument("--response-role", default="assistant",
+                   help="Role of generated chat messages when add_generation_prompt is true.")
+    g.add_argument("--ssl-keyfile", default=None, help="SSL key file.")
+    g.add_argument("--ssl-certfile", default=None, help="SSL certificate file.")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates file.")
+    g.add_argument("--root-path", default=None,
+                   help="FastAPI root_path, when the app is behind a path-based proxy.")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="Answer with an X-Request-Id header (the client's, or a new one).")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="Disable /docs, /redoc and /openapi.json.")
+    g.add_argument("--disable-log-requests", action="store_true", help="Do not log requests.")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="Most prompt characters or token ids shown in request logs.")
+    return parser
+
+
+def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """Replace `--config FILE` by the flags it holds, placed first so the command line wins.
+
+    Values go through the parser exactly like typed flags (same types, choices and errors):
+    `true` becomes `--flag` (`--no-flag` for false where the flag has one), lists become
+    repeated values or JSON, mappings JSON.
+    """
+    path, rest = None, []
+    it = iter(argv)
+    for token in it:
+        if token == "--config":
+            path = next(it, None)
+            if path is None:
+                parser.error("argument --config: expected one argument")
+        elif token.startswith("--config="):
+            path = token.split("=", 1)[1]
+        else:
+            rest.append(token)
+    if path is None:
+        return argv
+    return config_file_args(parser, path) + rest
+
+
+def config_file_args(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        parser.error(f"--config {path}: {e}")
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of option: value")
+    actions = {s: a for a in parser._actions for s in a.option_strings}
+    args: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = actions.get(flag)
+        if action is None:
+            parser.error(f"--config {path}: unknown option {key!r}")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if value:
+                args.append(flag)
+            elif f"--no-{flag[2:]}" in actions:
+                args.append(f"--no-{flag[2:]}")
+        elif isinstance(value, list) and action.nargs in ("+", "*"):
+            args += [flag, *map(str, value)]
+        elif isinstance(value, (list, dict)):
+            args += [flag, json.dumps(value)]
+        else:
+            args += [flag, str(value)]
+    return args

@@ -1,0 +1,79 @@
+"""OpenAI-shaped errors: every failure leaves the server as {"error": {message, type, param, code}}.
+
+vLLM answers request-validation failures with 400 (not FastAPI's 422 body), and so do we.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("jaxllm.serving")
+
+
+class APIError(Exception):
+    """A request the server refuses; carries the HTTP status and the field at fault."""
+
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None):
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+
+def error_type(status: int) -> str:
+    """vLLM's error types: 'BadRequestError', 'NotFoundError', 'InternalServerError'..."""
+    phrase = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
+    return phrase if phrase.endswith("Error") else phrase + "Error"
+
+
+def error_body(message: str, status: int = 400, param: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": error_type(status), "param": param,
+                      "code": status}}
+
+
+def error_response(message: str, status: int = 400, param: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def describe_validation_errors(errors: list[dict]) -> tuple[str, Optional[str]]:
+    """Pydantic's error list as one readable line, plus the first offending field."""
+    parts, params = [], []
+    for err in errors[:5]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        field = ".".join(loc)
+        msg = err.get("msg", "invalid value")
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error")
+            parts.append(f"Invalid JSON body: {detail}" if detail else "Invalid JSON body")
+            continue
+        parts.append(f"{field}: {msg}" if field else msg)
+        if loc and not loc[0].isdigit():
+            params.append(loc[0])
+    if len(errors) > 5:
+        parts.append(f"(and {len(errors) - 5} more)")
+    return "; ".join(parts) or "Invalid request", (params[0] if params else None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc.message, exc.status, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        message, param = describe_validation_errors(list(exc.errors()))
+        return error_response(message, 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        logger.exception("Internal error while serving %s", request.url.path)
+        return error_response(f"Internal server error: {type(exc).__name__}", 500)

@@ -1,0 +1,125 @@
+"""Submitting engine requests and reading their outputs, with abort on every way out.
+
+Each prompt of a request is one engine request. `submit` waits for every first output, so an
+engine ValueError becomes a 400 before any response byte is sent. Closing or cancelling the
+streams returned here (client gone) closes the engine generators, which aborts the requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from contextlib import aclosing
+from typing import AsyncIterator, Optional
+
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+from serving.errors import APIError
+from serving.prompts import Prompt
+from serving.state import ServingState
+
+_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def build_params(state: ServingState, make) -> SamplingParams:
+    """Run a SamplingParams factory; a ValueError (it names the field) becomes a 400."""
+    try:
+        params = make()
+        params.verify_for_model(state.vocab_size, state.max_logprobs)
+    except ValueError as e:
+        field = re.match(r"(?:Requested )?(\w+)", str(e))
+        param = field.group(1) if field and field.group(1) in _PARAM_NAMES else None
+        raise APIError(str(e), param=param) from None
+    return params
+
+
+async def _first(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    return await gen.__anext__()
+
+
+async def submit(state: ServingState, prompts: list[Prompt], params: list[SamplingParams],
+                 request_id: str, priority: int) -> list[AsyncIterator[RequestOutput]]:
+    """Start one engine request per prompt; return their output streams once all have begun."""
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    gens = []
+    for rid, prompt, sp in zip(ids, prompts, params):
+        state.log_request(rid, prompt.text, prompt.token_ids, sp)
+        gens.append(state.engine.generate(prompt.token_ids, sp, rid, priority=priority))
+    firsts = [asyncio.ensure_future(_first(g)) for g in gens]
+    try:
+        await asyncio.wait(firsts, return_when=asyncio.FIRST_EXCEPTION)
+        for task in firsts:
+            if task.done() and task.exception() is not None:
+                raise task.exception()
+    except BaseException as e:
+        for task in firsts:
+            task.cancel()
+        await asyncio.gather(*firsts, return_exceptions=True)
+        for g in gens:
+            await g.aclose()
+        if isinstance(e, ValueError):
+            raise APIError(str(e)) from None
+        raise
+    return [_tracked(state, t.result(), g) for t, g in zip(firsts, gens)]
+
+
+async def _tracked(state: ServingState, first: RequestOutput,
+                   gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """Yield the outputs; record metrics once the request ends, however it ends."""
+    last = first
+    try:
+        yield first
+        if not first.finished:
+            async for out in gen:
+                last = out
+                yield out
+    finally:
+        state.metrics.record(last, aborted=not last.finished)
+        await gen.aclose()
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]
+                ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as (stream index, output), in arrival order."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for out in only:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(i: int, stream):
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    await queue.put((i, out))
+            await queue.put((i, done))
+        except Exception as e:  # handed to the consumer, which re-raises it
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(drain(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(streams: list[AsyncIterator[RequestOutput]]) -> list[Optional[RequestOutput]]:
+    """The final output of every stream (non-streaming responses)."""
+    final: list[Optional[RequestOutput]] = [None] * len(streams)
+    async with aclosing(merge(streams)) as outputs:
+        async for i, out in outputs:
+            final[i] = out
+    return final

@@ -1,0 +1,115 @@
+"""Prometheus metrics with vLLM's names under a `jaxllm:` prefix.
+
+Engine-side state (queue sizes, KV-cache use, prefix-cache and preemption counts) is read from
+`engine.stats()` at scrape time; per-request counters and latency histograms are recorded by the
+server when a request ends, from the timestamps in RequestOutput.metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxllm.outputs import RequestOutput
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000]
+
+
+class EngineStatsCollector:
+    """Gauges and engine counters, read fresh from `engine.stats()` on every scrape."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        s = self.engine.stats()
+        label = [self.model_name]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(label, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(label, value)
+            return c
+
+        queries, hits = s["prefix_cache_queries"], s["prefix_cache_hits"]
+        yield gauge("jaxllm:num_requests_running", "Requests in the running batch.",
+                    s["num_running"])
+        yield gauge("jaxllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                    s["num_waiting"])
+        yield gauge("jaxllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+                    s["kv_cache_usage"])
+        yield gauge("jaxllm:num_kv_cache_blocks", "KV-cache blocks in total.",
+                    s["num_total_blocks"])
+        yield counter("jaxllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      queries)
+        yield counter("jaxllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
+        yield gauge("jaxllm:prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries.",
+                    hits / queries if queries else 0.0)
+        yield counter("jaxllm:num_preemptions", "Requests preempted (KV cache ran out).",
+                      s["num_preemptions"])
+
+
+class ServerMetrics:
+    """One registry per app, so several servers (or tests) in one process do not clash."""
+
+    def __init__(self, engine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        reg, lab = self.registry, ["model_name"]
+        self.request_success = Counter("jaxllm:request_success", "Finished requests by reason.",
+                                       ["model_name", "finished_reason"], registry=reg)
+        self.prompt_tokens = Counter("jaxllm:prompt_tokens", "Prompt tokens processed.", lab,
+                                     registry=reg)
+        self.generation_tokens = Counter("jaxllm:generation_tokens", "Tokens generated.", lab,
+                                         registry=reg)
+        self.ttft = Histogram("jaxllm:time_to_first_token_seconds", "Time to first token.", lab,
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.tpot = Histogram("jaxllm:time_per_output_token_seconds",
+                              "Mean time per output token after the first.", lab,
+                              buckets=TPOT_BUCKETS, registry=reg)
+        self.e2e = Histogram("jaxllm:e2e_request_latency_seconds", "Request latency end to end.",
+                             lab, buckets=E2E_BUCKETS, registry=reg)
+        self.request_prompt_tokens = Histogram("jaxllm:request_prompt_tokens",
+                                               "Prompt length per request.", lab,
+                                               buckets=TOKEN_BUCKETS, registry=reg)
+        self.request_generation_tokens = Histogram("jaxllm:request_generation_tokens",
+                                                   "Tokens generated per request.", lab,
+                                                   buckets=TOKEN_BUCKETS, registry=reg)
+        reg.register(EngineStatsCollector(engine, model_name))
+
+    def record(self, out: RequestOutput, aborted: bool) -> None:
+        """Count one finished (or aborted) engine request, given its last output."""
+        m = self.model_name
+        generated = sum(len(o.token_ids) for o in out.outputs)
+        reasons = {o.finish_reason for o in out.outputs if o.finish_reason}
+        reason = "abort" if aborted or not reasons else ("stop" if reasons == {"stop"} else
+                                                         sorted(reasons - {"stop"})[0])
+        self.request_success.labels(m, reason).inc()
+        self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(m).inc(generated)
+        self.request_prompt_tokens.labels(m).observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.labels(m).observe(generated)
+        t = out.metrics or {}
+        arrival, first = t.get("arrival_time"), t.get("first_token_time")
+        finished = t.get("finished_time") or time.monotonic()
+        if arrival is not None:
+            self.e2e.labels(m).observe(finished - arrival)
+            if first is not None:
+                self.ttft.labels(m).observe(first - arrival)
+        longest = max((len(o.token_ids) for o in out.outputs), default=0)
+        if first is not None and longest > 1:
+            self.tpot.labels(m).observe((finished - first) / (longest - 1))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

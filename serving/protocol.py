@@ -1,0 +1,384 @@
+"""Request and response bodies of the OpenAI-compatible API, with vLLM's extra sampling fields.
+
+Unknown request fields are accepted and ignored (logged), as OpenAI clients send new fields
+before servers know them; wrong types are refused with 400 by the error handlers.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from jaxllm.sampling_params import SamplingParams
+from serving.errors import APIError
+
+_INT64 = 2**63
+
+
+def random_id() -> str:
+    return uuid.uuid4().hex
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: Optional[bool] = True
+    continuous_usage_stats: Optional[bool] = False
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Optional[str] = None
+    frequency_penalty: Optional[float] = 0.0
+    presence_penalty: Optional[float] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    n: int = 1
+    seed: Optional[int] = Field(None, ge=-_INT64, lt=_INT64)
+    stop: Optional[Union[str, list[str]]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    user: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None
+    # vLLM's extras.
+    best_of: Optional[int] = None
+    use_beam_search: bool = False
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: Optional[list[int]] = None
+    prompt_logprobs: Optional[int] = None
+    priority: int = 0
+    request_id: Optional[str] = None
+
+    def check_supported(self) -> None:
+        """Refuse what the engine cannot do, rather than silently ignoring it."""
+        if self.stream_options is not None and not self.stream:
+            raise APIError("Stream options can only be defined when `stream=True`.",
+                           param="stream_options")
+        if self.use_beam_search:
+            raise APIError("Beam search is not supported.", param="use_beam_search")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("best_of is not supported (only best_of == n).", param="best_of")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError("Structured output (response_format other than 'text') is not "
+                           "supported yet.", param="response_format")
+
+    def sampling_params(self, max_tokens: int, logprobs: Optional[int],
+                        prompt_logprobs: Optional[int], defaults: dict) -> SamplingParams:
+        """SamplingParams (raising ValueError naming the field). Unset fields take `defaults`
+        (the model's generation config, as vLLM does), then OpenAI's defaults."""
+        def pick(name: str, fallback):
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
+
+        return SamplingParams(
+            n=self.n,
+            presence_penalty=_or(self.presence_penalty, 0.0),
+            frequency_penalty=_or(self.frequency_penalty, 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=({k: max(-100.0, min(100.0, v)) for k, v in self.logit_bias.items()}
+                        if self.logit_bias else None),
+            allowed_token_ids=self.allowed_token_ids,
+        )
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+# --- /v1/completions ---------------------------------------------------------------------------
+
+class CompletionRequest(SamplingRequest):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    logprobs: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    suffix: Optional[str] = None
+    add_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix is not None:
+            raise APIError("suffix is not supported.", param="suffix")
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: Optional[int] = 0
+    prompt_tokens_details: Optional[dict[str, int]] = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, dict[str, Any]]]]] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+
+
+class CompletionResponseStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# --- /v1/chat/completions ----------------------------------------------------------------------
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessageParam(OpenAIModel):
+    role: str
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = 0
+    max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    # vLLM's extras.
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tool_choice not in (None, "none"):
+            raise APIError("Tool calling (tool_choice other than 'none') is not supported yet.",
+                           param="tool_choice")
+        if self.top_logprobs is not None:
+            if self.top_logprobs < 0:
+                raise APIError("top_logprobs must be a non-negative value.",
+                               param="top_logprobs")
+            if self.top_logprobs > 0 and not self.logprobs:
+                raise APIError("when using `top_logprobs`, `logprobs` must be set to true.",
+                               param="top_logprobs")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise APIError("Cannot set both `continue_final_message` and "
+                           "`add_generation_prompt` to true.", param="continue_final_message")
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class ChatCompletionLogProb(BaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: Optional[list[int]] = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    content: Optional[list[ChatCompletionLogProbsContent]] = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, dict[str, Any]]]]] = None
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):  # OpenAI sends the role only in a choice's first delta
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionResponseStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# --- /v1/models, /tokenize, /detokenize -------------------------------------------------------
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "jaxllm"
+    root: Optional[str] = None
+    parent: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(OpenAIModel):
+    """Either a `prompt` (completion style) or `messages` (rendered with the chat template)."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessageParam]] = None
+    add_special_tokens: Optional[bool] = None  # default: True for prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    return_token_strs: Optional[bool] = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` or `messages`")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# --- OpenAI batch files (jaxllm run-batch) ----------------------------------------------------
+
+class BatchRequestInput(OpenAIModel):
+    custom_id: str
+    method: str
+    url: str
+    body: dict[str, Any]
+
+
+class BatchResponseData(BaseModel):
+    status_code: int = 200
+    request_id: str
+    body: Optional[dict[str, Any]] = None
+
+
+class BatchRequestOutput(BaseModel):
+    id: str
+    custom_id: Optional[str]
+    response: Optional[BatchResponseData]
+    error: Optional[dict[str, Any]]

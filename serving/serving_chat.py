@@ -1,0 +1,134 @@
+"""POST /v1/chat/completions: render the conversation with the chat template, then generate."""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import aclosing
+from typing import AsyncIterator, Optional, Union
+
+from jaxllm.entrypoints.chat_utils import normalize_messages, render_chat_prompt
+from jaxllm.outputs import RequestOutput
+from serving.errors import APIError, error_body
+from serving.generation import build_params, collect, merge, submit
+from serving.logprobs import chat_logprobs, prompt_logprobs_json
+from serving.prompts import Prompt, check_token_ids, max_tokens_for
+from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                              ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
+                              ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo)
+from serving.sse import DONE, sse
+from serving.state import ServingState
+
+logger = logging.getLogger("jaxllm.serving")
+
+
+async def chat_prompt(state: ServingState, req) -> tuple[Prompt, list[dict]]:
+    """The conversation as prompt tokens, and the normalized messages.
+
+    A request's own `chat_template` is used as a Jinja string, never read as a file path."""
+    tokenizer = state.require_tokenizer()
+    try:
+        messages = normalize_messages(req.messages)
+        text = await state.in_tokenizer_thread(
+            render_chat_prompt, tokenizer, messages,
+            chat_template=req.chat_template or state.chat_template,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, tools=req.tools,
+            chat_template_kwargs=req.chat_template_kwargs)
+    except ValueError as e:
+        raise APIError(str(e), param="messages") from None
+    add_special = bool(req.add_special_tokens)
+    prompt = Prompt(await state.encode(text, add_special), text)
+    check_token_ids(state, prompt.token_ids)
+    return prompt, messages
+
+
+async def create_chat_completion(state: ServingState, req: ChatCompletionRequest, base_id: str
+                                 ) -> Union[ChatCompletionResponse, AsyncIterator[str]]:
+    model = state.model_name(req.model)
+    req.check_supported()
+    state.warn_ignored_fields(req)
+    prompt, messages = await chat_prompt(state, req)
+    params = build_params(state, lambda: req.sampling_params(
+        max_tokens_for(state, len(prompt.token_ids), req.requested_max_tokens),
+        req.num_logprobs, req.prompt_logprobs, state.generation_defaults))
+    role = state.response_role if req.add_generation_prompt else messages[-1]["role"]
+    # vLLM's chat echo: repeat the last message when it is the role being answered.
+    echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == role else None
+    request_id = f"chatcmpl-{base_id}"
+    streams = await submit(state, [prompt], [params], request_id, req.priority)
+    if req.stream:
+        return _stream(state, req, model, request_id, role, echo, prompt, streams)
+    (out,) = await collect(streams)
+    choices = [ChatCompletionResponseChoice(
+        index=o.index, message=ChatMessage(role=role, content=(echo or "") + o.text),
+        logprobs=(chat_logprobs(state, o.token_ids, o.logprobs or [], req.top_logprobs or 0)
+                  if req.logprobs else None),
+        finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in out.outputs]
+    return ChatCompletionResponse(
+        id=request_id, model=model, choices=choices, usage=_usage(prompt, out),
+        prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs) if req.prompt_logprobs
+        else None)
+
+
+def _usage(prompt: Prompt, out: Optional[RequestOutput]) -> UsageInfo:
+    generated = sum(len(o.token_ids) for o in out.outputs) if out is not None else 0
+    return UsageInfo.of(len(prompt.token_ids), generated)
+
+
+async def _stream(state: ServingState, req: ChatCompletionRequest, model: str, request_id: str,
+                  role: str, echo: Optional[str], prompt: Prompt, streams
+                  ) -> AsyncIterator[str]:
+    created = int(time.time())
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = include_usage and bool(opts.continuous_usage_stats)
+    dump = {} if include_usage else {"exclude": {"usage"}}
+    last: Optional[RequestOutput] = None
+
+    def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+        c = ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                         choices=[choice])
+        if continuous:
+            c.usage = _usage(prompt, last)
+        return sse(c, **dump)
+
+    sent_tokens: dict[int, int] = {}
+    sent_text: dict[int, int] = {}
+    finished: set[int] = set()
+    try:
+        for j in range(req.n):
+            yield chunk(ChatCompletionResponseStreamChoice(
+                index=j, delta=DeltaMessage(role=role, content="")))
+            if echo:
+                yield chunk(ChatCompletionResponseStreamChoice(
+                    index=j, delta=DeltaMessage(content=echo)))
+        async with aclosing(merge(streams)) as outputs:
+            async for _, out in outputs:
+                last = out
+                for o in out.outputs:
+                    if o.index in finished:
+                        continue
+                    start = sent_tokens.get(o.index, 0)
+                    text = o.text[sent_text.get(o.index, 0):]
+                    logprobs = None
+                    if req.logprobs:
+                        logprobs = chat_logprobs(state, o.token_ids[start:],
+                                                 list(o.logprobs or [])[start:],
+                                                 req.top_logprobs or 0)
+                    sent_tokens[o.index], sent_text[o.index] = len(o.token_ids), len(o.text)
+                    if o.finish_reason is not None:
+                        finished.add(o.index)
+                    if not text and o.finish_reason is None and not (logprobs and
+                                                                     logprobs.content):
+                        continue
+                    yield chunk(ChatCompletionResponseStreamChoice(
+                        index=o.index, delta=DeltaMessage(content=text), logprobs=logprobs,
+                        finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+        if include_usage:
+            yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                   choices=[], usage=_usage(prompt, last)))
+    except Exception as e:  # the response has started: report in-band, as vLLM does
+        logger.exception("Error while streaming %s", request_id)
+        yield sse(error_body(str(e), 500))
+    yield DONE

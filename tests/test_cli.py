@@ -1,0 +1,228 @@
+"""The `jaxllm` command: every sub-command's --help (fast, without JAX), collect-env, chat and
+complete against a real server, a busy --port, run-batch on a mixed file, and generate."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from jaxllm.cli.main import main
+from test_server import ENGINE_FLAGS, ServerProcess, metrics
+
+COMMANDS = ["serve", "chat", "complete", "bench", "collect-env", "run-batch", "generate"]
+API_KEY = "cli-key"
+NAME = "tiny"
+
+
+def jaxllm(*args: str, stdin: str = "", timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxllm.cli.main", *args], input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"] if command is None else [command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:")
+    if command is None:
+        assert all(c in out for c in COMMANDS)
+
+
+def test_help_is_fast_and_does_not_import_jax():
+    code = ("import sys, time\n"
+            "t = time.time()\n"
+            "from jaxllm.cli.main import main\n"
+            f"for c in {COMMANDS!r}:\n"
+            "    try:\n"
+            "        main([c, '--help'])\n"
+            "    except BaseException:  # a failing --help is test_help's business\n"
+            "        pass\n"
+            "print('jax' in sys.modules, 'fastapi' in sys.modules, time.time() - t)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120).stdout.splitlines()[-1].split()
+    assert out[:2] == ["False", "False"]
+    assert float(out[2]) < 10
+
+
+def test_serve_help_has_vllms_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--api-key", "--served-model-name", "--chat-template",
+                 "--response-role", "--allowed-origins", "--allowed-methods", "--allowed-headers",
+                 "--allow-credentials", "--root-path", "--uvicorn-log-level",
+                 "--disable-log-requests", "--max-log-len", "--disable-fastapi-docs",
+                 "--enable-request-id-headers", "--ssl-keyfile", "--ssl-certfile", "--config",
+                 "--tensor-parallel-size", "--max-model-len"):
+        assert flag in out, flag
+
+
+def test_version(capsys):
+    import jaxllm as pkg
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"jaxllm {pkg.__version__}"
+
+
+def test_collect_env():
+    r = jaxllm("collect-env", timeout=120)
+    assert r.returncode == 0, r.stderr
+    for line in ("jaxllm: ", "jax: ", "jaxlib: ", "flax: ", "transformers: ", "torch: ",
+                 "Python: 3.", "Platform: ", "backend: cpu", "devices: "):
+        assert line in r.stdout, line
+
+
+def test_busy_port_fails_fast_with_a_clear_message():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t = time.monotonic()
+        r = jaxllm("serve", "--host", "127.0.0.1", "--port", str(port), timeout=120)
+    assert r.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr
+    assert time.monotonic() - t < 30  # refused before any model is loaded
+
+
+def test_bad_engine_flag_is_one_line():
+    r = jaxllm("serve", "--port", "0", "--pipeline-parallel-size", "2", timeout=120)
+    assert r.returncode != 0
+    assert "--pipeline-parallel-size" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_reads_config_files(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("prot: 8000\n")  # a typo
+    r = jaxllm("serve", "--config", str(cfg), timeout=120)
+    assert r.returncode == 2 and "unknown option 'prot'" in r.stderr
+
+
+def test_client_without_server_says_so():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    r = jaxllm("chat", "--url", f"http://127.0.0.1:{port}/v1", "-q", "hi", timeout=120)
+    assert r.returncode == 1 and "cannot reach a server" in r.stderr
+
+
+# --- against a running server ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    srv = ServerProcess(tiny_llama, *ENGINE_FLAGS, "--served-model-name", NAME, "--api-key",
+                        API_KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        yield c
+
+
+def _requests_done(http) -> float:
+    return sum(v for k, v in metrics(http).items()
+               if k.startswith("jaxllm:request_success_total"))
+
+
+@pytest.mark.parametrize("command", ["chat", "complete"])
+def test_quick(server, http, command):
+    before = _requests_done(http)
+    r = jaxllm(command, "--url", server.url + "/v1", "--api-key", API_KEY, "--max-tokens", "4",
+               "-q", "Hello there")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.endswith("\n") and "error" not in r.stderr
+    assert _requests_done(http) == before + 1
+
+
+def test_interactive_chat_keeps_the_conversation(server, http):
+    before = metrics(http)["jaxllm:prompt_tokens_total"]
+    r = jaxllm("chat", "--url", server.url + "/v1", "--api-key", API_KEY, "--model-name", NAME,
+               "--system-prompt", "Be brief.", "--max-tokens", "3", stdin="Hi\n\nAgain\n")
+    assert r.returncode == 0, r.stderr
+    first = http.post("/tokenize", json={"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}).json()
+    # Two turns; the second prompt holds the first turn, so it is longer than the first.
+    assert metrics(http)["jaxllm:prompt_tokens_total"] - before > 2 * first["count"]
+
+
+def test_interactive_complete_reads_lines(server, http):
+    before = _requests_done(http)
+    r = jaxllm("complete", "--url", server.url + "/v1", "--api-key", API_KEY, "--max-tokens",
+               "3", stdin="one\ntwo\nthree\n")
+    assert r.returncode == 0, r.stderr
+    assert _requests_done(http) == before + 3
+
+
+def test_wrong_key_is_reported(server):
+    r = jaxllm("complete", "--url", server.url + "/v1", "--api-key", "wrong", "-q", "x")
+    assert r.returncode == 1 and "401" in r.stderr
+
+
+# --- offline commands (each loads the model in its own process) -------------------------------
+
+def test_run_batch_mixed_file(tmp_path, tiny_llama, server, http):
+    greedy = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
+    lines = [
+        {"custom_id": "ok-completion", "method": "POST", "url": "/v1/completions",
+         "body": {"model": NAME, "prompt": "Hello", **greedy}},
+        "this line is not JSON",
+        {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings",
+         "body": {"model": NAME, "input": "x"}},
+        {"custom_id": "bad-max-tokens", "method": "POST", "url": "/v1/completions",
+         "body": {"model": NAME, "prompt": "Hello", "max_tokens": -1}},
+        {"custom_id": "ok-chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Hi"}], **greedy}},
+        {"custom_id": "bad-model", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "gpt-4", "prompt": "Hello"}},
+        {"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
+         "body": {"model": NAME, "prompt": "hello " * 200}},
+        {"custom_id": "no-body", "method": "POST", "url": "/v1/completions"},
+    ]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    r = jaxllm("run-batch", "-i", str(src), "-o", str(dst), "--model", tiny_llama,
+               "--served-model-name", NAME, *ENGINE_FLAGS)
+    assert r.returncode == 0, r.stderr
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == ["ok-completion", None, "bad-url", "bad-max-tokens",
+                                            "ok-chat", "bad-model", "too-long", "no-body"]
+    ok = {o["custom_id"]: o for o in out if o["error"] is None}
+    assert set(ok) == {"ok-completion", "ok-chat"}
+    for o in out:
+        assert set(o) == {"id", "custom_id", "response", "error"}
+        if o["error"] is not None:
+            assert o["response"] is None
+            assert set(o["error"]) == {"message", "type", "param", "code"}
+    errors = {o["custom_id"]: o["error"] for o in out if o["error"]}
+    assert errors["bad-model"]["code"] == 404 and errors["bad-url"]["param"] == "url"
+    assert "128" in errors["too-long"]["message"]
+    completion = ok["ok-completion"]["response"]
+    assert completion["status_code"] == 200
+    assert completion["body"]["usage"]["completion_tokens"] == 4
+    assert ok["ok-chat"]["response"]["body"]["object"] == "chat.completion"
+    # Same engine settings, same greedy text as the server gives.
+    served = http.post("/v1/completions", json={"model": NAME, "prompt": "Hello",
+                                                **greedy}).json()
+    assert completion["body"]["choices"][0]["text"] == served["choices"][0]["text"]
+    assert "2 succeeded, 6 failed" in r.stderr
+
+
+def test_generate_matches_the_server(tiny_llama, http):
+    r = jaxllm("generate", tiny_llama, "--prompt", "Hello", "--max-tokens", "4",
+               "--temperature", "0", "--ignore-eos", *ENGINE_FLAGS)
+    assert r.returncode == 0, r.stderr
+    served = http.post("/v1/completions", json={"model": NAME, "prompt": "Hello",
+                                                "max_tokens": 4, "temperature": 0,
+                                                "ignore_eos": True}).json()
+    assert r.stdout == served["choices"][0]["text"] + "\n"
