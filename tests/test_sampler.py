@@ -1,5 +1,5 @@
 """The jitted sampler against NumPy/torch oracles: greedy, temperature, filters, penalties,
-seeds and logprobs.
+seeds and logprobs; `sample_rows` (dynamic row count, chunked logits) against `sample`.
 
 Random rows are checked in two ways: with real seeds (frequencies against softmax), and with the
 row's uniform set directly (`dataclasses.replace(t, uniforms=...)`): sweeping it over a fine grid
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from jaxllm.engine.request import Request
-from jaxllm.layers.sampler import (SamplingTensors, draw_uniforms, process_logits, sample,
-                                   warmup_tensors)
+from jaxllm.layers.sampler import (_LOGIT_ROWS, SamplingTensors, draw_uniforms, process_logits,
+                                   sample, sample_rows, warmup_tensors)
 from jaxllm.sampling_params import SamplingParams
 
 S, V, EOS = 16, 8192, 7  # S = two chunks of the sampler's 8-row lax.map
@@ -349,3 +349,95 @@ def test_bfloat16_logits_are_sampled_in_float32():
     ref = torch.log_softmax(torch.tensor(np.asarray(lo.astype(jnp.float32))), -1).numpy()
     assert np.asarray(out.token_ids)[0] == ref[0].argmax()
     np.testing.assert_allclose(np.asarray(out.logprobs)[0], ref[0].max(), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- sample_rows
+
+SR = 2 * max(_LOGIT_ROWS) + 8  # sample_rows' S: three steps at most, the last one clamped
+_chunks = []  # the row count of every compute_logits call that actually ran
+
+
+def _logits_are_rows(h):
+    """compute_logits for these tests: the rows are the logits; records each run."""
+    jax.debug.callback(lambda: _chunks.append(len(h)))
+    return h
+
+
+_sample_rows = jax.jit(lambda h, n, t: sample_rows(h, n, _logits_are_rows, t))
+_sample_sr = jax.jit(sample)
+
+
+def mixed_requests(n):
+    """Every static feature on (filters, processing, logprobs); top_p=0.7 over rand_logits
+    cuts past the candidates, so the bisection fallback runs too."""
+    kinds = [dict(temperature=0.0), dict(temperature=0.9, top_p=0.7),
+             dict(temperature=1.1, top_k=20, logprobs=3),
+             dict(temperature=0.7, min_p=0.1, repetition_penalty=1.2, out=[5, 6]),
+             dict(temperature=0.0, logit_bias={17: 5.0}, logprobs=0)]
+    return [req(seed=i, **kinds[i % len(kinds)]) for i in range(n)]
+
+
+def tensors_sr(requests):
+    return SamplingTensors.from_requests(requests, SR, V, max_logprobs=5, penalty_width=64)
+
+
+def test_sample_rows_equals_sample_and_compiles_once():
+    logits = jnp.asarray(rand_logits(13, rows=SR))
+    t = tensors_sr(mixed_requests(SR))
+    assert t.needs_filters and t.needs_processing and t.num_logprobs and not t.all_greedy
+    ref = _sample_sr(logits, t)
+    for n in (1, 5, 16, 17, 65, SR):
+        out = _sample_rows(logits, np.int32(n), t)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+            np.testing.assert_array_equal(np.asarray(a)[:n], np.asarray(b)[:n], err_msg=f"n={n}")
+    assert _sample_rows._cache_size() == 1
+
+
+def test_sample_rows_ignores_rows_past_num_rows():
+    n = 17
+    logits = rand_logits(14, rows=SR)
+    clean = _sample_rows(jnp.asarray(logits), np.int32(n), tensors_sr(mixed_requests(SR)))
+    logits[n:] = np.nan
+    logits[n + 1:] = np.inf
+    junk = [req(temperature=1.0, top_p=0.3, seed=99, repetition_penalty=3.0, logprobs=5)]
+    dirty = _sample_rows(jnp.asarray(logits), np.int32(n),
+                         tensors_sr(mixed_requests(n) + junk * (SR - n)))
+    for a, b in zip(jax.tree.leaves(dirty), jax.tree.leaves(clean)):
+        np.testing.assert_array_equal(np.asarray(a)[:n], np.asarray(b)[:n])
+    assert _sample_rows._cache_size() == 1
+
+
+def expected_chunks(n):
+    """sample_rows' schedule: the smallest of _LOGIT_ROWS covering the rows left, else the
+    largest, clamped to end at SR."""
+    sizes, done, out = sorted(_LOGIT_ROWS), 0, []
+    while done < n:
+        c = next((c for c in sizes if c >= n - done), sizes[-1])
+        out.append(c)
+        done = min(done, SR - c) + c
+    return out
+
+
+def test_sample_rows_work_scales_with_num_rows():
+    logits = jnp.asarray(rand_logits(15, rows=SR))
+    t = tensors_sr(mixed_requests(SR))
+    assert expected_chunks(1) == [min(_LOGIT_ROWS)]
+    for n in (0, 1, 2, 16, 17, 65, SR - 1, SR):
+        _chunks.clear()
+        jax.block_until_ready(_sample_rows(logits, np.int32(n), t))
+        jax.effects_barrier()
+        assert _chunks == expected_chunks(n), n
+    assert _sample_rows._cache_size() == 1
+
+
+def test_sample_rows_with_a_projection():
+    """compute_logits gets [C, E] chunks of the hidden rows, in order."""
+    rng = np.random.default_rng(16)
+    w = rng.normal(size=(V, 256)).astype(np.float32)
+    target = rng.integers(0, V, SR)
+    hidden = w[target]  # logit ~256 at the target, ~N(0, 16^2) elsewhere
+    f = jax.jit(lambda w, h, n, t: sample_rows(h, n, lambda x: x @ w.T, t))
+    t = tensors_sr([req(temperature=0.0)] * SR)
+    for n in (3, SR):
+        tok = np.asarray(f(w, hidden, np.int32(n), t).token_ids)
+        np.testing.assert_array_equal(tok[:n], target[:n])

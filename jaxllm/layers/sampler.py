@@ -5,6 +5,10 @@ arrays; device side, `sample(logits, tensors)` applies them per row, in vLLM's o
 allowed_token_ids -> min_tokens and logit_bias -> repetition/frequency/presence penalties ->
 (greedy rows: argmax) -> temperature -> min_p -> top_k -> top_p -> draw.
 Logprobs are of the raw logits (vLLM's default "raw_logprobs").
+The runner calls `sample_rows(hidden, num_rows, compute_logits, tensors)` instead: S is fixed
+(max_num_seqs), the number of real rows is a traced scalar, and a while loop computes and
+samples the logits of 1, 16 or 64 rows per step (`_LOGIT_ROWS`), so one program serves every
+batch size and its cost follows num_rows, not S.
 
 Compiled variants. Shapes are fixed by the runner: S = pad_to, V = vocab_size, the penalty table
 width W (`penalty_width`, e.g. max_model_len plus room for logit_bias ids) and K = max_logprobs.
@@ -12,14 +16,16 @@ Exactly four static fields then select the program:
   all_greedy        every row greedy: no random draw at all
   needs_filters     some random row uses top_k or top_p (min_p alone does not need it)
   needs_processing  some row uses a penalty, logit_bias, allowed_token_ids or an active
-                    min_tokens; when False the penalty table and allowed bitmask have width 0
+                    min_tokens; when False the penalty table and banned bitmask have width 0
   num_logprobs      None (no row asked for logprobs) or max_logprobs (some row did)
-all_greedy=True forces needs_filters=False: 4 + 8 = 12 variants per pad_to, and
-`warmup_tensors` returns one SamplingTensors for each.
+all_greedy=True forces needs_filters=False: 4 + 8 = 12 variants (programs) per S, and
+`warmup_tensors` returns one SamplingTensors for each. W stays fixed rather than bucketed (six
+more programs per width): the [S, W] tables and the bitmask are zero-initialised, lazily paged,
+aligned host arrays that jit reads in place on CPU, so only the real rows' entries cost anything.
 
 Why the code looks like this (XLA:CPU, 2 cores, S=256, V=49152): a full sort takes ~3.6 s and
 `jnp.argmax` 30-70 ms against ~3 ms for a plain max; a fused reduction over [256, V] runs ~10x
-slower per element than over [8, V]. So rows go through `lax.map` in chunks of `_ROWS`, argmax
+slower per element than over [8, V]. So rows are sampled `_ROWS` at a time, argmax
 and top-k go through block maxima, nothing sorts the vocabulary, and a draw is an inverse CDF
 over block masses driven by one uniform per row, hashed on the host from (seed, step): the same
 draw whatever else is in the batch, and no device RNG (threefry over [S, V] cost ~270 ms, and
@@ -42,12 +48,14 @@ from jaxllm.engine.request import Request
 from jaxllm.sampling_params import SamplingParams
 
 _SAMPLING_EPS = 1e-5
-_ROWS = 8          # rows per lax.map step
+_ROWS = 8          # rows sampled together (a lax.map step, a sample_rows group)
+# Rows per compute_logits call in sample_rows. Streaming the [V, E] weight costs a dot about as
+# much for 16 rows as for 8 (and 64 rows about 2.5x 16), while 1 row is a cheaper matrix-vector
+# product: 1 for a lone row, 16 for small batches, 64 for the bulk.
+_LOGIT_ROWS = (1, 16, 64)
 _BLOCK = 64        # vocab block for argmax and inverse-CDF masses; logits are padded to a multiple
 _CAND = 128        # candidates that decide top_k (k <= _CAND) and most top_p cuts
 _CAND_BLOCK = 32   # block size of the two-level candidate search
-_ALL_BITS = np.uint32(0xFFFFFFFF)
-_PAD_ID = np.iinfo(np.int32).max  # penalty-table padding: out of range, so gathers fill and scatters drop
 
 
 def _static():
@@ -66,11 +74,11 @@ class SamplingTensors:
     repetition_penalty: jax.Array  # f32 [S]
     frequency_penalty: jax.Array   # f32 [S]
     presence_penalty: jax.Array    # f32 [S]
-    pen_ids: jax.Array             # int32 [S, W]; unique token ids per row, padded with _PAD_ID
+    pen_ids: jax.Array             # int32 [S, W]; 1 + unique token ids per row, 0 = empty slot
     pen_counts: jax.Array          # f32 [S, W]; occurrences among the output tokens
     pen_seen: jax.Array            # bool [S, W]; in prompt or output, and repetition_penalty != 1
     pen_bias: jax.Array            # f32 [S, W]; logit_bias, -inf for stop ids under min_tokens
-    allowed_bits: jax.Array        # uint32 [S, ceil(V/32)]; bit i%32 of word i//32: token i allowed
+    banned_bits: jax.Array         # uint32 [S, ceil(V/32)]; bit i%32 of word i//32: token i banned
     all_greedy: bool = _static()
     needs_filters: bool = _static()
     needs_processing: bool = _static()
@@ -106,7 +114,7 @@ class SamplingTensors:
         processing = [_needs_processing(r) for r in requests]
         width = penalty_width if any(processing) else 0
         table = _penalty_table(requests, processing, S, width, vocab_size)
-        bits = _allowed_bits(requests, S, -(-vocab_size // 32) if any(processing) else 0)
+        bits = _banned_bits(requests, S, -(-vocab_size // 32) if any(processing) else 0)
         return cls(temperature, greedy, top_k, top_p, min_p, uniforms, *penalties, *table, bits,
                    all_greedy=bool(greedy.all()),
                    needs_filters=bool(((top_k > 0) | (top_p < 1)).any()),
@@ -206,29 +214,38 @@ def _penalty_table(requests, processing, S, width, V):
         r = requests[row[col.argmax()]]
         raise ValueError(f"request {r.request_id!r} needs more than penalty_width={width} "
                          f"penalty entries (unique prompt+output ids, logit_bias, stop ids)")
-    flat = [keys % V, np.zeros(len(keys), np.float32), np.zeros(len(keys), bool),
+    flat = [keys % V + 1, np.zeros(len(keys), np.float32), np.zeros(len(keys), bool),
             np.zeros(len(keys), np.float32)]
     flat[1][np.searchsorted(keys, c_keys)] = c_num
     flat[2][np.searchsorted(keys, seen)] = True
     flat[3][np.searchsorted(keys, biased)] = np.fromiter(bias.values(), np.float32, len(bias))
-    out = (np.full((S, width), _PAD_ID, np.int32), np.zeros((S, width), np.float32),
-           np.zeros((S, width), bool), np.zeros((S, width), np.float32))
+    out = [_host_zeros((S, width), dtype) for dtype in (np.int32, np.float32, bool, np.float32)]
     for table, values in zip(out, flat):
         table[row, col] = values
     return out
 
 
-def _allowed_bits(requests, S, words):
-    bits = np.full((S, words), _ALL_BITS, np.uint32)
+def _banned_bits(requests, S, words):
+    bits = _host_zeros((S, words), np.uint32)
     if words == 0:
         return bits
     for i, r in enumerate(requests):
         allowed = r.sampling_params.allowed_token_ids
         if allowed is not None:
-            a = np.unique(np.asarray(allowed, np.int64))
-            bits[i] = 0
-            np.bitwise_or.at(bits[i], a >> 5, (np.uint32(1) << (a & 31).astype(np.uint32)))
+            a = np.asarray(allowed, np.int64)
+            words_allowed = np.zeros(words, np.uint32)
+            np.bitwise_or.at(words_allowed, a >> 5, np.uint32(1) << (a & 31).astype(np.uint32))
+            bits[i] = ~words_allowed
     return bits
+
+
+def _host_zeros(shape, dtype):
+    """Zeros whose pages are touched only where written, 64-byte aligned so that jit reads them
+    in place rather than copying: a [256, W] table with a few real rows costs what they hold."""
+    size = math.prod(shape) * np.dtype(dtype).itemsize
+    buf = np.zeros(size + 64, np.uint8)
+    start = -buf.ctypes.data % 64
+    return buf[start:start + size].view(dtype).reshape(shape)
 
 
 # ----------------------------------------------------------------------------- device side
@@ -238,6 +255,60 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     """logits [S, V] (any float dtype; sampled in f32) -> SamplerOutput. Jit-safe; every row
     independent of the others."""
     return _by_rows(_sample_rows, logits, t)
+
+
+def sample_rows(rows: jax.Array, num_rows: jax.Array, compute_logits,
+                t: SamplingTensors) -> SamplerOutput:
+    """Sample the first num_rows (dynamic) of rows [S, E], t built with pad_to=S: one program
+    for every batch size, and work that scales with num_rows, not S. Each loop step runs
+    compute_logits ([c, E] -> f32 [c, V]) on the next c rows, c the smallest of _LOGIT_ROWS
+    that covers the rows left (else the largest), then samples them _ROWS at a time; [S, V]
+    logits never exist. Rows >= num_rows come out as don't-care values."""
+    S, num_rows = rows.shape[0], jnp.asarray(num_rows, jnp.int32)
+    sizes = sorted({min(c, S) for c in _LOGIT_ROWS})
+    C, R = sizes[-1], min(_ROWS, S)
+    V = jax.eval_shape(compute_logits, rows[:1]).shape[1]
+    # Slices are clamped to stay in bounds, so a step or a group may overlap finished rows:
+    # those are neither sampled for real nor written.
+
+    def step(state):
+        done, out, logits = state
+        w = jnp.minimum(done, S - C)  # logits [C, V] holds the batch rows [w, w + C)
+
+        def compute(c):
+            def branch(logits):
+                first = jnp.minimum(done, S - c)
+                new = compute_logits(lax.dynamic_slice_in_dim(rows, first, c)).astype(jnp.float32)
+                return first + c, lax.dynamic_update_slice_in_dim(logits, new, first - w, 0)
+            return branch
+
+        k = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), num_rows - done), len(sizes) - 1)
+        end, logits = lax.switch(k, [compute(c) for c in sizes], logits)
+        end = jnp.minimum(end, num_rows)
+
+        def group(j, out):
+            g = jnp.minimum(done - w + j * R, C - R)  # in logits; w + g in the batch
+            tg = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, w + g, R), t)
+            batch_rows = w + g + jnp.arange(R)
+            new = (batch_rows >= done) & (batch_rows < end)
+            # Other rows sample greedily (never the bisection fallback) and are not written.
+            o = _sample_rows(lax.dynamic_slice_in_dim(logits, g, R),
+                             dataclasses.replace(tg, greedy=tg.greedy | ~new))
+
+            def put(buf, v):
+                old = lax.dynamic_slice_in_dim(buf, w + g, R)
+                v = jnp.where(new.reshape(-1, *[1] * (v.ndim - 1)), v, old)
+                return lax.dynamic_update_slice_in_dim(buf, v, w + g, 0)
+
+            return jax.tree.map(put, out, o)
+
+        return end, lax.fori_loop(0, -(-(end - done) // R), group, out), logits
+
+    shapes = jax.eval_shape(_sample_rows, jax.ShapeDtypeStruct((R, V), jnp.float32),
+                            jax.tree.map(lambda a: a[:R], t))
+    out = jax.tree.map(lambda s: jnp.zeros((S, *s.shape[1:]), s.dtype), shapes)
+    state = (jnp.int32(0), out, jnp.zeros((C, V), jnp.float32))
+    return lax.while_loop(lambda s: s[0] < jnp.minimum(num_rows, S), step, state)[1]
 
 
 def token_logprobs(logits: jax.Array, token_ids: jax.Array, num_top: int):
@@ -251,15 +322,17 @@ def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     multiply the others) and frequency/presence penalties (OpenAI), in vLLM's order.
     Only meaningful when t.needs_processing."""
     S, V = logits.shape
-    unpack = lambda x: jnp.where(_unpack_bits(t.allowed_bits, V), x, -jnp.inf)
-    x = lax.cond(jnp.any(t.allowed_bits != _ALL_BITS), unpack, lambda x: x, logits)
+    ban = lambda x: jnp.where(_unpack_bits(t.banned_bits, V), -jnp.inf, x)
+    x = lax.cond(jnp.any(t.banned_bits != 0), ban, lambda x: x, logits)
     rows = jnp.arange(S)[:, None]
-    g = x.at[rows, t.pen_ids].get(mode="fill", fill_value=0.0) + t.pen_bias
+    # Empty slots become V: out of range, so the gather fills them and the scatter drops them.
+    ids = jnp.where(t.pen_ids > 0, t.pen_ids - 1, V)
+    g = x.at[rows, ids].get(mode="fill", fill_value=0.0) + t.pen_bias
     r = t.repetition_penalty[:, None]
     g = jnp.where(t.pen_seen, jnp.where(g > 0, g / r, g * r), g)
     g = (g - t.frequency_penalty[:, None] * t.pen_counts
          - t.presence_penalty[:, None] * (t.pen_counts > 0))
-    return x.at[rows, t.pen_ids].set(g, mode="drop")
+    return x.at[rows, ids].set(g, mode="drop")
 
 
 def _by_rows(f, *args):
