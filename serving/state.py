@@ -44,7 +44,7 @@ class ServingState:
                    max_model_len=engine.model_config.max_model_len,
                    vocab_size=engine.model_config.vocab_size, max_logprobs=args.max_logprobs,
                    metrics=ServerMetrics(engine, names[0]),
-                   generation_defaults=dict(engine.engine.generation_defaults), **kwargs)
+                   generation_defaults=dict(engine.generation_defaults), **kwargs)
 
     def model_name(self, requested: Optional[str]) -> str:
         """The name to answer with; an unknown name is a 404 as in OpenAI's API."""

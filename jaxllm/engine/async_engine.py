@@ -26,6 +26,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.engine_args = engine.args
         self.model_config = engine.model_config
+        self.generation_defaults = engine.generation_defaults
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stats = engine.stats()
@@ -54,6 +55,8 @@ class AsyncLLMEngine:
         """Cumulative outputs as tokens arrive; invalid requests raise before the first yield."""
         if self._error is not None:
             raise RuntimeError(f"the engine loop died: {self._error!r}")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
         out_q: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()

@@ -67,12 +67,17 @@ class LLM:
         """One conversation (a list of messages) or a list of conversations."""
         from jaxllm.entrypoints.chat_utils import render_chat_prompt
 
+        tok = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [render_chat_prompt(self.get_tokenizer(), conv, chat_template=chat_template,
+        prompts = []
+        for conv in conversations:
+            text = render_chat_prompt(tok, conv, chat_template=chat_template,
                                       add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message,
                                       chat_template_kwargs=chat_template_kwargs)
-                   for conv in conversations]
+            # The template already holds any BOS: do not add special tokens again (as vLLM).
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

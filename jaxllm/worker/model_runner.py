@@ -5,9 +5,9 @@ Two compiled functions, each over a small set of shapes known at start-up:
       -> (hidden rows to sample [max_num_seqs, E], kv_cache)
       T is a power-of-two token bucket; every other input has a fixed size (max_num_seqs rows,
       the full block-table width), so T alone picks the program. The cache is donated.
-  sample(state, rows, sampling tensors) -> sampled tokens (+ logprobs)
-      for the first R rows, R a power-of-two bucket of the rows that sample this step, and the
-      sampler's static variant (see jaxllm/layers/sampler.py).
+  sample(state, rows, num_rows, sampling tensors) -> sampled tokens (+ logprobs)
+      for the first num_rows rows (a dynamic count: the cost follows it, the shape does not);
+      the sampler's static variant picks the program (see jaxllm/layers/sampler.py).
 At start-up every (bucket, variant) is lowered, then compiled ahead of time on all cores, and
 steps dispatch to those executables; a shape outside them is compiled on the spot, counted,
 logged, and raised when JAXLLM_FAIL_ON_RECOMPILE=1 (the tests set it). --enforce-eager skips
@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxllm.layers.attention import AttentionMetadata, KVCache, empty_kv_cache
-from jaxllm.layers.sampler import SamplingTensors, sample, warmup_tensors
+from jaxllm.layers.sampler import SamplingTensors, sample_rows, warmup_tensors
 from jaxllm.parallel.mesh import named_sharding
 
 logger = logging.getLogger("jaxllm")
@@ -79,7 +79,6 @@ class ModelRunner:
         self.blocks_per_seq = math.ceil(model_config.max_model_len / block_size)
         self.token_buckets = pow2_buckets(1, max_num_batched_tokens)
         self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
-        self.row_buckets = pow2_buckets(1, max_num_seqs)
         self.graphdef, self.state = nnx.split(model)
         mc = model_config
         shape = (mc.num_layers, num_blocks, mc.num_kv_heads, block_size, mc.head_dim)
@@ -98,10 +97,9 @@ class ModelRunner:
         hidden, kv_cache = model(kv_cache, token_ids, positions, md)
         return hidden[logits_indices], kv_cache
 
-    def _sample_fn(self, state, rows, tensors):
+    def _sample_fn(self, state, rows, num_rows, tensors):
         model = nnx.merge(self.graphdef, state)
-        r = tensors.temperature.shape[0]
-        return sample(model.compute_logits(rows[:r]), tensors)
+        return sample_rows(rows, num_rows, model.compute_logits, tensors)
 
     # --- host side ---------------------------------------------------------------------------
     def _prepare(self, sched) -> tuple:
@@ -146,13 +144,13 @@ class ModelRunner:
                                         self.state, self.kv_cache, *inputs)
         if not reqs:
             return {}
-        R = len(reqs) if self.enforce_eager else bucket(len(reqs), self.row_buckets)
-        tensors = SamplingTensors.from_requests(reqs, pad_to=R,
+        tensors = SamplingTensors.from_requests(reqs, pad_to=self.max_num_seqs,
                                                 vocab_size=self.model_config.vocab_size,
                                                 max_logprobs=self.max_logprobs,
                                                 penalty_width=self.penalty_width)
-        key = ("sample", R, jax.tree_util.tree_structure(tensors))
-        out = jax.device_get(self._run(key, self._sample, self.state, rows, tensors))
+        key = ("sample", jax.tree_util.tree_structure(tensors))
+        out = jax.device_get(self._run(key, self._sample, self.state, rows,
+                                       np.int32(len(reqs)), tensors))
         return {req.request_id: _result(out, i, req) for i, req in enumerate(reqs)}
 
     # --- compilation -------------------------------------------------------------------------
@@ -170,7 +168,7 @@ class ModelRunner:
         return exe(*args)
 
     def warmup(self) -> None:
-        """Lower every token bucket and (row bucket, sampler variant), compile them on all cores."""
+        """Lower every token bucket and sampler variant, then compile them on all cores."""
         if self.enforce_eager:
             return
         S = self.max_num_seqs
@@ -187,12 +185,10 @@ class ModelRunner:
         rows = jax.eval_shape(self._forward_fn, self.state, self.kv_cache, z, z, md(T, False),
                               np.zeros(S, np.int32))[0]
         rows = jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=self.rows_sharding)
-        for R in self.row_buckets:
-            for t in warmup_tensors(R, self.model_config.vocab_size,
-                                    max_logprobs=self.max_logprobs,
-                                    penalty_width=self.penalty_width):
-                key = ("sample", R, jax.tree_util.tree_structure(t))
-                lowered[key] = self._sample.lower(self.state, rows, t)
+        for t in warmup_tensors(S, self.model_config.vocab_size, max_logprobs=self.max_logprobs,
+                                penalty_width=self.penalty_width):
+            key = ("sample", jax.tree_util.tree_structure(t))
+            lowered[key] = self._sample.lower(self.state, rows, np.int32(0), t)
         bar = tqdm(total=len(lowered), desc="Compiling buckets", unit="shape", leave=False)
 
         def compile_one(item):
