@@ -125,9 +125,8 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
                          kv_cache_dtype=dtype, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=max_tokens, max_logprobs=args.max_logprobs,
                          enforce_eager=args.enforce_eager)
-    logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d, %d token buckets",
-                num_blocks, args.block_size, jnp.dtype(dtype).name, mc.max_model_len,
-                len(runner.token_buckets))
+    logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d", num_blocks,
+                args.block_size, jnp.dtype(dtype).name, mc.max_model_len)
     t = time.perf_counter()
     runner.warmup()
     times["compile"] = time.perf_counter() - t

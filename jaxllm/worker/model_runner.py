@@ -77,7 +77,10 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         self.enforce_eager = enforce_eager
         self.blocks_per_seq = math.ceil(model_config.max_model_len / block_size)
-        self.token_buckets = pow2_buckets(1, max_num_batched_tokens)
+        # Decode steps (one token per sequence) get buckets from 1 up to max_num_seqs; steps with
+        # a prompt chunk start at 16, since tiny prefills gain nothing from their own program.
+        self.decode_buckets = pow2_buckets(1, min(max_num_seqs, max_num_batched_tokens))
+        self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
         self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
         self.graphdef, self.state = nnx.split(model)
         mc = model_config
@@ -106,7 +109,9 @@ class ModelRunner:
         """Flat padded arrays for the scheduled requests (NumPy, no device work)."""
         items = sched.scheduled
         num_tokens = sum(it.num_tokens for it in items)
-        T = num_tokens if self.enforce_eager else bucket(num_tokens, self.token_buckets)
+        decode_only = num_tokens == len(items)
+        buckets = self.decode_buckets if decode_only else self.token_buckets
+        T = num_tokens if self.enforce_eager else bucket(num_tokens, buckets)
         S, bs = self.max_num_seqs, self.block_size
         token_ids = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
@@ -129,7 +134,6 @@ class ModelRunner:
             if it.sample:
                 rows.append((req, t - 1))
         cu[len(items) + 1:] = t
-        decode_only = num_tokens == len(items)
         md = AttentionMetadata(slots, kv_lens, tables, cu, np.array([len(items)], np.int32),
                                decode_only=decode_only)
         logits_indices = np.zeros(S, np.int32)
@@ -177,11 +181,11 @@ class ModelRunner:
             np.zeros((S, self.blocks_per_seq), np.int32), np.zeros(S + 1, np.int32),
             np.zeros(1, np.int32), decode_only=d)
         lowered = {}
-        for T in self.token_buckets:
+        shapes = [(T, False) for T in self.token_buckets] + [(T, True) for T in self.decode_buckets]
+        for T, decode_only in shapes:
             z = np.zeros(T, np.int32)
-            for decode_only in (False, True) if T <= S else (False,):
-                lowered[("forward", T, decode_only)] = self._forward.lower(
-                    self.state, self.kv_cache, z, z, md(T, decode_only), np.zeros(S, np.int32))
+            lowered[("forward", T, decode_only)] = self._forward.lower(
+                self.state, self.kv_cache, z, z, md(T, decode_only), np.zeros(S, np.int32))
         rows = jax.eval_shape(self._forward_fn, self.state, self.kv_cache, z, z, md(T, False),
                               np.zeros(S, np.int32))[0]
         rows = jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=self.rows_sharding)
@@ -201,8 +205,9 @@ class ModelRunner:
             self._executables.update(pool.map(compile_one, lowered.items()))
         bar.close()
         n_fwd = sum(k[0] == "forward" for k in lowered)
-        logger.info("Compiled %d forward shapes (token buckets %s) and %d sampler shapes",
-                    n_fwd, self.token_buckets, len(lowered) - n_fwd)
+        logger.info("Compiled %d forward shapes (token buckets %s, decode buckets %s) and %d "
+                    "sampler variants", n_fwd, self.token_buckets, self.decode_buckets,
+                    len(lowered) - n_fwd)
 
 
 def _token_slice(req, start: int, n: int) -> list[int]:
