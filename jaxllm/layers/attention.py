@@ -37,7 +37,7 @@ class AttentionMetadata:
 # The pure-JAX reference's tiling: (queries per tile, tiles per loop step, keys per chunk).
 # Decode: one query per sequence, many sequences per step, short chunks so short contexts
 # gather little. Mixed/prefill: 16-query tiles so a prompt's pages are gathered once per 16.
-REFERENCE_TILING = {True: (1, 64, 128), False: (16, 4, 256)}
+REFERENCE_TILING = {True: (1, 16, 128), False: (16, 4, 256)}
 
 
 def attention_impl(backend: str):
