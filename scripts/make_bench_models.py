@@ -1,0 +1,90 @@
+"""Build the benchmark model folders once, so every engine reads the very same safetensors.
+
+    python scripts/make_bench_models.py --models smollm2 llama124m \
+        --cache-dir ~/.cache/jaxllm/bench_models
+
+smollm2: the default SmolLM2-135M GGUF dequantized to a float32 safetensors folder (by
+scripts/convert_smollm2_to_safetensors.py). llama124m: a seeded random-weight Llama (hidden 768,
+12 layers, 12 heads / 4 KV heads, FFN 2048, vocab 32000) with SmolLM2's tokenizer copied in:
+vLLM needs a tokenizer even for token-id prompts, and neither prompts (ids < 32000) nor outputs
+(the model has 32000 logits) ever reach the tokenizer's ids above 32000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxllm", "bench_models")
+MODELS = ("smollm2", "llama124m")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+def is_built(folder: str) -> bool:
+    """A folder counts as built once weights, config and a tokenizer are all there."""
+    return all(os.path.exists(os.path.join(folder, f))
+               for f in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def build_smollm2(folder: str) -> None:
+    """Run the existing converter in a subprocess (it imports torch + transformers + gguf)."""
+    subprocess.run([sys.executable, os.path.join(HERE, "convert_smollm2_to_safetensors.py"),
+                    "--out", folder, "--dtype", "float32"], check=True)
+
+
+def build_llama124m(folder: str, tokenizer_from: str) -> None:
+    """Seeded random Llama saved in float32, with SmolLM2's tokenizer files beside it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                         num_key_value_heads=4, intermediate_size=2048, vocab_size=32000,
+                         max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                         architectures=["LlamaForCausalLM"])
+    config.rope_theta = 10000.0  # transformers 5.x writes only rope_parameters; older readers want this
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        src = os.path.join(tokenizer_from, name)
+        if os.path.exists(src):
+            shutil.copy(src, folder)
+
+
+def ensure_models(names, cache_dir: str = DEFAULT_CACHE) -> dict:
+    """Build whatever is missing; return {name: folder}. llama124m borrows smollm2's tokenizer."""
+    paths = {n: os.path.join(cache_dir, n) for n in MODELS}
+    wanted = set(names) | ({"smollm2"} if "llama124m" in names else set())
+    for name in MODELS:
+        if name not in wanted or is_built(paths[name]):
+            continue
+        tmp = paths[name] + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        print(f"building {name} in {paths[name]} ...", file=sys.stderr, flush=True)
+        if name == "smollm2":
+            build_smollm2(tmp)
+        else:
+            build_llama124m(tmp, paths["smollm2"])
+        shutil.rmtree(paths[name], ignore_errors=True)
+        os.rename(tmp, paths[name])  # atomic: a half-written folder never looks built
+    return {n: paths[n] for n in names}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--cache-dir", default=DEFAULT_CACHE)
+    args = parser.parse_args()
+    for name, path in ensure_models(args.models, args.cache_dir).items():
+        print(f"{name}: {path} {sorted(os.listdir(path))}")
+
+
+if __name__ == "__main__":
+    main()
