@@ -158,7 +158,9 @@ def _layer(cfg: ModelConfig, backend: str, w: dict, h: jax.Array, cache: KVCache
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, cache = paged_attention(q, k, v, cache, layer, md, sm_scale=cfg.sm_scale, backend=backend,
                                sliding_window=window, soft_cap=cfg.attn_logit_softcap)
-    a = _dot("tkgd,kgde->te", o.reshape(T, K, G, D), w["o"])
+    # As 2-D operands: contracting (k, g, d) as separate axes makes XLA:CPU transpose the
+    # weight every step.
+    a = _dot("tn,ne->te", o.reshape(T, K * G * D), w["o"].reshape(K * G * D, -1))
     if cfg.o_bias:
         a = a + w["o_bias"]
     a = a.astype(dt)
