@@ -67,8 +67,8 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
         finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in out.outputs]
     return ChatCompletionResponse(
         id=request_id, model=model, choices=choices, usage=_usage(prompt, out),
-        prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs) if req.prompt_logprobs
-        else None)
+        prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs)
+        if req.prompt_logprobs is not None else None)
 
 
 def _usage(prompt: Prompt, out: Optional[RequestOutput]) -> UsageInfo:

@@ -28,11 +28,13 @@ async def create_completion(state: ServingState, req: CompletionRequest, base_id
     req.check_supported()
     state.warn_ignored_fields(req)
     prompts = await to_prompts(state, req.prompt, req.add_special_tokens)
-    # With echo + logprobs, vLLM also asks for the prompt's logprobs; the engine cannot compute
-    # them yet, so echoed prompt tokens carry null logprobs.
+    # As vLLM: echo with logprobs also asks for the prompt's, so the echoed tokens carry them.
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo:
+        prompt_logprobs = req.logprobs
     params = [build_params(state, lambda p=p: req.sampling_params(
         max_tokens_for(state, len(p.token_ids), req.max_tokens), req.logprobs,
-        req.prompt_logprobs, state.generation_defaults)) for p in prompts]
+        prompt_logprobs, state.generation_defaults)) for p in prompts]
     if req.echo:
         for p in prompts:
             if p.text is None:
@@ -76,8 +78,8 @@ def _choice(state: ServingState, req: CompletionRequest, i: int, prompt: Prompt,
     return CompletionResponseChoice(
         index=i * req.n + o.index, text=text, logprobs=logprobs,
         finish_reason=o.finish_reason, stop_reason=o.stop_reason,
-        prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs) if req.prompt_logprobs
-        else None)
+        prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs)
+        if req.prompt_logprobs is not None else None)
 
 
 async def _stream(state: ServingState, req: CompletionRequest, model: str, request_id: str,

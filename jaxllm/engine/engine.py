@@ -44,6 +44,7 @@ class _UserRequest:
     params: SamplingParams
     children: list[_Child] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: Optional[list] = None  # per prompt token; filled as positions are computed
 
 
 class LLMEngine:
@@ -122,8 +123,6 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         params = params.clone() if params is not None else SamplingParams()
         params.verify_for_model(self.model_config.vocab_size, self.args.max_logprobs)
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet by jaxllm")
         extra = len(params.logit_bias or {}) + len(params.stop_token_ids) + len(self.eos_token_ids)
         if extra > EXTRA_PENALTY_IDS:
             raise ValueError(f"logit_bias and stop_token_ids name {extra} tokens; at most "
@@ -135,6 +134,8 @@ class LLMEngine:
             raise ValueError("priority is only used with --scheduling-policy priority")
         now = time.monotonic() if arrival_time is None else arrival_time
         user = _UserRequest(request_id, text, ids, params, metrics={"arrival_time": now})
+        if params.prompt_logprobs is not None:
+            user.prompt_logprobs = [None] * len(ids)
         for i in range(params.n):
             if params.seed is not None:
                 seed = params.seed + i
@@ -142,7 +143,8 @@ class LLMEngine:
                 seed = int(self._rng.integers(2**31 - 1))
             seq_id = request_id if params.n == 1 else f"{i}_{request_id}"
             seq = Request(seq_id, list(ids), params, eos_token_ids=self.eos_token_ids,
-                          arrival_time=now, priority=priority, seed=seed)
+                          arrival_time=now, priority=priority, seed=seed,
+                          computes_prompt_logprobs=i == 0 and params.prompt_logprobs is not None)
             detok = None
             if self.tokenizer is not None and params.detokenize:
                 detok = IncrementalDetokenizer(
@@ -177,7 +179,13 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        sampled = self.runner.execute(sched)
+        sampled, prompt_logprobs = self.runner.execute(sched)
+        for seq_id, (first, positions) in prompt_logprobs.items():
+            user = self._seq_owner.get(seq_id)
+            if user is not None:  # else aborted since scheduling
+                # A recompute after preemption rewrites the same values.
+                user.prompt_logprobs[first:first + len(positions)] = [
+                    self._logprob_dict(s.token, s) for s in positions]
         self.scheduler.update_from_output(sched, {rid: s.token for rid, s in sampled.items()})
         now = time.monotonic()
         touched: dict[str, _UserRequest] = {}
@@ -242,9 +250,12 @@ class LLMEngine:
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
                 logprobs=list(c.logprobs) if c.logprobs is not None else None,
                 finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
+        # Complete (and no longer written) once the sequence computing them has sampled; with
+        # n > 1 another sequence may sample first.
+        prompt_logprobs = user.prompt_logprobs if user.children[0].seq.output_token_ids else None
         return RequestOutput(
             request_id=user.request_id, prompt=user.prompt,
-            prompt_token_ids=user.prompt_token_ids, prompt_logprobs=None, outputs=outs,
+            prompt_token_ids=user.prompt_token_ids, prompt_logprobs=prompt_logprobs, outputs=outs,
             finished=finished, num_cached_tokens=user.children[0].seq.num_cached_tokens,
             metrics=dict(user.metrics))
 

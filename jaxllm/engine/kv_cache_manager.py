@@ -79,8 +79,10 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest verified cached prefix of full blocks, leaving at least one token to compute
-        (the model must run on the last token to sample the next). No side effects."""
-        if not self.enable_prefix_caching:
+        (the model must run on the last token to sample the next). No side effects.
+        A request still needing its prompt logprobs takes no hits (as vLLM): every prompt
+        position must be computed; it still publishes its blocks for others."""
+        if not self.enable_prefix_caching or req.needs_prompt_logprobs:
             return [], 0
         hashes = self._block_hashes(req, (req.num_tokens - 1) // self.block_size)
         ids, parent = [], _ROOT
@@ -106,7 +108,7 @@ class KVCacheManager:
         if owned is None:
             owned = self._req_blocks[req.request_id] = []
             self._req_uids[req.request_id] = [b.uid for b in computed]
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and not req.needs_prompt_logprobs:
                 self.prefix_cache_queries += req.num_tokens
                 self.prefix_cache_hits += len(computed) * self.block_size
         for b in computed:

@@ -46,6 +46,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: Union[int, str, None] = None
     num_preemptions: int = 0
+    # This sequence computes its user request's prompt logprobs (the first of n does).
+    computes_prompt_logprobs: bool = False
     # Set by the engine for metrics.
     first_token_time: Optional[float] = None
 
@@ -64,6 +66,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt positions must still be computed for their logprobs: once a token is
+        sampled, every prompt position has been computed, so a recompute after preemption may
+        skip them (and use the prefix cache)."""
+        return self.computes_prompt_logprobs and not self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

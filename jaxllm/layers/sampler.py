@@ -258,14 +258,16 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
 
 
 def sample_rows(rows: jax.Array, num_rows: jax.Array, compute_logits,
-                t: SamplingTensors) -> SamplerOutput:
+                t: SamplingTensors, min_logit_rows: int = 1) -> SamplerOutput:
     """Sample the first num_rows (dynamic) of rows [S, E], t built with pad_to=S: one program
     for every batch size, and work that scales with num_rows, not S. Each loop step runs
     compute_logits ([c, E] -> f32 [c, V]) on the next c rows, c the smallest of _LOGIT_ROWS
     that covers the rows left (else the largest), then samples them _ROWS at a time; [S, V]
-    logits never exist. Rows >= num_rows come out as don't-care values."""
+    logits never exist. Rows >= num_rows come out as don't-care values. min_logit_rows drops
+    the smaller chunk sizes: XLA:CPU runs a bf16 weight against few rows by converting all of
+    it to f32 first (3x slower than 64 rows, which run natively in bf16)."""
     S, num_rows = rows.shape[0], jnp.asarray(num_rows, jnp.int32)
-    sizes = sorted({min(c, S) for c in _LOGIT_ROWS})
+    sizes = sorted({min(max(c, min_logit_rows), S) for c in _LOGIT_ROWS})
     C, R = sizes[-1], min(_ROWS, S)
     V = jax.eval_shape(compute_logits, rows[:1]).shape[1]
     # Slices are clamped to stay in bounds, so a step or a group may overlap finished rows:
@@ -315,6 +317,34 @@ def token_logprobs(logits: jax.Array, token_ids: jax.Array, num_top: int):
     """Raw log-softmax of logits [S, V] at token_ids [S]: (logprob [S], vLLM rank [S], the top
     num_top logprobs [S, K] and their ids [S, K]). Also fits prompt logprobs (rows = positions)."""
     return _by_rows(lambda x, ids: _token_logprobs(x, ids, num_top), logits, token_ids)
+
+
+def gathered_token_logprobs(hidden: jax.Array, row_idx: jax.Array, token_ids: jax.Array,
+                            num_rows: jax.Array, compute_logits, num_top: int):
+    """`token_logprobs` of token_ids[i] at hidden[row_idx[i]] ([T, E] hidden states), for the
+    first num_rows (dynamic) of the P entries: the prompt logprobs of a step. Logits are computed
+    _LOGIT_ROWS[-1] rows at a time, so the cost follows num_rows and [P, V] logits never exist.
+    Entries >= num_rows come out as don't-care values."""
+    P = row_idx.shape[0]
+    C = min(_LOGIT_ROWS[-1], P)
+    padded = -(-P // C) * C
+    row_idx, token_ids = (jnp.pad(a, (0, padded - P)) for a in (row_idx, token_ids))
+
+    def chunk(i, out):
+        start = i * C
+        rows = jnp.take(hidden, lax.dynamic_slice_in_dim(row_idx, start, C), axis=0)
+        logits = compute_logits(rows).astype(jnp.float32)
+        new = token_logprobs(logits, lax.dynamic_slice_in_dim(token_ids, start, C), num_top)
+        return jax.tree.map(lambda buf, v: lax.dynamic_update_slice_in_dim(buf, v, start, 0),
+                            out, new)
+
+    V = jax.eval_shape(compute_logits, hidden[:1]).shape[1]
+    shapes = jax.eval_shape(lambda x, ids: token_logprobs(x, ids, num_top),
+                            jax.ShapeDtypeStruct((C, V), jnp.float32),
+                            jax.ShapeDtypeStruct((C,), jnp.int32))
+    out = jax.tree.map(lambda s: jnp.zeros((padded, *s.shape[1:]), s.dtype), shapes)
+    num_chunks = jnp.minimum(-(-jnp.asarray(num_rows, jnp.int32) // C), padded // C)
+    return jax.tree.map(lambda a: a[:P], lax.fori_loop(0, num_chunks, chunk, out))
 
 
 def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:

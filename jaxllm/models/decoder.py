@@ -111,6 +111,7 @@ class Decoder(nnx.Module):
         def body(carry, xs):
             h, cache = carry
             w, layer, rope_id, window = xs
+            w = jax.tree.map(_from_bits, w)
             h, cache = _layer(cfg, self.attention_backend, w, h, cache, layer, md,
                               cos[rope_id], sin[rope_id], window if windowed else None)
             return (h, cache), None
@@ -126,6 +127,25 @@ class Decoder(nnx.Module):
         logits = jnp.einsum("ne,ve->nv", hidden, w, preferred_element_type=jnp.float32)
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def layers_as_bits(state: nnx.State) -> nnx.State:
+    """The state with bf16 layer weights stored as their uint16 bits, for XLA:CPU.
+
+    XLA:CPU converts every bf16 array that enters a while loop (the layer scan) to f32, whole,
+    on every call: bits pass through untouched and each layer converts only its own slice
+    (3x faster single-sequence decode, 1.6x at batch 64, measured on the 124M Llama).
+    """
+    def to_bits(w):
+        return jax.lax.bitcast_convert_type(w, jnp.uint16) if w.dtype == jnp.bfloat16 else w
+
+    state["layers"] = jax.jit(lambda t: jax.tree.map(to_bits, t),
+                              donate_argnums=0)(state["layers"])
+    return state
+
+
+def _from_bits(w: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(w, jnp.bfloat16) if w.dtype == jnp.uint16 else w
 
 
 def rms_norm(x: jax.Array, w: jax.Array, cfg: ModelConfig) -> jax.Array:

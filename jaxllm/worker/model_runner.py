@@ -1,8 +1,8 @@
 """Host batch -> padded bucket arrays -> one jitted model step -> one jitted sampling step.
 
-Two compiled functions, each over a small set of shapes known at start-up:
+Two compiled functions run every step, each over a small set of shapes known at start-up:
   forward(state, kv_cache, token_ids[T], positions[T], metadata, logits_indices[max_num_seqs])
-      -> (hidden rows to sample [max_num_seqs, E], kv_cache)
+      -> (hidden rows to sample [max_num_seqs, E], all hidden states [T, E], kv_cache)
       T is a power-of-two token bucket; every other input has a fixed size (max_num_seqs rows,
       the full block-table width), so T alone picks the program. The cache is donated.
   sample(state, rows, num_rows, sampling tensors) -> sampled tokens (+ logprobs)
@@ -12,7 +12,12 @@ At start-up every (bucket, variant) is lowered, then compiled ahead of time on a
 steps dispatch to those executables; a shape outside them is compiled on the spot, counted,
 logged, and raised when JAXLLM_FAIL_ON_RECOMPILE=1 (the tests set it). --enforce-eager skips
 the warm-up and runs unpadded shapes through plain jit.
-The only device-to-host transfer per step is the sampler's output.
+A third serves only steps that compute prompt_logprobs, so it is compiled on first use per T
+(logged, not counted as a recompile) and start-up does not grow:
+  prompt_logprobs(state, hidden[T, E], row_idx[T], target_ids[T], num_rows)
+      -> raw logprob, rank and top max_logprobs of each target prompt token at its hidden row,
+      for the first num_rows entries (dynamic, as the sampler's).
+The only device-to-host transfers per step are the sampler's output and, when asked, that one's.
 """
 
 from __future__ import annotations
@@ -25,13 +30,17 @@ from dataclasses import dataclass
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from jaxllm.engine.request import Request
 from jaxllm.layers.attention import AttentionMetadata, KVCache, empty_kv_cache
-from jaxllm.layers.sampler import SamplingTensors, sample_rows, warmup_tensors
+from jaxllm.layers.sampler import (SamplingTensors, gathered_token_logprobs, sample_rows,
+                                   warmup_tensors)
+from jaxllm.models.decoder import layers_as_bits
 from jaxllm.parallel.mesh import named_sharding
 
 logger = logging.getLogger("jaxllm")
@@ -64,6 +73,15 @@ class SampleResult:
     top: tuple = ()  # ((token_id, logprob), ...) best first
 
 
+@dataclass
+class PromptRows:
+    """One request's prompt positions in a step: flat rows whose hidden states predict the
+    prompt tokens first, first + 1, ... (the targets)."""
+    request: Request
+    first: int
+    rows: np.ndarray
+
+
 class ModelRunner:
     def __init__(self, model, model_config, mesh, *, num_blocks: int, block_size: int,
                  kv_cache_dtype, max_num_seqs: int, max_num_batched_tokens: int,
@@ -83,26 +101,39 @@ class ModelRunner:
         self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
         self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
         self.graphdef, self.state = nnx.split(model)
+        self.min_logit_rows = 1
+        if jax.default_backend() == "cpu":  # bf16 work-arounds for XLA:CPU (see both)
+            self.state = layers_as_bits(self.state)
+            self.min_logit_rows = 64 if model_config.jnp_dtype == jnp.bfloat16 else 1
         mc = model_config
         shape = (mc.num_layers, num_blocks, mc.num_kv_heads, block_size, mc.head_dim)
         kv_sharding = named_sharding(mesh, KV_CACHE_AXES, shape)
         self.kv_cache: KVCache = empty_kv_cache(*shape, dtype=kv_cache_dtype, sharding=kv_sharding)
         self.rows_sharding = NamedSharding(mesh, P())  # replicated: the sampler reads all rows
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
-                                out_shardings=(self.rows_sharding, KVCache(kv_sharding, kv_sharding)))
+                                out_shardings=(self.rows_sharding, self.rows_sharding,
+                                               KVCache(kv_sharding, kv_sharding)))
         self._sample = jax.jit(self._sample_fn)
-        self._executables: dict = {}  # ("forward", T) / ("sample", R, treedef) -> compiled
+        self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn)
+        # ("forward", T, decode_only) / ("sample", treedef) / ("prompt_logprobs", T) -> compiled
+        self._executables: dict = {}
         self.num_recompiles = 0
 
     # --- the jitted functions ----------------------------------------------------------------
     def _forward_fn(self, state, kv_cache, token_ids, positions, md, logits_indices):
         model = nnx.merge(self.graphdef, state)
         hidden, kv_cache = model(kv_cache, token_ids, positions, md)
-        return hidden[logits_indices], kv_cache
+        return hidden[logits_indices], hidden, kv_cache
 
     def _sample_fn(self, state, rows, num_rows, tensors):
         model = nnx.merge(self.graphdef, state)
-        return sample_rows(rows, num_rows, model.compute_logits, tensors)
+        return sample_rows(rows, num_rows, model.compute_logits, tensors,
+                           min_logit_rows=self.min_logit_rows)
+
+    def _prompt_logprobs_fn(self, state, hidden, row_idx, target_ids, num_rows):
+        model = nnx.merge(self.graphdef, state)
+        return gathered_token_logprobs(hidden, row_idx, target_ids, num_rows,
+                                       model.compute_logits, self.max_logprobs)
 
     # --- host side ---------------------------------------------------------------------------
     def _prepare(self, sched) -> tuple:
@@ -119,7 +150,7 @@ class ModelRunner:
         kv_lens = np.zeros(S, np.int32)
         tables = np.zeros((S, self.blocks_per_seq), np.int32)
         cu = np.zeros(S + 1, np.int32)
-        rows, t = [], 0
+        rows, prompt_rows, t = [], [], 0
         for i, it in enumerate(items):
             req, n, start = it.request, it.num_tokens, it.start
             token_ids[t:t + n] = _token_slice(req, start, n)
@@ -129,6 +160,10 @@ class ModelRunner:
             slots[t:t + n] = blocks[pos // bs] * bs + pos % bs
             kv_lens[i] = start + n
             tables[i, :len(blocks)] = blocks
+            # Position p predicts token p + 1: a prompt logprob while p + 1 is in the prompt.
+            end = min(start + n, req.num_prompt_tokens - 1)
+            if req.needs_prompt_logprobs and end > start:
+                prompt_rows.append(PromptRows(req, start + 1, np.arange(t, t + end - start)))
             t += n
             cu[i + 1] = t
             if it.sample:
@@ -138,31 +173,55 @@ class ModelRunner:
                                decode_only=decode_only)
         logits_indices = np.zeros(S, np.int32)
         logits_indices[:len(rows)] = [r[1] for r in rows]
-        return (token_ids, positions, md, logits_indices), [r[0] for r in rows]
+        return (token_ids, positions, md, logits_indices), [r[0] for r in rows], prompt_rows
 
-    def execute(self, sched) -> dict[str, SampleResult]:
-        """Run one step; return the sampled token (and logprobs) of each request that samples."""
-        inputs, reqs = self._prepare(sched)
+    def execute(self, sched) -> tuple[dict[str, SampleResult], dict[str, tuple]]:
+        """Run one step. Returns the sampled token (and logprobs) of each request that samples,
+        and {request_id: (first, [SampleResult per prompt token first, first + 1, ...])} for
+        the prompt positions computed for prompt_logprobs."""
+        inputs, reqs, prompt_rows = self._prepare(sched)
         T = inputs[0].shape[0]
-        rows, self.kv_cache = self._run(("forward", T, inputs[2].decode_only), self._forward,
-                                        self.state, self.kv_cache, *inputs)
-        if not reqs:
-            return {}
-        tensors = SamplingTensors.from_requests(reqs, pad_to=self.max_num_seqs,
-                                                vocab_size=self.model_config.vocab_size,
-                                                max_logprobs=self.max_logprobs,
-                                                penalty_width=self.penalty_width)
-        key = ("sample", jax.tree_util.tree_structure(tensors))
-        out = jax.device_get(self._run(key, self._sample, self.state, rows,
-                                       np.int32(len(reqs)), tensors))
-        return {req.request_id: _result(out, i, req) for i, req in enumerate(reqs)}
+        rows, hidden, self.kv_cache = self._run(("forward", T, inputs[2].decode_only),
+                                                self._forward, self.state, self.kv_cache, *inputs)
+        prompt = self._compute_prompt_logprobs(hidden, prompt_rows) if prompt_rows else None
+        sampled = {}
+        if reqs:
+            tensors = SamplingTensors.from_requests(reqs, pad_to=self.max_num_seqs,
+                                                    vocab_size=self.model_config.vocab_size,
+                                                    max_logprobs=self.max_logprobs,
+                                                    penalty_width=self.penalty_width)
+            key = ("sample", jax.tree_util.tree_structure(tensors))
+            out = jax.device_get(self._run(key, self._sample, self.state, rows,
+                                           np.int32(len(reqs)), tensors))
+            sampled = {req.request_id: _result(out, i, req) for i, req in enumerate(reqs)}
+        return sampled, (_prompt_results(jax.device_get(prompt), prompt_rows) if prompt_rows
+                         else {})
+
+    def _compute_prompt_logprobs(self, hidden, prompt_rows: list[PromptRows]):
+        """Dispatch the prompt-logprobs program on this step's hidden states [T, E]: one entry
+        per target prompt token (at most T of them), padded to T."""
+        T = hidden.shape[0]
+        row_idx, target_ids = np.zeros(T, np.int32), np.zeros(T, np.int32)
+        n = 0
+        for pr in prompt_rows:
+            k = len(pr.rows)
+            row_idx[n:n + k] = pr.rows
+            target_ids[n:n + k] = pr.request.prompt_token_ids[pr.first:pr.first + k]
+            n += k
+        return self._run(("prompt_logprobs", T), self._prompt_logprobs, self.state, hidden,
+                         row_idx, target_ids, np.int32(n), first_use=True)
 
     # --- compilation -------------------------------------------------------------------------
-    def _run(self, key, fn, *args):
+    def _run(self, key, fn, *args, first_use: bool = False):
+        """Dispatch to the executable compiled for key; first_use marks programs that are
+        compiled when first needed rather than at warm-up, which is not a recompile."""
         if self.enforce_eager:
             return fn(*args)
         exe = self._executables.get(key)
-        if exe is None:
+        if exe is None and first_use:
+            logger.info("compiling %s on first use", key)
+            exe = self._executables[key] = fn.lower(*args).compile()
+        elif exe is None:
             self.num_recompiles += 1
             msg = f"compiling {key[:2]} after warm-up (a shape outside the buckets)"
             if os.environ.get("JAXLLM_FAIL_ON_RECOMPILE") == "1":
@@ -226,3 +285,19 @@ def _result(out, i: int, req) -> SampleResult:
         return SampleResult(int(out.token_ids[i]))
     top = tuple(zip(out.top_token_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()))
     return SampleResult(int(out.token_ids[i]), float(out.logprobs[i]), int(out.ranks[i]), top)
+
+
+def _prompt_results(out, prompt_rows: list[PromptRows]) -> dict[str, tuple]:
+    """The prompt-logprobs program's host output, split per request, top-k cut to its k."""
+    logprobs, ranks, top_logprobs, top_ids = out
+    results, n = {}, 0
+    for pr in prompt_rows:
+        req, m = pr.request, len(pr.rows)
+        k = req.sampling_params.prompt_logprobs
+        targets = req.prompt_token_ids[pr.first:pr.first + m]
+        rows = zip(targets, logprobs[n:n + m].tolist(), ranks[n:n + m].tolist(),
+                   top_ids[n:n + m, :k].tolist(), top_logprobs[n:n + m, :k].tolist())
+        results[req.request_id] = (pr.first, [SampleResult(t, lp, r, tuple(zip(ids, lps)))
+                                              for t, lp, r, ids, lps in rows])
+        n += m
+    return results
