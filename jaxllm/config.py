@@ -20,7 +20,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # resolved to the GGUF inside the `llm-
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf", "sharded_state")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
-ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+ATTENTION_BACKENDS = ("auto", "pallas", "reference", "cpu")
 
 
 def parse_size(value: Union[str, int, None]) -> Optional[int]:
@@ -112,8 +112,10 @@ class EngineArgs:
     scheduling_policy: str = _arg("fcfs, or priority (lower value first, then arrival).",
                                   choices=("fcfs", "priority"), default="fcfs")
     enforce_eager: bool = _arg("Do not pad to buckets or compile them at start-up.", default=False)
-    attention_backend: str = _arg("Attention implementation: auto = Pallas on TPU/GPU, the "
-                                  "pure-JAX reference on CPU.", choices=ATTENTION_BACKENDS,
+    attention_backend: str = _arg("Attention implementation: auto = Pallas on TPU/GPU; on CPU "
+                                  "'cpu' (native decode kernel, built with the system C++ "
+                                  "compiler, plus the pure-JAX reference) on one device, else "
+                                  "'reference' (pure JAX).", choices=ATTENTION_BACKENDS,
                                   default="auto")
     quantization: Optional[str] = _arg("Weight quantization method (none supported yet; GGUF "
                                        "weights are dequantized at load).", default=None)

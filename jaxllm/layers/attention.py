@@ -13,6 +13,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxllm.config import ConfigError
+from pallas_kernels.ragged_paged_attention import kernel_cpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
 
 
@@ -41,8 +43,9 @@ REFERENCE_TILING = {True: (1, 16, 128), False: (16, 4, 256)}
 
 
 def attention_impl(backend: str):
-    """The ragged paged attention function for a backend name ('reference' or 'pallas')."""
-    if backend == "reference":
+    """The ragged paged attention function for a backend name ('reference', 'cpu' (the
+    reference, with decode steps in the native CPU kernel, see `paged_attention`) or 'pallas')."""
+    if backend in ("reference", "cpu"):
         return ragged_paged_attention
     if backend == "pallas":
         from pallas_kernels.ragged_paged_attention import kernel
@@ -50,11 +53,17 @@ def attention_impl(backend: str):
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
-def resolve_backend(requested: str) -> str:
-    """auto = Pallas on TPU/GPU, the pure-JAX reference on CPU."""
+def resolve_backend(requested: str, num_devices: int = 1) -> str:
+    """auto = Pallas on TPU/GPU; on CPU the native decode kernel when it builds and the model
+    is on one device (XLA cannot partition the FFI call), else the pure-JAX reference."""
+    if requested == "cpu" and not kernel_cpu.available():
+        raise ConfigError("--attention-backend cpu: the CPU kernel could not be built (is a "
+                         "C++ compiler installed? see the log)")
     if requested != "auto":
         return requested
-    return "reference" if jax.default_backend() == "cpu" else "pallas"
+    if jax.default_backend() != "cpu":
+        return "pallas"
+    return "cpu" if num_devices == 1 and kernel_cpu.available() else "reference"
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,
@@ -65,8 +74,14 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, la
     """q [T, Hq, D], k/v [T, Hkv, D] -> (out [T, Hq, D], updated cache)."""
     kc, vc = write_kv(cache.k, cache.v, layer, k, v, md.slot_mapping,
                       k_scale=k_scale, v_scale=v_scale)
+    if (backend == "cpu" and md.decode_only and kc.dtype == jnp.float32 and k_scale is None
+            and v_scale is None):
+        out = kernel_cpu.paged_decode_attention(
+            q, kc, vc, layer, md.kv_lens, md.block_tables, md.num_seqs, sm_scale=sm_scale,
+            sliding_window=sliding_window, soft_cap=soft_cap)
+        return out, KVCache(kc, vc)
     tiling = {}
-    if backend == "reference":
+    if backend in ("reference", "cpu"):
         q_tile, groups, keys = REFERENCE_TILING[md.decode_only]
         tiling = dict(q_tile=q_tile, tiles_per_group=groups,
                       chunk_blocks=max(1, keys // kc.shape[3]))

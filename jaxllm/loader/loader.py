@@ -56,7 +56,7 @@ def load_model(args: EngineArgs, mesh: Mesh) -> tuple[Decoder, ModelConfig]:
     path = model_path(args)
     fmt = load_format(args, path)
     cfg = ModelConfig.from_hf(hf_config(path), args)
-    backend = resolve_backend(args.attention_backend)
+    backend = resolve_backend(args.attention_backend, args.tensor_parallel_size)
     model = abstract_decoder(cfg, backend)
     if fmt == "dummy":
         shardings = param_shardings(nnx.state(model), mesh)
