@@ -111,6 +111,10 @@ class EngineArgs:
                                                   default=None)
     scheduling_policy: str = _arg("fcfs, or priority (lower value first, then arrival).",
                                   choices=("fcfs", "priority"), default="fcfs")
+    async_scheduling: bool = _arg("Schedule and dispatch step N+1 before reading step N's "
+                                  "tokens, so host work overlaps the device (outputs are "
+                                  "unchanged; steps with penalties wait for the tokens).",
+                                  default=False)
     enforce_eager: bool = _arg("Do not pad to buckets or compile them at start-up.", default=False)
     attention_backend: str = _arg("Attention implementation: auto = Pallas on TPU/GPU; on CPU "
                                   "'cpu' (native decode kernel, built with the system C++ "

@@ -84,7 +84,8 @@ def test_batch_equals_transformers_and_one_by_one(llm, prompts, expected):
     dict(enable_prefix_caching=False),
     dict(num_gpu_blocks_override=64),  # 256 slots; 8 running sequences need ~400: preemption
     dict(enforce_eager=True),
-], ids=["no-chunked-prefill", "no-prefix-caching", "preemption", "eager"])
+    dict(async_scheduling=True, num_gpu_blocks_override=64),
+], ids=["no-chunked-prefill", "no-prefix-caching", "preemption", "eager", "async-preemption"])
 def test_engine_variants_match_transformers(tiny_llama, prompts, expected, kw):
     llm = small_llm(tiny_llama, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
@@ -99,8 +100,9 @@ def test_chunked_prefill_splits_long_prompt(tiny_llama):
     llm = small_llm(tiny_llama, max_num_batched_tokens=16)
     prompt = mixed_prompts(1, seed=5, lo=60, hi=61)[0]
     steps = []
-    run = llm.llm_engine.runner.execute
-    llm.llm_engine.runner.execute = lambda s: (steps.append(s.total_num_tokens), run(s))[1]
+    run = llm.llm_engine.runner.dispatch
+    llm.llm_engine.runner.dispatch = lambda s, prev: (steps.append(s.total_num_tokens),
+                                                       run(s, prev))[1]
     out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
     assert token_ids(out) == hf_greedy(tiny_llama, [prompt], NEW)
     assert max(steps) <= 16 and steps[:4] == [16, 16, 16, 12]
@@ -111,12 +113,13 @@ def test_prefix_caching_computes_only_new_tokens(llm):
     first, second = shared + [11, 12, 13], shared + [21, 22]
     llm.generate({"prompt_token_ids": first}, GREEDY, use_tqdm=False)
     steps = []
-    run = llm.llm_engine.runner.execute
-    llm.llm_engine.runner.execute = lambda s: (steps.append(s.total_num_tokens), run(s))[1]
+    run = llm.llm_engine.runner.dispatch
+    llm.llm_engine.runner.dispatch = lambda s, prev: (steps.append(s.total_num_tokens),
+                                                       run(s, prev))[1]
     try:
         out = llm.generate({"prompt_token_ids": second}, GREEDY, use_tqdm=False)[0]
     finally:
-        llm.llm_engine.runner.execute = run
+        llm.llm_engine.runner.dispatch = run
     # 35 prompt tokens, the first 32 (8 full blocks of 4) cached -> 3 computed, then decodes
     assert steps[0] == len(second) - 32
     assert out.num_cached_tokens == 32
@@ -187,6 +190,47 @@ def test_stop_strings_and_stop_tokens(llm, prompts):
     assert out.text == text[:text.index(stop)]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert tok is not None
+
+
+def test_async_scheduling_overlaps_and_keeps_outputs(tiny_llama, llm, prompts):
+    """With async scheduling step N+1 is dispatched before step N's tokens are read, and every
+    output equals the synchronous engine's: seeded sampling, stop tokens and strings, EOS with
+    min_tokens, max_tokens, logprobs, n > 1, and penalties (which wait for the tokens)."""
+    eos = next(iter(llm.llm_engine.eos_token_ids))
+    free = llm.generate({"prompt_token_ids": prompts[3]}, GREEDY, use_tqdm=False)[0].outputs[0]
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, seed=i, max_tokens=3 + i % 9, ignore_eos=True)
+        for i in range(12)] + [
+        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True,
+                       stop_token_ids=[free.token_ids[4]]),
+        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True,
+                       stop=[free.text[len(free.text) // 2:len(free.text) // 2 + 3]]),
+        SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5, logit_bias={eos: 100.0}),
+        SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True),
+        SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3, ignore_eos=True)]
+    batch = [{"prompt_token_ids": prompts[i % 8 if i != 13 else 3]} for i in range(len(params))]
+    batch[12] = batch[13] = {"prompt_token_ids": prompts[3]}
+    want = llm.generate(batch, params, use_tqdm=False)
+
+    async_llm = small_llm(tiny_llama, async_scheduling=True)
+    runner, calls = async_llm.llm_engine.runner, []
+    for name in ("dispatch", "collect"):
+        def logged(*a, _f=getattr(runner, name), _name=name, **k):
+            calls.append(_name)
+            return _f(*a, **k)
+        setattr(runner, name, logged)
+    got = async_llm.generate(batch, params, use_tqdm=False)
+
+    def summary(outs):
+        return [[(o.token_ids, o.text, o.finish_reason, o.stop_reason,
+                  None if o.logprobs is None else [sorted(d) for d in o.logprobs])
+                 for o in r.outputs] for r in outs]
+    assert summary(got) == summary(want)
+    assert "dispatch,dispatch" in ",".join(calls)  # the overlap happened
+    assert calls.count("dispatch") == calls.count("collect")
+    assert async_llm.llm_engine.kv_cache_manager.usage == 0.0
+    assert not async_llm.llm_engine.has_unfinished_requests()
 
 
 def test_min_tokens_and_eos(tiny_llama, llm):

@@ -81,14 +81,14 @@ def test_prompt_logprobs_with_chunked_prefill(tiny_llama, hf_model):
     llm = small_llm(tiny_llama, max_num_batched_tokens=16)
     prompt = mixed_prompts(1, seed=5, lo=60, hi=61)[0]
     computed = []  # prompt positions returned per step
-    run = llm.llm_engine.runner.execute
+    run = llm.llm_engine.runner.collect
 
-    def execute(sched):
-        sampled, prompt_lps = run(sched)
+    def collect(step):
+        sampled, prompt_lps = run(step)
         computed.append(sum(len(v[1]) for v in prompt_lps.values()))
         return sampled, prompt_lps
 
-    llm.llm_engine.runner.execute = execute
+    llm.llm_engine.runner.collect = collect
     out = llm.generate({"prompt_token_ids": prompt}, params(4), use_tqdm=False)[0]
     assert computed[:4] == [16, 16, 16, 11] and sum(computed) == len(prompt) - 1
     check_against_hf(hf_model, prompt, out.prompt_logprobs, 4)
@@ -138,20 +138,20 @@ def test_preemption_keeps_prompt_logprobs(tiny_llama, hf_model):
 def test_n2_computes_once_and_reports_on_the_request(llm, hf_model):
     prompt = mixed_prompts(1, seed=8, lo=20, hi=21)[0]
     computed = []
-    run = llm.llm_engine.runner.execute
+    run = llm.llm_engine.runner.collect
 
-    def execute(sched):
-        sampled, prompt_lps = run(sched)
+    def collect(step):
+        sampled, prompt_lps = run(step)
         computed.extend((rid, len(v[1])) for rid, v in prompt_lps.items())
         return sampled, prompt_lps
 
-    llm.llm_engine.runner.execute = execute
+    llm.llm_engine.runner.collect = collect
     try:
         out = llm.generate({"prompt_token_ids": prompt},
                            params(3, n=2, temperature=1.0, seed=1, max_tokens=4),
                            use_tqdm=False)[0]
     finally:
-        llm.llm_engine.runner.execute = run
+        llm.llm_engine.runner.collect = run
     assert len(out.outputs) == 2
     assert {rid for rid, _ in computed} == {f"0_{out.request_id}"}
     assert sum(n for _, n in computed) == len(prompt) - 1

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.request import Request, RequestStatus
+from jaxllm.engine.request import PENDING, Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.sampling_params import SamplingParams
 
@@ -38,10 +38,13 @@ class FakeModel:
     def __init__(self, sched):
         self.kv, self.cache = sched.kv, {}
 
-    def __call__(self, out):
+    def __call__(self, out, in_flight=None):
+        """in_flight: the previous step's sampled tokens, which stand for PENDING inputs."""
         sampled, bs = {}, self.kv.block_size
         for s in out.scheduled:
             toks, ids = s.request.all_token_ids, s.block_ids
+            if toks[-1] == PENDING:
+                toks[-1] = in_flight[s.request.request_id]
             assert len(ids) * bs >= s.start + s.num_tokens
             for p in range(s.start, s.start + s.num_tokens):
                 assert self.kv.blocks[ids[p // bs]].ref_cnt == 1  # never write a shared block
@@ -55,16 +58,19 @@ class FakeModel:
 
 
 def step(sched, model):
+    """Step once; returns the schedule and the requests it finished."""
     out = sched.schedule()
-    return out, sched.update_from_output(out, model(out))
+    sched.update_from_output(out, model(out))
+    return out, [s.request for s in out.scheduled if s.request.is_finished]
 
 
 def scripted(sched, tokens):
     """Step once, sampling tokens[request_id] for every request that samples."""
     out = sched.schedule()
-    return out, sched.update_from_output(
+    sched.update_from_output(
         out, {s.request.request_id: tokens[s.request.request_id] for s in out.scheduled
               if s.sample})
+    return out, [s.request for s in out.scheduled if s.request.is_finished]
 
 
 def plan(out):
@@ -213,8 +219,8 @@ def test_abort_frees_blocks_at_once():
     sched.abort_requests(["a", "unknown"])  # between schedule() and update_from_output()
     assert a.status == RequestStatus.FINISHED_ABORTED and a.status.finish_reason == "abort"
     assert sched.kv.num_free_blocks == 16 - 6 and sched.num_running == 2
-    finished = sched.update_from_output(out, {"b": 7, "c": 7})
-    assert finished == [] and a.output_token_ids == [] and b.output_token_ids == [7]
+    kept = sched.update_from_output(out, {"b": 7, "c": 7})
+    assert kept == {"b", "c"} and a.output_token_ids == [] and b.output_token_ids == [7]
     sched.add_request(req("d", range(1, 5)))
     sched.abort_requests(["d"])  # still waiting
     assert sched.num_waiting == 0
@@ -315,3 +321,63 @@ def test_tight_memory_and_budget_give_the_same_outputs(policy, chunked, seed):
     assert tight.num_preemptions > 0 and tight.kv.prefix_cache_hits > 0
     assert tight.kv.num_free_blocks == 18
     assert not tight.kv._req_hashes and not tight.kv._req_blocks  # no per-request state left
+
+
+def run_to_end_async(sched, reqs, max_steps=10_000):
+    """As the engine with async scheduling: step N+1 is scheduled and run (its PENDING inputs
+    taken from step N's tokens, as the device does) before step N's tokens are read."""
+    model = FakeModel(sched)
+    for r in reqs:
+        sched.add_request(r)
+    prev = None
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests() and prev is None:
+            return {r.request_id: r.output_token_ids for r in reqs}
+        out = sched.schedule()
+        tokens = model(out, prev[1] if prev else None) if out.scheduled else None
+        if prev is not None:
+            sched.resolve(*prev)
+        prev = None
+        if out.scheduled:
+            sched.advance(out)
+            prev = (out, tokens)
+        assert out.total_num_tokens <= sched.max_num_batched_tokens
+    raise AssertionError("requests did not finish")
+
+
+@pytest.mark.parametrize("policy,chunked,seed", [("fcfs", True, 4), ("priority", False, 5)])
+def test_async_scheduling_gives_the_same_outputs(policy, chunked, seed):
+    """One step of lookahead (placeholders, length stops at dispatch, token stops a step later,
+    preemption of a request whose token is in flight) changes no output and leaks nothing."""
+    def workload():
+        rng = random.Random(seed)
+        return [req(f"r{i}", [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 20))],
+                    arrival=i, priority=i % 3, max_tokens=rng.randrange(1, 30),
+                    ignore_eos=False, stop_token_ids=[7], min_tokens=rng.randrange(3))
+                for i in range(24)]
+
+    want = run_to_end(make(num_blocks=400, max_num_seqs=32, budget=512, max_model_len=64),
+                      workload())
+    tight = make(num_blocks=18, max_num_seqs=6, budget=64 if not chunked else 13,
+                 max_model_len=64, chunked=chunked, policy=policy)
+    got = run_to_end_async(tight, workload())
+    assert got == want
+    assert any(t[-1] == 7 for t in want.values())  # token stops happened
+    assert tight.num_preemptions > 0 and tight.kv.num_free_blocks == 18
+
+
+def test_async_token_stop_drops_the_token_in_flight():
+    sched = make()
+    a = req("a", range(1, 5), max_tokens=10, stop_token_ids=[9])
+    sched.add_request(a)
+    out1 = sched.schedule()
+    sched.advance(out1)
+    assert a.output_token_ids == [-1] and a.has_pending
+    out2 = sched.schedule()  # scheduled on the placeholder
+    assert plan(out2) == [("a", 4, 1, True)]
+    sched.advance(out2)
+    assert a.output_token_ids == [-1, -1]
+    assert sched.resolve(out1, {"a": 9}) == {"a"}  # a stop token: a finishes, step 2 is void
+    assert a.output_token_ids == [9] and a.status.finish_reason == "stop"
+    assert sched.resolve(out2, {"a": 3}) == set() and a.output_token_ids == [9]
+    assert sched.kv.num_free_blocks == 64 and not sched.has_unfinished_requests()

@@ -47,6 +47,12 @@ class _UserRequest:
     prompt_logprobs: Optional[list] = None  # per prompt token; filled as positions are computed
 
 
+def _reads_output_history(sp: SamplingParams) -> bool:
+    """Penalties count the output tokens, so they need every one of them on the host."""
+    return (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0
+            or sp.presence_penalty != 0.0)
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         from jaxllm.engine.startup import build_engine_parts
@@ -70,6 +76,7 @@ class LLMEngine:
         self.startup_times = dict(parts.startup_times, total=time.perf_counter() - t0)
         self._requests: dict[str, _UserRequest] = {}
         self._seq_owner: dict[str, _UserRequest] = {}
+        self._inflight = None  # async scheduling: the dispatched step not read yet
         self._rng = np.random.default_rng(args.seed)
         self._last_log = time.monotonic()
         self._log_counts = [0, 0]  # prompt, generation tokens since the last stats line
@@ -175,18 +182,42 @@ class LLMEngine:
 
     # --- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled model step; return the outputs of the requests that progressed."""
+        """Schedule and dispatch one model step; return the outputs of the requests that
+        progressed. With async scheduling the step just dispatched is read on the next call,
+        so the host schedules and prepares step N+1 while the device runs step N."""
+        outputs: list[RequestOutput] = []
+        prev, self._inflight = self._inflight, None
+        if prev is not None and not self._can_overlap():
+            outputs += self._complete(prev)  # penalties need the real previous tokens
+            prev = None
         sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            return []
-        sampled, prompt_logprobs = self.runner.execute(sched)
+        cur = self.runner.dispatch(sched, prev) if sched.scheduled else None
+        if prev is not None:
+            outputs += self._complete(prev)
+        if cur is not None:
+            self.scheduler.advance(sched)
+            if self.args.async_scheduling:
+                self._inflight = cur
+            else:
+                outputs += self._complete(cur)
+        self._maybe_log_stats(time.monotonic())
+        return outputs
+
+    def _can_overlap(self) -> bool:
+        """The next step's sampling may not read output tokens still in flight."""
+        return not any(_reads_output_history(r.sampling_params) for r in self.scheduler.running)
+
+    def _complete(self, step) -> list[RequestOutput]:
+        """Read a dispatched step's tokens and turn them into outputs."""
+        sched = step.sched
+        sampled, prompt_logprobs = self.runner.collect(step)
         for seq_id, (first, positions) in prompt_logprobs.items():
             user = self._seq_owner.get(seq_id)
             if user is not None:  # else aborted since scheduling
                 # A recompute after preemption rewrites the same values.
                 user.prompt_logprobs[first:first + len(positions)] = [
                     self._logprob_dict(s.token, s) for s in positions]
-        self.scheduler.update_from_output(sched, {rid: s.token for rid, s in sampled.items()})
+        kept = self.scheduler.resolve(sched, {rid: s.token for rid, s in sampled.items()})
         now = time.monotonic()
         touched: dict[str, _UserRequest] = {}
         for item in sched.scheduled:
@@ -194,7 +225,7 @@ class LLMEngine:
             self._log_counts[0] += max(0, min(item.start + item.num_tokens,
                                               seq.num_prompt_tokens) - item.start)
             user = self._seq_owner.get(seq.request_id)
-            if user is None or seq.request_id not in sampled:
+            if user is None or seq.request_id not in kept:
                 continue
             self._log_counts[1] += 1
             self.total_generation_tokens += 1
@@ -204,7 +235,7 @@ class LLMEngine:
             touched[user.request_id] = user
         outputs = []
         for user in touched.values():
-            done = all(c.seq.is_finished for c in user.children)
+            done = all(c.seq.is_finished and not c.seq.has_pending for c in user.children)
             if done:
                 user.metrics["finished_time"] = now
                 self._requests.pop(user.request_id, None)
@@ -212,7 +243,6 @@ class LLMEngine:
                     self._seq_owner.pop(c.seq.request_id, None)
                 self.total_prompt_tokens += len(user.prompt_token_ids)
             outputs.append(self._make_output(user, done))
-        self._maybe_log_stats(now)
         return outputs
 
     def _record_token(self, child: _Child, s) -> None:
@@ -246,13 +276,14 @@ class LLMEngine:
             seq = c.seq
             outs.append(CompletionOutput(
                 index=i, text=c.detok.released_text if c.detok is not None else "",
-                token_ids=list(seq.output_token_ids),
+                token_ids=seq.resolved_output_token_ids,
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
                 logprobs=list(c.logprobs) if c.logprobs is not None else None,
                 finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
         # Complete (and no longer written) once the sequence computing them has sampled; with
         # n > 1 another sequence may sample first.
-        prompt_logprobs = user.prompt_logprobs if user.children[0].seq.output_token_ids else None
+        prompt_logprobs = (user.prompt_logprobs if user.children[0].seq.resolved_output_token_ids
+                           else None)
         return RequestOutput(
             request_id=user.request_id, prompt=user.prompt,
             prompt_token_ids=user.prompt_token_ids, prompt_logprobs=prompt_logprobs, outputs=outs,

@@ -12,6 +12,9 @@ from typing import Optional, Union
 
 from jaxllm.sampling_params import SamplingParams
 
+# Placeholder output token of a step dispatched but not read yet (async scheduling).
+PENDING = -1
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -73,6 +76,14 @@ class Request:
         sampled, every prompt position has been computed, so a recompute after preemption may
         skip them (and use the prefix cache)."""
         return self.computes_prompt_logprobs and not self.output_token_ids
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PENDING
+
+    @property
+    def resolved_output_token_ids(self) -> list[int]:
+        return self.output_token_ids[:-1] if self.has_pending else list(self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:

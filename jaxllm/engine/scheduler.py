@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.request import Request, RequestStatus
+from jaxllm.engine.request import PENDING, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +24,7 @@ class ScheduledRequest:
     num_tokens: int
     block_ids: list[int]  # the KV manager's live block table, valid for this step
     sample: bool      # the step reaches the last known token, so its next token is sampled
+    out_index: int = -1  # where advance() put the PENDING placeholder of the sampled token
 
 
 @dataclass
@@ -86,13 +87,17 @@ class Scheduler:
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus,
+                        drop_pending: bool = True) -> None:
         """Finish requests from outside (abort, or a stop string seen by the detokenizer); their
-        blocks are freed at once. Unknown or already finished ids are ignored."""
+        blocks are freed at once, and a token still in flight is dropped unless drop_pending
+        is False. Unknown or already finished ids are ignored."""
         done = [self.requests.pop(rid) for rid in request_ids if rid in self.requests]
         for req in done:
             req.status = status
             self.kv.free(req)
+            while drop_pending and req.output_token_ids and req.output_token_ids[-1] == PENDING:
+                req.output_token_ids.pop()
         if done:
             self.running = [r for r in self.running if not r.is_finished]
             self.waiting = [w for w in self.waiting if not w[1].is_finished]
@@ -138,10 +143,10 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(list(scheduled.values()), preempted)
 
-    def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance every scheduled request past the step, append the sampled tokens, and return
-        the requests that finished (their blocks are already freed)."""
-        finished = []
+    def advance(self, sched: SchedulerOutput) -> None:
+        """Move every scheduled request past its dispatched step, before its sampled tokens
+        are known: each sampling request gets a PENDING placeholder (so the next schedule()
+        counts it), and requests reaching max_tokens or max_model_len finish now."""
         for s in sched.scheduled:
             req = s.request
             if req.status != RequestStatus.RUNNING:  # finished from outside since schedule()
@@ -149,14 +154,39 @@ class Scheduler:
             req.num_computed_tokens += s.num_tokens
             self.kv.cache_blocks(req)
             if s.sample:
-                req.output_token_ids.append(sampled[req.request_id])
-                if self._check_stop(req):
-                    finished.append(req)
-                    del self.requests[req.request_id]
-                    self.kv.free(req)
-        if finished:
-            self.running = [r for r in self.running if not r.is_finished]
-        return finished
+                s.out_index = len(req.output_token_ids)
+                req.output_token_ids.append(PENDING)
+                sp = req.sampling_params
+                if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) \
+                        or req.num_tokens >= self.max_model_len:
+                    self.finish_requests([req.request_id], RequestStatus.FINISHED_LENGTH,
+                                         drop_pending=False)  # its last token is in flight
+
+    def resolve(self, sched: SchedulerOutput, sampled: dict[str, int]) -> set[str]:
+        """Put the sampled tokens of an advanced step in place of their placeholders and apply
+        the token stops (EOS, stop_token_ids, once min_tokens are out). Returns the ids whose
+        token was kept: not those finished from outside meanwhile (their placeholder is gone)."""
+        kept = set()
+        for s in sched.scheduled:
+            req, i = s.request, s.out_index
+            if i < 0 or i >= len(req.output_token_ids) or req.output_token_ids[i] != PENDING:
+                continue
+            token = req.output_token_ids[i] = sampled[req.request_id]
+            kept.add(req.request_id)
+            sp = req.sampling_params
+            if req.is_finished or i + 1 < sp.min_tokens:
+                continue
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+            elif token in sp.stop_token_ids:
+                req.stop_reason = token
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+        return kept
+
+    def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int]) -> set[str]:
+        """advance() and resolve() at once, for a step whose tokens are already known."""
+        self.advance(sched)
+        return self.resolve(sched, sampled)
 
     # --- helpers -------------------------------------------------------------------------------
     def _enqueue(self, req: Request, front: bool = False) -> None:
@@ -193,21 +223,6 @@ class Scheduler:
         return ScheduledRequest(req, start, n, self.kv.get_block_ids(req.request_id),
                                 sample=start + n == req.num_tokens)
 
-    def _check_stop(self, req: Request) -> bool:
-        """Token-level stops after appending a token: eos and stop_token_ids (not before
-        min_tokens), then max_tokens and max_model_len."""
-        sp = req.sampling_params
-        token = req.output_token_ids[-1]
-        if req.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token in sp.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token
-                return True
-        if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) \
-                or req.num_tokens >= self.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Finish on a token stop; the step after, if already dispatched, loses its token."""
+        self.finish_requests([req.request_id], status)

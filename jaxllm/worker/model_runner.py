@@ -18,6 +18,9 @@ A third serves only steps that compute prompt_logprobs, so it is compiled on fir
       -> raw logprob, rank and top max_logprobs of each target prompt token at its hidden row,
       for the first num_rows entries (dynamic, as the sampler's).
 The only device-to-host transfers per step are the sampler's output and, when asked, that one's.
+`dispatch` launches a step and `collect` reads it, so the engine can schedule and dispatch step
+N+1 (its in-flight input tokens read on the device from step N's sampler output) before reading
+step N (async scheduling).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +39,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from jaxllm.engine.request import Request
+from jaxllm.engine.request import PENDING, Request
+from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.layers.attention import AttentionMetadata, KVCache, empty_kv_cache
 from jaxllm.layers.sampler import (SamplingTensors, gathered_token_logprobs, sample_rows,
                                    warmup_tensors)
@@ -71,6 +75,16 @@ class SampleResult:
     logprob: Optional[float] = None
     rank: Optional[int] = None
     top: tuple = ()  # ((token_id, logprob), ...) best first
+
+
+@dataclass
+class Inflight:
+    """A dispatched step whose results are still on the device."""
+    sched: SchedulerOutput
+    reqs: list[Request]  # the requests sampled, in row order
+    out: Any             # SamplerOutput (device arrays) or None
+    prompt_rows: list["PromptRows"]
+    prompt: Any          # prompt-logprobs results (device arrays) or None
 
 
 @dataclass
@@ -113,15 +127,19 @@ class ModelRunner:
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
                                 out_shardings=(self.rows_sharding, self.rows_sharding,
                                                KVCache(kv_sharding, kv_sharding)))
-        self._sample = jax.jit(self._sample_fn)
+        self._sample = jax.jit(self._sample_fn, out_shardings=self.rows_sharding)
+        self._no_prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32),
+                                              self.rows_sharding)
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn)
         # ("forward", T, decode_only) / ("sample", treedef) / ("prompt_logprobs", T) -> compiled
         self._executables: dict = {}
         self.num_recompiles = 0
 
     # --- the jitted functions ----------------------------------------------------------------
-    def _forward_fn(self, state, kv_cache, token_ids, positions, md, logits_indices):
+    def _forward_fn(self, state, kv_cache, token_ids, positions, md, logits_indices,
+                    prev_tokens, from_prev):
         model = nnx.merge(self.graphdef, state)
+        token_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], token_ids)
         hidden, kv_cache = model(kv_cache, token_ids, positions, md)
         return hidden[logits_indices], hidden, kv_cache
 
@@ -136,7 +154,7 @@ class ModelRunner:
                                        model.compute_logits, self.max_logprobs)
 
     # --- host side ---------------------------------------------------------------------------
-    def _prepare(self, sched) -> tuple:
+    def _prepare(self, sched, prev: Optional["Inflight"] = None) -> tuple:
         """Flat padded arrays for the scheduled requests (NumPy, no device work)."""
         items = sched.scheduled
         num_tokens = sum(it.num_tokens for it in items)
@@ -150,10 +168,14 @@ class ModelRunner:
         kv_lens = np.zeros(S, np.int32)
         tables = np.zeros((S, self.blocks_per_seq), np.int32)
         cu = np.zeros(S + 1, np.int32)
+        from_prev = np.full(T, -1, np.int32)
+        prev_rows = {r.request_id: i for i, r in enumerate(prev.reqs)} if prev else {}
         rows, prompt_rows, t = [], [], 0
         for i, it in enumerate(items):
             req, n, start = it.request, it.num_tokens, it.start
             token_ids[t:t + n] = _token_slice(req, start, n)
+            if token_ids[t + n - 1] == PENDING:  # only the last output token can be in flight
+                from_prev[t + n - 1] = prev_rows[req.request_id]
             pos = np.arange(start, start + n, dtype=np.int32)
             positions[t:t + n] = pos
             blocks = np.asarray(it.block_ids, np.int32)
@@ -173,29 +195,44 @@ class ModelRunner:
                                decode_only=decode_only)
         logits_indices = np.zeros(S, np.int32)
         logits_indices[:len(rows)] = [r[1] for r in rows]
-        return (token_ids, positions, md, logits_indices), [r[0] for r in rows], prompt_rows
+        prev_tokens = (prev.out.token_ids if prev is not None and prev.out is not None
+                       else self._no_prev_tokens)
+        return ((token_ids, positions, md, logits_indices, prev_tokens, from_prev),
+                [r[0] for r in rows], prompt_rows)
 
     def execute(self, sched) -> tuple[dict[str, SampleResult], dict[str, tuple]]:
-        """Run one step. Returns the sampled token (and logprobs) of each request that samples,
-        and {request_id: (first, [SampleResult per prompt token first, first + 1, ...])} for
-        the prompt positions computed for prompt_logprobs."""
-        inputs, reqs, prompt_rows = self._prepare(sched)
+        """Run one step and read its results (see `collect`)."""
+        return self.collect(self.dispatch(sched))
+
+    def dispatch(self, sched, prev: Optional["Inflight"] = None) -> "Inflight":
+        """Launch one step on the device without waiting for it. A PENDING input token (the
+        sampled token of `prev`, not read yet) is taken from prev's device output in the step."""
+        inputs, reqs, prompt_rows = self._prepare(sched, prev)
         T = inputs[0].shape[0]
         rows, hidden, self.kv_cache = self._run(("forward", T, inputs[2].decode_only),
                                                 self._forward, self.state, self.kv_cache, *inputs)
         prompt = self._compute_prompt_logprobs(hidden, prompt_rows) if prompt_rows else None
-        sampled = {}
+        out = None
         if reqs:
             tensors = SamplingTensors.from_requests(reqs, pad_to=self.max_num_seqs,
                                                     vocab_size=self.model_config.vocab_size,
                                                     max_logprobs=self.max_logprobs,
                                                     penalty_width=self.penalty_width)
             key = ("sample", jax.tree_util.tree_structure(tensors))
-            out = jax.device_get(self._run(key, self._sample, self.state, rows,
-                                           np.int32(len(reqs)), tensors))
-            sampled = {req.request_id: _result(out, i, req) for i, req in enumerate(reqs)}
-        return sampled, (_prompt_results(jax.device_get(prompt), prompt_rows) if prompt_rows
-                         else {})
+            out = self._run(key, self._sample, self.state, rows, np.int32(len(reqs)), tensors)
+        return Inflight(sched, reqs, out, prompt_rows, prompt)
+
+    def collect(self, step: "Inflight") -> tuple[dict[str, SampleResult], dict[str, tuple]]:
+        """Wait for a dispatched step. Returns the sampled token (and logprobs) of each request
+        that samples, and {request_id: (first, [SampleResult per prompt token first, first + 1,
+        ...])} for the prompt positions computed for prompt_logprobs."""
+        sampled = {}
+        if step.out is not None:
+            out = jax.device_get(step.out)
+            sampled = {req.request_id: _result(out, i, req) for i, req in enumerate(step.reqs)}
+        prompt = (_prompt_results(jax.device_get(step.prompt), step.prompt_rows)
+                  if step.prompt_rows else {})
+        return sampled, prompt
 
     def _compute_prompt_logprobs(self, hidden, prompt_rows: list[PromptRows]):
         """Dispatch the prompt-logprobs program on this step's hidden states [T, E]: one entry
@@ -244,9 +281,10 @@ class ModelRunner:
         for T, decode_only in shapes:
             z = np.zeros(T, np.int32)
             lowered[("forward", T, decode_only)] = self._forward.lower(
-                self.state, self.kv_cache, z, z, md(T, decode_only), np.zeros(S, np.int32))
+                self.state, self.kv_cache, z, z, md(T, decode_only), np.zeros(S, np.int32),
+                self._no_prev_tokens, z)
         rows = jax.eval_shape(self._forward_fn, self.state, self.kv_cache, z, z, md(T, False),
-                              np.zeros(S, np.int32))[0]
+                              np.zeros(S, np.int32), self._no_prev_tokens, z)[0]
         rows = jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=self.rows_sharding)
         for t in warmup_tensors(S, self.model_config.vocab_size, max_logprobs=self.max_logprobs,
                                 penalty_width=self.penalty_width):
