@@ -268,7 +268,7 @@ class ModelRunner:
         return exe(*args)
 
     def warmup(self) -> None:
-        """Lower every token bucket and sampler variant, then compile them on all cores."""
+        """Lower every token bucket and sampler variant and compile them on all cores."""
         if self.enforce_eager:
             return
         S = self.max_num_seqs
@@ -276,30 +276,37 @@ class ModelRunner:
             np.full(T, -1, np.int32), np.zeros(S, np.int32),
             np.zeros((S, self.blocks_per_seq), np.int32), np.zeros(S + 1, np.int32),
             np.zeros(1, np.int32), decode_only=d)
-        lowered = {}
         shapes = [(T, False) for T in self.token_buckets] + [(T, True) for T in self.decode_buckets]
-        for T, decode_only in shapes:
-            z = np.zeros(T, np.int32)
-            lowered[("forward", T, decode_only)] = self._forward.lower(
-                self.state, self.kv_cache, z, z, md(T, decode_only), np.zeros(S, np.int32),
-                self._no_prev_tokens, z)
-        rows = jax.eval_shape(self._forward_fn, self.state, self.kv_cache, z, z, md(T, False),
-                              np.zeros(S, np.int32), self._no_prev_tokens, z)[0]
-        rows = jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=self.rows_sharding)
-        for t in warmup_tensors(S, self.model_config.vocab_size, max_logprobs=self.max_logprobs,
-                                penalty_width=self.penalty_width):
-            key = ("sample", jax.tree_util.tree_structure(t))
-            lowered[key] = self._sample.lower(self.state, rows, np.int32(0), t)
-        bar = tqdm(total=len(lowered), desc="Compiling buckets", unit="shape", leave=False)
+        tensors = warmup_tensors(S, self.model_config.vocab_size, max_logprobs=self.max_logprobs,
+                                 penalty_width=self.penalty_width)
+        bar = tqdm(total=len(shapes) + len(tensors), desc="Compiling buckets", unit="shape",
+                   leave=False)
 
-        def compile_one(item):
-            key, low = item
+        def compile_one(key, low):
             exe = low.compile()
             bar.update(1)
             return key, exe
 
+        # Lowering (Python, one thread) feeds the compiler threads as it goes, so a cold start
+        # compiles while the remaining programs are still being traced.
+        lowered = {}
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            self._executables.update(pool.map(compile_one, lowered.items()))
+            def submit(key, low):
+                lowered[key] = pool.submit(compile_one, key, low)
+
+            for T, decode_only in shapes:
+                z = np.zeros(T, np.int32)
+                submit(("forward", T, decode_only), self._forward.lower(
+                    self.state, self.kv_cache, z, z, md(T, decode_only), np.zeros(S, np.int32),
+                    self._no_prev_tokens, z))
+            rows = jax.eval_shape(self._forward_fn, self.state, self.kv_cache, z, z,
+                                  md(T, False), np.zeros(S, np.int32), self._no_prev_tokens,
+                                  z)[0]
+            rows = jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=self.rows_sharding)
+            for t in tensors:
+                submit(("sample", jax.tree_util.tree_structure(t)),
+                       self._sample.lower(self.state, rows, np.int32(0), t))
+            self._executables.update(f.result() for f in lowered.values())
         bar.close()
         n_fwd = sum(k[0] == "forward" for k in lowered)
         logger.info("Compiled %d forward shapes (token buckets %s, decode buckets %s) and %d "
