@@ -76,7 +76,8 @@ def test_collect_env():
     r = jaxllm("collect-env", timeout=120)
     assert r.returncode == 0, r.stderr
     for line in ("jaxllm: ", "jax: ", "jaxlib: ", "flax: ", "transformers: ", "torch: ",
-                 "Python: 3.", "Platform: ", "backend: cpu", "devices: "):
+                 "Python: 3.", "Platform: ", "backend: cpu", "devices: ",
+                 "attention backend (auto, one device): cpu"):
         assert line in r.stdout, line
 
 

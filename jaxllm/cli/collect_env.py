@@ -30,9 +30,12 @@ def _version(name: str) -> str:
 def _devices() -> list[str]:
     try:
         import jax
+        from jaxllm.layers.attention import resolve_backend
         return [f"backend: {jax.default_backend()}",
                 f"devices: {', '.join(str(d) for d in jax.devices())}",
-                f"device count: {jax.device_count()} (local {jax.local_device_count()})"]
+                f"device count: {jax.device_count()} (local {jax.local_device_count()})",
+                # on CPU, 'reference' here means the C++ decode kernel did not build
+                f"attention backend (auto, one device): {resolve_backend('auto')}"]
     except Exception as e:  # a broken accelerator runtime is exactly what this should report
         return [f"devices: JAX failed to initialise: {type(e).__name__}: {e}"]
 
