@@ -200,10 +200,6 @@ class ModelRunner:
         return ((token_ids, positions, md, logits_indices, prev_tokens, from_prev),
                 [r[0] for r in rows], prompt_rows)
 
-    def execute(self, sched) -> tuple[dict[str, SampleResult], dict[str, tuple]]:
-        """Run one step and read its results (see `collect`)."""
-        return self.collect(self.dispatch(sched))
-
     def dispatch(self, sched, prev: Optional["Inflight"] = None) -> "Inflight":
         """Launch one step on the device without waiting for it. A PENDING input token (the
         sampled token of `prev`, not read yet) is taken from prev's device output in the step."""
