@@ -29,8 +29,10 @@ _SOURCE = os.path.join(os.path.dirname(__file__), "kernel_cpu.cc")
 
 
 def _cache_dir() -> str:
-    root = os.environ.get("JAXLLM_CACHE_DIR", os.path.expanduser("~/.cache/jaxllm"))
-    return os.path.join(root, "kernels")
+    """$JAXLLM_KERNEL_DIR, else ~/.cache/jaxllm/kernels (apart from the XLA cache, which
+    $JAXLLM_CACHE_DIR may move or disable)."""
+    return (os.environ.get("JAXLLM_KERNEL_DIR")
+            or os.path.join(os.path.expanduser("~"), ".cache", "jaxllm", "kernels"))
 
 
 def _cpu_id() -> str:
