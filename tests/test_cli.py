@@ -227,3 +227,21 @@ def test_generate_matches_the_server(tiny_llama, http):
                                                 "max_tokens": 4, "temperature": 0,
                                                 "ignore_eos": True}).json()
     assert r.stdout == served["choices"][0]["text"] + "\n"
+
+
+@pytest.mark.parametrize("mode", [["latency", "--batch-size", "2", "--num-iters", "2",
+                                   "--num-iters-warmup", "1", "--seed", "3"],
+                                  ["throughput", "--num-prompts", "5"]])
+def test_offline_bench_runs_and_reports(tiny_llama, tmp_path, mode):
+    """`jaxllm bench latency|throughput` end to end, with and without engine flags given."""
+    out = tmp_path / "bench.json"
+    r = jaxllm("bench", *mode, "--model", tiny_llama, "--input-len", "8", "--output-len", "4",
+               "--output-json", str(out), *ENGINE_FLAGS)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["startup_s"]["since_process_start"] > 0
+    if mode[0] == "latency":
+        assert 0 < res["prefill_s_median"] < res["avg_latency_s"]
+        assert res["decode_tokens_per_s"] > 0
+    else:
+        assert res["output_tokens_per_s"] > 0 and res["num_requests"] == 5

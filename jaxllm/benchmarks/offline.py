@@ -14,13 +14,13 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def make_requests(llm, args) -> list[BenchRequest]:
+def make_requests(llm, args, seed: int = 0) -> list[BenchRequest]:
     mc = llm.llm_engine.model_config
     if getattr(args, "dataset", None):
         return file_requests(args.dataset, llm.get_tokenizer(), args.num_prompts,
-                             args.output_len, seed=args.seed)
+                             args.output_len, seed=seed)
     return random_requests(args.num_prompts, args.input_len, args.output_len, mc.vocab_size,
-                           args.random_range_ratio, seed=args.seed,
+                           args.random_range_ratio, seed=seed,
                            avoid_ids=tuple(llm.llm_engine.eos_token_ids))
 
 

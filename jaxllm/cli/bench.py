@@ -83,23 +83,23 @@ def _load(args):
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**{k: getattr(engine_args, k) for k in EngineArgs.__dataclass_fields__})
     startup = dict(llm.llm_engine.startup_times, since_process_start=seconds_since_process_start())
-    return llm, startup
+    return llm, engine_args, startup
 
 
 def _latency(args) -> None:
     from jaxllm.benchmarks.offline import run_latency
 
-    llm, startup = _load(args)
+    llm, engine_args, startup = _load(args)
     res = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.num_iters,
-                      args.num_iters_warmup, args.seed)
+                      args.num_iters_warmup, engine_args.seed)
     _report(args, {"startup_s": startup, **res})
 
 
 def _throughput(args) -> None:
     from jaxllm.benchmarks.offline import make_requests, run_throughput
 
-    llm, startup = _load(args)
-    res = run_throughput(llm, make_requests(llm, args))
+    llm, engine_args, startup = _load(args)
+    res = run_throughput(llm, make_requests(llm, args, engine_args.seed))
     _report(args, {"startup_s": startup, **res})
 
 
