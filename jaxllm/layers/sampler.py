@@ -7,7 +7,7 @@ allowed_token_ids -> min_tokens and logit_bias -> repetition/frequency/presence 
 Logprobs are of the raw logits (vLLM's default "raw_logprobs").
 The runner calls `sample_rows(hidden, num_rows, compute_logits, tensors)` instead: S is fixed
 (max_num_seqs), the number of real rows is a traced scalar, and a while loop computes and
-samples the logits of 1, 16 or 64 rows per step (`_LOGIT_ROWS`), so one program serves every
+samples the logits of 1, 16 or 64 rows per step (`LOGIT_ROWS`), so one program serves every
 batch size and its cost follows num_rows, not S.
 
 Compiled variants. Shapes are fixed by the runner: S = pad_to, V = vocab_size, the penalty table
@@ -52,7 +52,7 @@ _ROWS = 8          # rows sampled together (a lax.map step, a sample_rows group)
 # Rows per compute_logits call in sample_rows. Streaming the [V, E] weight costs a dot about as
 # much for 16 rows as for 8 (and 64 rows about 2.5x 16), while 1 row is a cheaper matrix-vector
 # product: 1 for a lone row, 16 for small batches, 64 for the bulk.
-_LOGIT_ROWS = (1, 16, 64)
+LOGIT_ROWS = (1, 16, 64)
 _BLOCK = 64        # vocab block for argmax and inverse-CDF masses; logits are padded to a multiple
 _CAND = 128        # candidates that decide top_k (k <= _CAND) and most top_p cuts
 _CAND_BLOCK = 32   # block size of the two-level candidate search
@@ -258,16 +258,15 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
 
 
 def sample_rows(rows: jax.Array, num_rows: jax.Array, compute_logits,
-                t: SamplingTensors, min_logit_rows: int = 1) -> SamplerOutput:
+                t: SamplingTensors, logit_rows: tuple[int, ...] = LOGIT_ROWS) -> SamplerOutput:
     """Sample the first num_rows (dynamic) of rows [S, E], t built with pad_to=S: one program
     for every batch size, and work that scales with num_rows, not S. Each loop step runs
-    compute_logits ([c, E] -> f32 [c, V]) on the next c rows, c the smallest of _LOGIT_ROWS
+    compute_logits ([c, E] -> f32 [c, V]) on the next c rows, c the smallest of logit_rows
     that covers the rows left (else the largest), then samples them _ROWS at a time; [S, V]
-    logits never exist. Rows >= num_rows come out as don't-care values. min_logit_rows drops
-    the smaller chunk sizes: XLA:CPU runs a bf16 weight against few rows by converting all of
-    it to f32 first (3x slower than 64 rows, which run natively in bf16)."""
+    logits never exist. Rows >= num_rows come out as don't-care values. The runner drops
+    chunk sizes that run slowly (see ModelRunner.logit_rows)."""
     S, num_rows = rows.shape[0], jnp.asarray(num_rows, jnp.int32)
-    sizes = sorted({min(max(c, min_logit_rows), S) for c in _LOGIT_ROWS})
+    sizes = sorted({min(c, S) for c in logit_rows})
     C, R = sizes[-1], min(_ROWS, S)
     V = jax.eval_shape(compute_logits, rows[:1]).shape[1]
     # Slices are clamped to stay in bounds, so a step or a group may overlap finished rows:
@@ -323,10 +322,10 @@ def gathered_token_logprobs(hidden: jax.Array, row_idx: jax.Array, token_ids: ja
                             num_rows: jax.Array, compute_logits, num_top: int):
     """`token_logprobs` of token_ids[i] at hidden[row_idx[i]] ([T, E] hidden states), for the
     first num_rows (dynamic) of the P entries: the prompt logprobs of a step. Logits are computed
-    _LOGIT_ROWS[-1] rows at a time, so the cost follows num_rows and [P, V] logits never exist.
+    LOGIT_ROWS[-1] rows at a time, so the cost follows num_rows and [P, V] logits never exist.
     Entries >= num_rows come out as don't-care values."""
     P = row_idx.shape[0]
-    C = min(_LOGIT_ROWS[-1], P)
+    C = min(LOGIT_ROWS[-1], P)
     padded = -(-P // C) * C
     row_idx, token_ids = (jnp.pad(a, (0, padded - P)) for a in (row_idx, token_ids))
 

@@ -22,12 +22,22 @@ from jaxllm.config import ConfigError
 from jaxllm.layers.attention import AttentionMetadata, KVCache, paged_attention
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.rope import apply_rope, rope_tables
+from pallas_kernels.matmul import kernel_cpu as matmul_cpu
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
     "gelu_pytorch_tanh": partial(jax.nn.gelu, approximate=True),
     "gelu": partial(jax.nn.gelu, approximate=False),
 }
+
+
+# Steps of at most this many tokens run the layer projections and the LM head in the native CPU
+# matmul (backend 'cpu'): it streams the weights in place, where XLA:CPU copies each layer's
+# slice out of the scan and converts bf16 weights to f32 first (2-3x slower at M = 1).
+NATIVE_MATMUL_ROWS = 4
+# Layer weights the native matmul reads as [L, in, out] (row-major reshapes of the stacked ones):
+# whether the hidden size is their input (else their output).
+_PROJECTIONS = {"qkv": True, "o": False, "gate_up": True, "down": False}
 
 
 def _weight(seed: int, name: str, shape, axes, dtype) -> nnx.Param:
@@ -107,24 +117,40 @@ class Decoder(nnx.Module):
         rope_ids = jnp.asarray([specs.index(s) for s in cfg.rope], jnp.int32)
         windowed = any(cfg.sliding_window)
         windows = jnp.asarray(cfg.sliding_window, jnp.int32)
+        weights = self.layers.arrays()
+        stacked = {}  # the native matmul's weights stay out of the scan's per-layer slices
+        if self.native_matmul(token_ids.shape[0]):
+            L, E = cfg.num_layers, cfg.hidden_size
+            stacked = {k: weights.pop(k).reshape((L, E, -1) if e_in else (L, -1, E))
+                       for k, e_in in _PROJECTIONS.items()}
 
         def body(carry, xs):
             h, cache = carry
             w, layer, rope_id, window = xs
             w = jax.tree.map(_from_bits, w)
+            native = None
+            if stacked:
+                native = lambda name, x: matmul_cpu.matmul(x, stacked[name], layer)  # noqa: E731
             h, cache = _layer(cfg, self.attention_backend, w, h, cache, layer, md,
-                              cos[rope_id], sin[rope_id], window if windowed else None)
+                              cos[rope_id], sin[rope_id], window if windowed else None, native)
             return (h, cache), None
 
-        xs = (self.layers.arrays(), jnp.arange(cfg.num_layers, dtype=jnp.int32), rope_ids,
-              windows)
+        xs = (weights, jnp.arange(cfg.num_layers, dtype=jnp.int32), rope_ids, windows)
         (h, kv_cache), _ = jax.lax.scan(body, (h, kv_cache), xs)
         return rms_norm(h, self.final_norm[...], cfg), kv_cache
+
+    def native_matmul(self, rows: int) -> bool:
+        """Whether a step of `rows` tokens runs its matmuls in the native CPU kernel."""
+        return (self.attention_backend == "cpu" and rows <= NATIVE_MATMUL_ROWS
+                and matmul_cpu.available())
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, E] -> float32 logits [N, V], final soft-capping applied."""
         w = self.embed[...] if self.lm_head is None else self.lm_head[...]
-        logits = jnp.einsum("ne,ve->nv", hidden, w, preferred_element_type=jnp.float32)
+        if self.native_matmul(hidden.shape[0]):
+            logits = matmul_cpu.matmul(hidden, w[None], transposed=True)
+        else:
+            logits = jnp.einsum("ne,ve->nv", hidden, w, preferred_element_type=jnp.float32)
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
@@ -163,12 +189,14 @@ def _dot(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _layer(cfg: ModelConfig, backend: str, w: dict, h: jax.Array, cache: KVCache, layer,
-           md: AttentionMetadata, cos, sin, window) -> tuple[jax.Array, KVCache]:
+           md: AttentionMetadata, cos, sin, window, native=None) -> tuple[jax.Array, KVCache]:
+    """One layer; `native(name, x2d)`, if given, runs the four projections instead of XLA."""
     T, dt = h.shape[0], h.dtype
     K, G, D = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
 
     x = rms_norm(h, w["attn_norm"], cfg)
-    qkv = _dot("te,ekgd->tkgd", x, w["qkv"])
+    qkv = (_dot("te,ekgd->tkgd", x, w["qkv"]) if native is None
+           else native("qkv", x).reshape(T, K, G + 2, D))
     if cfg.qkv_bias:
         qkv = qkv + w["qkv_bias"]
     qkv = qkv.astype(dt)
@@ -180,7 +208,8 @@ def _layer(cfg: ModelConfig, backend: str, w: dict, h: jax.Array, cache: KVCache
                                sliding_window=window, soft_cap=cfg.attn_logit_softcap)
     # As 2-D operands: contracting (k, g, d) as separate axes makes XLA:CPU transpose the
     # weight every step.
-    a = _dot("tn,ne->te", o.reshape(T, K * G * D), w["o"].reshape(K * G * D, -1))
+    o = o.reshape(T, K * G * D)
+    a = _dot("tn,ne->te", o, w["o"].reshape(K * G * D, -1)) if native is None else native("o", o)
     if cfg.o_bias:
         a = a + w["o_bias"]
     a = a.astype(dt)
@@ -189,9 +218,10 @@ def _layer(cfg: ModelConfig, backend: str, w: dict, h: jax.Array, cache: KVCache
     h = h + a
 
     x = rms_norm(h, w["mlp_norm"], cfg)
-    gate_up = _dot("te,eaf->taf", x, w["gate_up"]).astype(dt)
+    gate_up = (_dot("te,eaf->taf", x, w["gate_up"]) if native is None
+               else native("gate_up", x).reshape(T, 2, -1)).astype(dt)
     m = ACTIVATIONS[cfg.activation](gate_up[:, 0]) * gate_up[:, 1]
-    m = _dot("tf,fe->te", m, w["down"]).astype(dt)
+    m = (_dot("tf,fe->te", m, w["down"]) if native is None else native("down", m)).astype(dt)
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_mlp_norm"], cfg)
     return h + m, cache

@@ -42,8 +42,8 @@ from tqdm.auto import tqdm
 from jaxllm.engine.request import PENDING, Request
 from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.layers.attention import AttentionMetadata, KVCache, empty_kv_cache
-from jaxllm.layers.sampler import (SamplingTensors, gathered_token_logprobs, sample_rows,
-                                   warmup_tensors)
+from jaxllm.layers.sampler import (LOGIT_ROWS, SamplingTensors, gathered_token_logprobs,
+                                   sample_rows, warmup_tensors)
 from jaxllm.models.decoder import layers_as_bits
 from jaxllm.parallel.mesh import named_sharding
 
@@ -115,10 +115,14 @@ class ModelRunner:
         self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
         self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
         self.graphdef, self.state = nnx.split(model)
-        self.min_logit_rows = 1
+        # LM-head chunk sizes for the sampler. XLA:CPU runs a bf16 weight against few rows by
+        # converting all of it to f32 first (3x slower than 64 rows, which run natively in bf16),
+        # so bf16 keeps only 64 rows, and 1 row where the native CPU matmul runs it.
+        self.logit_rows = LOGIT_ROWS
         if jax.default_backend() == "cpu":  # bf16 work-arounds for XLA:CPU (see both)
             self.state = layers_as_bits(self.state)
-            self.min_logit_rows = 64 if model_config.jnp_dtype == jnp.bfloat16 else 1
+            if model_config.jnp_dtype == jnp.bfloat16:
+                self.logit_rows = (1, 64) if model.native_matmul(1) else (64,)
         mc = model_config
         shape = (mc.num_layers, num_blocks, mc.num_kv_heads, block_size, mc.head_dim)
         kv_sharding = named_sharding(mesh, KV_CACHE_AXES, shape)
@@ -146,7 +150,7 @@ class ModelRunner:
     def _sample_fn(self, state, rows, num_rows, tensors):
         model = nnx.merge(self.graphdef, state)
         return sample_rows(rows, num_rows, model.compute_logits, tensors,
-                           min_logit_rows=self.min_logit_rows)
+                           logit_rows=self.logit_rows)
 
     def _prompt_logprobs_fn(self, state, hidden, row_idx, target_ids, num_rows):
         model = nnx.merge(self.graphdef, state)

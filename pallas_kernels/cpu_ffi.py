@@ -1,0 +1,86 @@
+"""Native XLA:CPU kernels: C++ sources built with the system compiler on first use (cached per
+source, machine and jax version) and registered as XLA FFI targets.
+
+The kernels use XLA's own intra-op thread pool (`cpu_parallel.h`), so they share the two cores
+with XLA's dots instead of spinning a second pool against them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from typing import Optional
+
+import jax
+
+logger = logging.getLogger("jaxllm")
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cache_dir() -> str:
+    """$JAXLLM_KERNEL_DIR, else ~/.cache/jaxllm/kernels (apart from the XLA cache, which
+    $JAXLLM_CACHE_DIR may move or disable)."""
+    return (os.environ.get("JAXLLM_KERNEL_DIR")
+            or os.path.join(os.path.expanduser("~"), ".cache", "jaxllm", "kernels"))
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU model and its flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        return platform.processor()
+
+
+@functools.lru_cache(maxsize=None)
+def build(source: str) -> Optional[str]:
+    """Path of the shared library built from `source` (a path), or None (the reason logged)."""
+    name = "_".join((os.path.basename(os.path.dirname(source)),
+                     os.path.splitext(os.path.basename(source))[0]))
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        logger.warning("no C++ compiler: %s falls back to the pure-JAX path", name)
+        return None
+    with open(source, "rb") as f:
+        src = f.read()
+    with open(os.path.join(_HERE, "cpu_parallel.h"), "rb") as f:
+        src += f.read()
+    key = hashlib.sha256(src + _cpu_id().encode() + jax.__version__.encode()).hexdigest()[:16]
+    out = os.path.join(_cache_dir(), f"{name}_{key}.so")
+    if os.path.exists(out):
+        return out
+    os.makedirs(_cache_dir(), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
+        tmp_out = os.path.join(tmp, "lib.so")
+        cmd = [cxx, "-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c++17",
+               f"-I{jax.ffi.include_dir()}", f"-I{_HERE}", source, "-o", tmp_out]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            logger.warning("building %s failed (%s); falling back to the pure-JAX path:\n%s",
+                           name, " ".join(cmd), res.stderr[-2000:])
+            return None
+        os.replace(tmp_out, out)  # atomic: concurrent builders all end with a whole file
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def register(source: str, targets: tuple[tuple[str, str], ...]) -> bool:
+    """Build `source` and register each (FFI target name, handler symbol); False if it cannot
+    be built here."""
+    path = build(source)
+    if path is None:
+        return False
+    lib = ctypes.cdll.LoadLibrary(path)
+    for target, symbol in targets:
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
+    return True

@@ -1,0 +1,1 @@
+"""Few-row (decode) matmuls over stacked per-layer weights."""

@@ -1,0 +1,144 @@
+// Few-row matmul for XLA:CPU, called through the XLA FFI: y [M, N] f32 = x [M, K] f32 @ W[layer].
+//
+// Decoding a few sequences is a stream over the weights at memory speed; XLA:CPU's dot runs a bf16
+// weight at M = 1 about 3x slower than an f32 one, and a layer scan slices (copies) each layer's
+// weights before its dot. This reads layer `layer` of the stacked weights in place, bf16 (passed as
+// its uint16 bits or as bf16) or f32, converting in registers.
+//   kn: W [L, K, N] (y = x @ W[l]).  Tasks split K into contiguous row blocks, each summing into
+//       its own [M, N] partial, so every task streams whole rows; the caller adds the partials.
+//   nk: W [L, N, K] (y = x @ W[l].T, e.g. an embedding used as LM head).  Tasks split N.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_parallel.h"
+
+namespace ffi = xla::ffi;
+
+static inline float Bf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+static inline float ToF32(float v) { return v; }
+static inline float ToF32(uint16_t v) { return Bf16(v); }
+
+constexpr int64_t kRows = 4;     // weight rows read together
+constexpr int64_t kCols = 1024;  // columns per pass (kn): M partial rows of these stay in L1/L2
+
+// acc[m, 0:n] += x[m, k0:k1] @ w[k0:k1, 0:n] (rows ldw apart), four weight rows at a time.
+template <typename T>
+static void KnBlock(const float* x, int64_t ldx, int64_t M, const T* w, int64_t ldw, int64_t k0,
+                    int64_t k1, int64_t n, float* acc, int64_t lda) {
+  for (int64_t k = k0; k < k1; k += kRows) {
+    const int64_t rows = std::min(kRows, k1 - k);
+    const T *__restrict w0 = w + k * ldw, *__restrict w1 = w + (k + std::min<int64_t>(1, rows - 1)) * ldw,
+            *__restrict w2 = w + (k + std::min<int64_t>(2, rows - 1)) * ldw,
+            *__restrict w3 = w + (k + std::min<int64_t>(3, rows - 1)) * ldw;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * ldx + k;
+      const float x0 = xm[0], x1 = rows > 1 ? xm[1] : 0.f, x2 = rows > 2 ? xm[2] : 0.f,
+                  x3 = rows > 3 ? xm[3] : 0.f;
+      float* __restrict a = acc + m * lda;
+      for (int64_t c = 0; c < n; ++c)
+        a[c] += x0 * ToF32(w0[c]) + x1 * ToF32(w1[c]) + x2 * ToF32(w2[c]) + x3 * ToF32(w3[c]);
+    }
+  }
+}
+
+template <typename T>
+static void Kn(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N, const T* w,
+               float* y) {
+  // Enough row blocks to keep both threads busy, each at least 16 rows (a multiple of kRows).
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(2 * pool.num_threads(), K / 16));
+  const int64_t rows = (K / tasks + kRows - 1) / kRows * kRows;
+  const int64_t used = (K + rows - 1) / rows;
+  std::vector<float> partial((used - 1) * M * N, 0.f);
+  std::memset(y, 0, sizeof(float) * M * N);
+  ParallelFor(pool, used, [&](int64_t t) {
+    float* acc = t == 0 ? y : partial.data() + (t - 1) * M * N;
+    const int64_t k0 = t * rows, k1 = std::min(K, k0 + rows);
+    for (int64_t c0 = 0; c0 < N; c0 += kCols)
+      KnBlock(x, K, M, w + c0, N, k0, k1, std::min(kCols, N - c0), acc + c0, N);
+  });
+  for (int64_t t = 1; t < used; ++t) {
+    const float* __restrict p = partial.data() + (t - 1) * M * N;
+    for (int64_t i = 0; i < M * N; ++i) y[i] += p[i];
+  }
+}
+
+// y[m, n0:n0+4] = x[m] . w[n0:n0+4] for every m (rows of w are K long).
+template <typename T>
+static void NkRows(const float* x, int64_t M, int64_t K, const T* w, int64_t rows, float* y,
+                   int64_t ldy) {
+  const T *__restrict w0 = w, *__restrict w1 = w + std::min<int64_t>(1, rows - 1) * K,
+          *__restrict w2 = w + std::min<int64_t>(2, rows - 1) * K,
+          *__restrict w3 = w + std::min<int64_t>(3, rows - 1) * K;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* __restrict xm = x + m * K;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = xm[k];
+      s0 += v * ToF32(w0[k]);
+      s1 += v * ToF32(w1[k]);
+      s2 += v * ToF32(w2[k]);
+      s3 += v * ToF32(w3[k]);
+    }
+    const float s[4] = {s0, s1, s2, s3};
+    for (int64_t r = 0; r < rows; ++r) y[m * ldy + r] = s[r];
+  }
+}
+
+template <typename T>
+static void Nk(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N, const T* w,
+               float* y) {
+  constexpr int64_t kChunk = 256;  // output columns per task
+  ParallelFor(pool, (N + kChunk - 1) / kChunk, [&](int64_t t) {
+    for (int64_t n = t * kChunk, end = std::min(N, n + kChunk); n < end; n += kRows)
+      NkRows(x, M, K, w + n * K, std::min(kRows, end - n), y + n, N);
+  });
+}
+
+static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                             ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
+                             bool transposed) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3) return ffi::Error::InvalidArgument("matmul: ranks");
+  const int64_t M = xd[0], K = xd[1], L = wd[0];
+  const int64_t N = transposed ? wd[1] : wd[2];
+  if ((transposed ? wd[2] : wd[1]) != K) return ffi::Error::InvalidArgument("matmul: K differs");
+  const int32_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("matmul: layer out of range");
+  const int64_t offset = l * K * N;
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  switch (w.element_type()) {
+    case ffi::F32: {
+      const float* wp = static_cast<const float*>(w.untyped_data()) + offset;
+      transposed ? Nk(pool, xp, M, K, N, wp, yp) : Kn(pool, xp, M, K, N, wp, yp);
+      break;
+    }
+    case ffi::BF16:
+    case ffi::U16: {
+      const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data()) + offset;
+      transposed ? Nk(pool, xp, M, K, N, wp, yp) : Kn(pool, xp, M, K, N, wp, yp);
+      break;
+    }
+    default:
+      return ffi::Error::InvalidArgument("matmul: weights must be f32, bf16 or uint16 bf16 bits");
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmul, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::AnyBuffer>()         // w
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Attr<bool>("transposed"));

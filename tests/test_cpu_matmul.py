@@ -1,0 +1,70 @@
+"""The native CPU few-row matmul (pallas_kernels/matmul/kernel_cpu.cc via the XLA FFI) against
+its pure-JAX reference, and the decoder's use of it against XLA's dots.
+
+The kernel is built with the system C++ compiler on first use; CI has one, so a build failure
+fails these tests rather than skipping them.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.matmul import kernel_cpu, reference
+
+
+def test_kernel_builds():
+    assert kernel_cpu.available(), "the CPU matmul did not build (see the warning in the log)"
+
+
+# K and N with tails: K not a multiple of the 4 rows read together nor of the row blocks,
+# N over the 1024-column pass and not a multiple of the vector width or the 256-column chunk.
+@pytest.mark.parametrize("m,k,n", [(1, 768, 1280), (3, 37, 1030), (4, 130, 7), (2, 5, 2311)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bits"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_kernel_matches_reference(m, k, n, dtype, transposed):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    L = 3
+    w = rng.standard_normal((L, n, k) if transposed else (L, k, n), np.float32)
+    w = jnp.asarray(w, jnp.float32 if dtype == "float32" else jnp.bfloat16)
+    if dtype == "bits":
+        w = jax.lax.bitcast_convert_type(w, jnp.uint16)
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+    f = jax.jit(lambda x, w, l: kernel_cpu.matmul(x, w, l, transposed=transposed))
+    for layer in (0, L - 1):
+        got = f(x, w, jnp.int32(layer))
+        want = reference.matmul(x, w, layer, transposed=transposed)
+        assert got.shape == (m, n) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                                   atol=1e-5 * np.sqrt(k))
+
+
+def test_kernel_refuses_a_layer_out_of_range():
+    w = jnp.ones((2, 8, 8), jnp.float32)
+    with pytest.raises(Exception, match="layer out of range"):
+        jax.block_until_ready(kernel_cpu.matmul(jnp.ones((1, 8)), w, 2))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decoder_native_steps_match_xla_dots(dtype, tiny_llama, load):
+    """Steps of <= NATIVE_MATMUL_ROWS tokens on backend 'cpu' run the projections and the LM
+    head in the kernel (bf16 layer weights as bits, as the runner stores them); the logits
+    equal those of the same steps run with XLA's dots (backend 'reference')."""
+    from conftest import PagedRunner
+
+    from jaxllm.models.decoder import NATIVE_MATMUL_ROWS, layers_as_bits
+
+    logits = {}
+    for backend in ("cpu", "reference"):
+        model = load(tiny_llama, dtype=dtype, attention_backend=backend)[0]
+        assert model.native_matmul(NATIVE_MATMUL_ROWS) == (backend == "cpu")
+        r = PagedRunner(model, 4, 1, 32, num_tokens=NATIVE_MATMUL_ROWS)
+        r.state = layers_as_bits(r.state)
+        out = [r.step([0], [[5, 9, 11]])[0]]  # a 3-token prompt, then greedy single tokens
+        for _ in range(6):
+            out.append(r.step([0], [[int(out[-1][-1].argmax())]])[0])
+        logits[backend] = np.concatenate(out)
+    want = logits["reference"]
+    tol = 1e-4 if dtype == "float32" else 2e-2 * np.abs(want).max()
+    np.testing.assert_allclose(logits["cpu"], want, atol=tol, rtol=0)
+    assert (logits["cpu"].argmax(-1) == want.argmax(-1)).all()
