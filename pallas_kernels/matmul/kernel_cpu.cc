@@ -26,6 +26,41 @@ static inline float Bf16(uint16_t b) {
 static inline float ToF32(float v) { return v; }
 static inline float ToF32(uint16_t v) { return Bf16(v); }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// bf16 with AVX2 works on groups of 16 columns held de-interleaved, [8 even | 8 odd]: a shift
+// and a mask turn 16 bf16 into those two f32 vectors with no shuffles. `Interleave` restores
+// the order of every whole group at the end.
+constexpr bool kSplitBf16 = true;
+static inline void Split(const uint16_t* p, __m256& even, __m256& odd) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF0000)));
+}
+static inline float HSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+constexpr bool kSplitBf16 = false;
+#endif
+
+// Every whole group of 16 in the M rows of y [M, N]: [even | odd] back to column order, or
+// (split) column order to [even | odd].
+static void Interleave(float* y, int64_t M, int64_t N, bool split = false) {
+  float tmp[16];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c + 16 <= N; c += 16) {
+      float* g = y + m * N + c;
+      for (int j = 0; j < 16; ++j) {
+        const int i = (j & 1) * 8 + j / 2;
+        split ? tmp[i] = g[j] : tmp[j] = g[i];
+      }
+      std::memcpy(g, tmp, sizeof tmp);
+    }
+}
+
 constexpr int64_t kRows = 4;     // weight rows read together
 constexpr int64_t kCols = 1024;  // columns per pass (kn): M partial rows of these stay in L1/L2
 
@@ -43,7 +78,22 @@ static void KnBlock(const float* x, int64_t ldx, int64_t M, const T* w, int64_t 
       const float x0 = xm[0], x1 = rows > 1 ? xm[1] : 0.f, x2 = rows > 2 ? xm[2] : 0.f,
                   x3 = rows > 3 ? xm[3] : 0.f;
       float* __restrict a = acc + m * lda;
-      for (int64_t c = 0; c < n; ++c)
+      int64_t c = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        const __m256 b0 = _mm256_set1_ps(x0), b1 = _mm256_set1_ps(x1), b2 = _mm256_set1_ps(x2),
+                     b3 = _mm256_set1_ps(x3);
+        for (; c + 16 <= n; c += 16) {
+          __m256 ae = _mm256_loadu_ps(a + c), ao = _mm256_loadu_ps(a + c + 8), e, o;
+          Split(w0 + c, e, o), ae = _mm256_fmadd_ps(b0, e, ae), ao = _mm256_fmadd_ps(b0, o, ao);
+          Split(w1 + c, e, o), ae = _mm256_fmadd_ps(b1, e, ae), ao = _mm256_fmadd_ps(b1, o, ao);
+          Split(w2 + c, e, o), ae = _mm256_fmadd_ps(b2, e, ae), ao = _mm256_fmadd_ps(b2, o, ao);
+          Split(w3 + c, e, o), ae = _mm256_fmadd_ps(b3, e, ae), ao = _mm256_fmadd_ps(b3, o, ao);
+          _mm256_storeu_ps(a + c, ae), _mm256_storeu_ps(a + c + 8, ao);
+        }
+      }
+#endif
+      for (; c < n; ++c)
         a[c] += x0 * ToF32(w0[c]) + x1 * ToF32(w1[c]) + x2 * ToF32(w2[c]) + x3 * ToF32(w3[c]);
     }
   }
@@ -68,6 +118,7 @@ static void Kn(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int6
     const float* __restrict p = partial.data() + (t - 1) * M * N;
     for (int64_t i = 0; i < M * N; ++i) y[i] += p[i];
   }
+  if (std::is_same_v<T, uint16_t> && kSplitBf16) Interleave(y, M, N);
 }
 
 // y[m, n0:n0+4] = x[m] . w[n0:n0+4] for every m (rows of w are K long).
@@ -80,7 +131,25 @@ static void NkRows(const float* x, int64_t M, int64_t K, const T* w, int64_t row
   for (int64_t m = 0; m < M; ++m) {
     const float* __restrict xm = x + m * K;
     float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-    for (int64_t k = 0; k < K; ++k) {
+    int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (std::is_same_v<T, uint16_t>) {  // x arrives in [even | odd] groups
+      __m256 a[8] = {};  // even and odd sums per row: eight independent chains
+      for (; k + 16 <= K; k += 16) {
+        const __m256 xe = _mm256_loadu_ps(xm + k), xo = _mm256_loadu_ps(xm + k + 8);
+        const uint16_t* rows4[4] = {w0 + k, w1 + k, w2 + k, w3 + k};
+        for (int r = 0; r < 4; ++r) {
+          __m256 e, o;
+          Split(rows4[r], e, o);
+          a[2 * r] = _mm256_fmadd_ps(xe, e, a[2 * r]);
+          a[2 * r + 1] = _mm256_fmadd_ps(xo, o, a[2 * r + 1]);
+        }
+      }
+      s0 = HSum(_mm256_add_ps(a[0], a[1])), s1 = HSum(_mm256_add_ps(a[2], a[3]));
+      s2 = HSum(_mm256_add_ps(a[4], a[5])), s3 = HSum(_mm256_add_ps(a[6], a[7]));
+    }
+#endif
+    for (; k < K; ++k) {
       const float v = xm[k];
       s0 += v * ToF32(w0[k]);
       s1 += v * ToF32(w1[k]);
@@ -96,6 +165,12 @@ template <typename T>
 static void Nk(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N, const T* w,
                float* y) {
   constexpr int64_t kChunk = 256;  // output columns per task
+  std::vector<float> split;
+  if (std::is_same_v<T, uint16_t> && kSplitBf16) {  // x in the weights' [even | odd] groups
+    split.assign(x, x + M * K);
+    Interleave(split.data(), M, K, /*split=*/true);
+    x = split.data();
+  }
   ParallelFor(pool, (N + kChunk - 1) / kChunk, [&](int64_t t) {
     for (int64_t n = t * kChunk, end = std::min(N, n + kChunk); n < end; n += kRows)
       NkRows(x, M, K, w + n * K, std::min(kRows, end - n), y + n, N);
