@@ -15,6 +15,7 @@
 
 #include "cpu_parallel.h"
 
+
 namespace ffi = xla::ffi;
 
 static inline float Bf16(uint16_t b) {
@@ -36,6 +37,12 @@ static inline void Split(const uint16_t* p, __m256& even, __m256& odd) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF0000)));
+}
+// Weight rows this far ahead are requested early: the hardware prefetcher alone left the
+// smaller projections at ~20 GB/s (28 with this).
+constexpr int64_t kPrefetchRows = 16;
+static inline void Prefetch(const uint16_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 static inline float HSum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -62,7 +69,7 @@ static void Interleave(float* y, int64_t M, int64_t N, bool split = false) {
 }
 
 constexpr int64_t kRows = 4;     // weight rows read together
-constexpr int64_t kCols = 1024;  // columns per pass (kn): M partial rows of these stay in L1/L2
+constexpr int64_t kCols = 4096;  // columns per pass (kn): whole rows of our weights, read in order
 
 // acc[m, 0:n] += x[m, k0:k1] @ w[k0:k1, 0:n] (rows ldw apart), four weight rows at a time.
 template <typename T>
@@ -85,6 +92,9 @@ static void KnBlock(const float* x, int64_t ldx, int64_t M, const T* w, int64_t 
                      b3 = _mm256_set1_ps(x3);
         for (; c + 16 <= n; c += 16) {
           __m256 ae = _mm256_loadu_ps(a + c), ao = _mm256_loadu_ps(a + c + 8), e, o;
+          if (m == 0) {
+            for (const uint16_t* p : {w0, w1, w2, w3}) Prefetch(p + c + kPrefetchRows * ldw);
+          }
           Split(w0 + c, e, o), ae = _mm256_fmadd_ps(b0, e, ae), ao = _mm256_fmadd_ps(b0, o, ao);
           Split(w1 + c, e, o), ae = _mm256_fmadd_ps(b1, e, ae), ao = _mm256_fmadd_ps(b1, o, ao);
           Split(w2 + c, e, o), ae = _mm256_fmadd_ps(b2, e, ae), ao = _mm256_fmadd_ps(b2, o, ao);
@@ -139,6 +149,7 @@ static void NkRows(const float* x, int64_t M, int64_t K, const T* w, int64_t row
         const __m256 xe = _mm256_loadu_ps(xm + k), xo = _mm256_loadu_ps(xm + k + 8);
         const uint16_t* rows4[4] = {w0 + k, w1 + k, w2 + k, w3 + k};
         for (int r = 0; r < 4; ++r) {
+          if (m == 0) Prefetch(rows4[r] + kPrefetchRows * K);
           __m256 e, o;
           Split(rows4[r], e, o);
           a[2 * r] = _mm256_fmadd_ps(xe, e, a[2 * r]);
