@@ -19,7 +19,10 @@ def test_kernel_builds():
 
 # K and N with tails: K not a multiple of the 4 rows read together nor of the row blocks,
 # N over the 1024-column pass and not a multiple of the vector width or the 256-column chunk.
-@pytest.mark.parametrize("m,k,n", [(1, 768, 1280), (3, 37, 1030), (4, 130, 7), (2, 5, 2311)])
+# m past 4 runs the register-blocked path: 6-row blocks and a remainder, 64-column tiles and a
+# part tile.
+@pytest.mark.parametrize("m,k,n", [(1, 768, 1280), (3, 37, 1030), (4, 130, 7), (2, 5, 2311),
+                                   (5, 33, 100), (13, 64, 130), (64, 96, 200)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bits"])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_kernel_matches_reference(m, k, n, dtype, transposed):
@@ -45,8 +48,9 @@ def test_kernel_refuses_a_layer_out_of_range():
         jax.block_until_ready(kernel_cpu.matmul(jnp.ones((1, 8)), w, 2))
 
 
+@pytest.mark.parametrize("tokens", [4, 64])  # the streaming and the register-blocked paths
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decoder_native_steps_match_xla_dots(dtype, tiny_llama, load):
+def test_decoder_native_steps_match_xla_dots(dtype, tokens, tiny_llama, load):
     """Steps of <= NATIVE_MATMUL_ROWS tokens on backend 'cpu' run the projections and the LM
     head in the kernel (bf16 layer weights as bits, as the runner stores them); the logits
     equal those of the same steps run with XLA's dots (backend 'reference')."""
@@ -58,7 +62,8 @@ def test_decoder_native_steps_match_xla_dots(dtype, tiny_llama, load):
     for backend in ("cpu", "reference"):
         model = load(tiny_llama, dtype=dtype, attention_backend=backend)[0]
         assert model.native_matmul(NATIVE_MATMUL_ROWS) == (backend == "cpu")
-        r = PagedRunner(model, 4, 1, 32, num_tokens=NATIVE_MATMUL_ROWS)
+        assert not model.native_matmul(NATIVE_MATMUL_ROWS + 1)
+        r = PagedRunner(model, 4, 1, 32, num_tokens=tokens)
         r.state = layers_as_bits(r.state)
         out = [r.step([0], [[5, 9, 11]])[0]]  # a 3-token prompt, then greedy single tokens
         for _ in range(6):

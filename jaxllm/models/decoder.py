@@ -31,10 +31,11 @@ ACTIVATIONS = {
 }
 
 
-# Steps of at most this many tokens run the layer projections and the LM head in the native CPU
-# matmul (backend 'cpu'): it streams the weights in place, where XLA:CPU copies each layer's
-# slice out of the scan and converts bf16 weights to f32 first (2-3x slower at M = 1).
-NATIVE_MATMUL_ROWS = 4
+# Steps of at most this many tokens (every decode step up to 64 sequences) run the layer
+# projections and the LM head in the native CPU matmul (backend 'cpu'). It reads the stacked
+# weights in place, where XLA:CPU copies each layer's slice out of the scan, and runs bf16 weights
+# at f32 speed: 2-3x XLA at 1 row, 1.2-1.5x at 16-64 rows (bf16), measured on AVX2.
+NATIVE_MATMUL_ROWS = 64
 # Layer weights the native matmul reads as [L, in, out] (row-major reshapes of the stacked ones):
 # whether the hidden size is their input (else their output).
 _PROJECTIONS = {"qkv": True, "o": False, "gate_up": True, "down": False}

@@ -116,13 +116,13 @@ class ModelRunner:
         self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
         self.graphdef, self.state = nnx.split(model)
         # LM-head chunk sizes for the sampler. XLA:CPU runs a bf16 weight against few rows by
-        # converting all of it to f32 first (3x slower than 64 rows, which run natively in bf16),
-        # so bf16 keeps only 64 rows, and 1 row where the native CPU matmul runs it.
+        # converting all of it to f32 first (3x slower than 64 rows), so without the native
+        # CPU matmul (which runs every chunk size) bf16 keeps only 64-row chunks.
         self.logit_rows = LOGIT_ROWS
         if jax.default_backend() == "cpu":  # bf16 work-arounds for XLA:CPU (see both)
             self.state = layers_as_bits(self.state)
-            if model_config.jnp_dtype == jnp.bfloat16:
-                self.logit_rows = (1, 64) if model.native_matmul(1) else (64,)
+            if model_config.jnp_dtype == jnp.bfloat16 and not model.native_matmul(max(LOGIT_ROWS)):
+                self.logit_rows = (max(LOGIT_ROWS),)
         mc = model_config
         shape = (mc.num_layers, num_blocks, mc.num_kv_heads, block_size, mc.head_dim)
         kv_sharding = named_sharding(mesh, KV_CACHE_AXES, shape)

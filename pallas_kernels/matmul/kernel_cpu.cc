@@ -131,6 +131,104 @@ static void Kn(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int6
   if (std::is_same_v<T, uint16_t> && kSplitBf16) Interleave(y, M, N);
 }
 
+// Many rows: y = x @ W[l] (kn) or, for nk, y^T = W[l] @ x^T, so that W's rows are read in place
+// either way. The operand whose columns a 16-wide register block covers is copied once into an
+// f32 [K, 64] tile in cache (W's columns for kn, x^T for nk); a 6 x 16 block then runs down K
+// for every 6 rows of the other operand, read directly (x rows for kn, W rows for nk).
+constexpr int64_t kTile = 64, kMr = 6;
+typedef float v8 __attribute__((vector_size(32)));
+
+// out(r, i) = sum_k a[r * K + k] * b[k * kTile + i] for r < R, i < cols; stored at y[r*rs + i*cs].
+template <int R>
+static void Micro(const float* a, int64_t K, const float* b, float* y, int64_t rs, int64_t cs,
+                  int64_t cols) {
+  v8 acc[R][2] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    v8 w0, w1;
+    std::memcpy(&w0, b + k * kTile, sizeof w0);
+    std::memcpy(&w1, b + k * kTile + 8, sizeof w1);
+    for (int r = 0; r < R; ++r) {
+      const float av = a[r * K + k];
+      acc[r][0] += av * w0;
+      acc[r][1] += av * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out[16];
+    std::memcpy(out, acc[r], sizeof out);
+    for (int64_t i = 0; i < cols; ++i) y[r * rs + i * cs] = out[i];
+  }
+}
+
+// Rows [0, rows) of a against the tile's columns [0, cols): 6-row blocks, then the remainder.
+// bf16 rows are converted once per block, not once per 16 columns.
+template <typename A>
+static void Blocks(const A* a, int64_t rows, int64_t K, const float* tile, int64_t cols, float* y,
+                   int64_t rs, int64_t cs) {
+  thread_local std::vector<float> converted;
+  for (int64_t r = 0; r < rows; r += kMr) {
+    const int64_t n = std::min(kMr, rows - r);
+    const float* ar;
+    if constexpr (std::is_same_v<A, float>) {
+      ar = a + r * K;
+    } else {
+      converted.resize(kMr * K);
+      for (int64_t i = 0; i < n * K; ++i) converted[i] = ToF32(a[r * K + i]);
+      ar = converted.data();
+    }
+    for (int64_t s = 0; s < cols; s += 16) {
+      const float* b = tile + s;
+      float* yr = y + r * rs + s * cs;
+      const int64_t c = std::min<int64_t>(16, cols - s);
+      switch (n) {
+        case 6: Micro<6>(ar, K, b, yr, rs, cs, c); break;
+        case 5: Micro<5>(ar, K, b, yr, rs, cs, c); break;
+        case 4: Micro<4>(ar, K, b, yr, rs, cs, c); break;
+        case 3: Micro<3>(ar, K, b, yr, rs, cs, c); break;
+        case 2: Micro<2>(ar, K, b, yr, rs, cs, c); break;
+        default: Micro<1>(ar, K, b, yr, rs, cs, c); break;
+      }
+    }
+  }
+}
+
+// tile [K, kTile] f32 = columns [c0, c0 + nc) of the row-major [K, ld] matrix src, zero-padded.
+template <typename T>
+static void PackTile(const T* src, int64_t ld, int64_t K, int64_t c0, int64_t nc, float* tile) {
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t j = 0; j < nc; ++j) tile[k * kTile + j] = ToF32(src[k * ld + c0 + j]);
+    for (int64_t j = nc; j < kTile; ++j) tile[k * kTile + j] = 0.f;
+  }
+}
+
+template <typename T>
+static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
+                 const T* w, float* y, bool transposed) {
+  if (!transposed) {  // tasks: 64-column tiles of W
+    ParallelFor(pool, (N + kTile - 1) / kTile, [&](int64_t t) {
+      thread_local std::vector<float> tile;
+      tile.resize(K * kTile);
+      const int64_t c0 = t * kTile, nc = std::min(kTile, N - c0);
+      PackTile(w, N, K, c0, nc, tile.data());
+      Blocks(x, M, K, tile.data(), nc, y + c0, N, 1);
+    });
+    return;
+  }
+  std::vector<float> xt(K * M);  // x^T [K, M]
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[k * M + m] = x[m * K + k];
+  constexpr int64_t kRowsPerTask = 8 * kMr;
+  for (int64_t m0 = 0; m0 < M; m0 += kTile) {  // tasks: 48-row blocks of W
+    const int64_t nm = std::min(kTile, M - m0);
+    std::vector<float> tile(K * kTile);
+    PackTile(xt.data(), M, K, m0, nm, tile.data());
+    ParallelFor(pool, (N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
+      const int64_t n0 = t * kRowsPerTask, rows = std::min(kRowsPerTask, N - n0);
+      Blocks(w + n0 * K, rows, K, tile.data(), nm, y + m0 * N + n0, 1, N);
+    });
+  }
+}
+
 // y[m, n0:n0+4] = x[m] . w[n0:n0+4] for every m (rows of w are K long).
 template <typename T>
 static void NkRows(const float* x, int64_t M, int64_t K, const T* w, int64_t rows, float* y,
@@ -188,6 +286,16 @@ static void Nk(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int6
   });
 }
 
+// Up to kFewRows rows stream the weights (kn, nk); more run the register-blocked Gemm.
+constexpr int64_t kFewRows = 4;
+
+template <typename T>
+static void Run(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
+                const T* w, float* y, bool transposed) {
+  if (M > kFewRows) return Gemm(pool, x, M, K, N, w, y, transposed);
+  transposed ? Nk(pool, x, M, K, N, w, y) : Kn(pool, x, M, K, N, w, y);
+}
+
 static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                              ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
                              bool transposed) {
@@ -205,13 +313,13 @@ static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   switch (w.element_type()) {
     case ffi::F32: {
       const float* wp = static_cast<const float*>(w.untyped_data()) + offset;
-      transposed ? Nk(pool, xp, M, K, N, wp, yp) : Kn(pool, xp, M, K, N, wp, yp);
+      Run(pool, xp, M, K, N, wp, yp, transposed);
       break;
     }
     case ffi::BF16:
     case ffi::U16: {
       const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data()) + offset;
-      transposed ? Nk(pool, xp, M, K, N, wp, yp) : Kn(pool, xp, M, K, N, wp, yp);
+      Run(pool, xp, M, K, N, wp, yp, transposed);
       break;
     }
     default:
