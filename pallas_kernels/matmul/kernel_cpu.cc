@@ -1,12 +1,14 @@
-// Few-row matmul for XLA:CPU, called through the XLA FFI: y [M, N] f32 = x [M, K] f32 @ W[layer].
+// Matmul over stacked per-layer weights for XLA:CPU, called through the XLA FFI:
+// y [M, N] f32 = x [M, K] f32 @ W[layer], W bf16 (as bf16 or its uint16 bits) or f32, read in place.
 //
-// Decoding a few sequences is a stream over the weights at memory speed; XLA:CPU's dot runs a bf16
-// weight at M = 1 about 3x slower than an f32 one, and a layer scan slices (copies) each layer's
-// weights before its dot. This reads layer `layer` of the stacked weights in place, bf16 (passed as
-// its uint16 bits or as bf16) or f32, converting in registers.
-//   kn: W [L, K, N] (y = x @ W[l]).  Tasks split K into contiguous row blocks, each summing into
-//       its own [M, N] partial, so every task streams whole rows; the caller adds the partials.
-//   nk: W [L, N, K] (y = x @ W[l].T, e.g. an embedding used as LM head).  Tasks split N.
+// Why not XLA's dot: a layer scan slices (copies) each layer's weights before its dot, and XLA:CPU
+// runs bf16 weights slower than f32 ones on AVX2 (3x at M = 1, ~1.4x at M = 64). Here bf16 is
+// converted in registers or in cache, so it runs at f32 speed with half the bytes.
+//   Up to 4 rows (decoding a few sequences is a stream over the weights at memory speed):
+//     kn: W [L, K, N] (y = x @ W[l]). Tasks split K into contiguous row blocks, each summing
+//         into its own [M, N] partial, so every task streams whole rows; the caller adds them.
+//     nk: W [L, N, K] (y = x @ W[l].T, e.g. an embedding used as LM head). Tasks split N.
+//   More rows: a register-blocked 6 x 16 kernel over f32 tiles in cache (`Gemm`).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -14,7 +16,6 @@
 #include <vector>
 
 #include "cpu_parallel.h"
-
 
 namespace ffi = xla::ffi;
 
@@ -77,7 +78,9 @@ static void KnBlock(const float* x, int64_t ldx, int64_t M, const T* w, int64_t 
                     int64_t k1, int64_t n, float* acc, int64_t lda) {
   for (int64_t k = k0; k < k1; k += kRows) {
     const int64_t rows = std::min(kRows, k1 - k);
-    const T *__restrict w0 = w + k * ldw, *__restrict w1 = w + (k + std::min<int64_t>(1, rows - 1)) * ldw,
+    // Rows past the block's end repeat its last row, with a zero multiplier.
+    const T *__restrict w0 = w + k * ldw,
+            *__restrict w1 = w + (k + std::min<int64_t>(1, rows - 1)) * ldw,
             *__restrict w2 = w + (k + std::min<int64_t>(2, rows - 1)) * ldw,
             *__restrict w3 = w + (k + std::min<int64_t>(3, rows - 1)) * ldw;
     for (int64_t m = 0; m < M; ++m) {
@@ -135,20 +138,21 @@ static void Kn(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int6
 // either way. The operand whose columns a 16-wide register block covers is copied once into an
 // f32 [K, 64] tile in cache (W's columns for kn, x^T for nk); a 6 x 16 block then runs down K
 // for every 6 rows of the other operand, read directly (x rows for kn, W rows for nk).
-constexpr int64_t kTile = 64, kMr = 6;
+constexpr int64_t kTile = 64, kMr = 6, kPackAhead = 16, kKc = 256;
 typedef float v8 __attribute__((vector_size(32)));
 
-// out(r, i) = sum_k a[r * K + k] * b[k * kTile + i] for r < R, i < cols; stored at y[r*rs + i*cs].
+// out(r, i) = sum_k a[r * lda + k] * b[k * kTile + i] for r < R, i < cols, k < K; stored to
+// (or, with add, added to) y[r * rs + i * cs].
 template <int R>
-static void Micro(const float* a, int64_t K, const float* b, float* y, int64_t rs, int64_t cs,
-                  int64_t cols) {
+static void Micro(const float* a, int64_t lda, int64_t K, const float* b, float* y, int64_t rs,
+                  int64_t cs, int64_t cols, bool add) {
   v8 acc[R][2] = {};
   for (int64_t k = 0; k < K; ++k) {
     v8 w0, w1;
     std::memcpy(&w0, b + k * kTile, sizeof w0);
     std::memcpy(&w1, b + k * kTile + 8, sizeof w1);
     for (int r = 0; r < R; ++r) {
-      const float av = a[r * K + k];
+      const float av = a[r * lda + k];
       acc[r][0] += av * w0;
       acc[r][1] += av * w1;
     }
@@ -156,37 +160,48 @@ static void Micro(const float* a, int64_t K, const float* b, float* y, int64_t r
   for (int r = 0; r < R; ++r) {
     float out[16];
     std::memcpy(out, acc[r], sizeof out);
-    for (int64_t i = 0; i < cols; ++i) y[r * rs + i * cs] = out[i];
+    for (int64_t i = 0; i < cols; ++i) {
+      float& dst = y[r * rs + i * cs];
+      dst = (add ? dst : 0.f) + out[i];
+    }
   }
 }
 
-// Rows [0, rows) of a against the tile's columns [0, cols): 6-row blocks, then the remainder.
-// bf16 rows are converted once per block, not once per 16 columns.
+// Rows [0, rows) of a (lda apart) against the tile [K, kTile]'s columns [0, cols): K in chunks of
+// kKc (so a chunk of the tile and of a's rows stay in L2), 6-row blocks, then the remainder.
+// bf16 rows are converted once per block and chunk, not once per 16 columns.
 template <typename A>
-static void Blocks(const A* a, int64_t rows, int64_t K, const float* tile, int64_t cols, float* y,
-                   int64_t rs, int64_t cs) {
+static void Blocks(const A* a, int64_t lda, int64_t rows, int64_t K, const float* tile,
+                   int64_t cols, float* y, int64_t rs, int64_t cs) {
   thread_local std::vector<float> converted;
-  for (int64_t r = 0; r < rows; r += kMr) {
-    const int64_t n = std::min(kMr, rows - r);
-    const float* ar;
-    if constexpr (std::is_same_v<A, float>) {
-      ar = a + r * K;
-    } else {
-      converted.resize(kMr * K);
-      for (int64_t i = 0; i < n * K; ++i) converted[i] = ToF32(a[r * K + i]);
-      ar = converted.data();
-    }
-    for (int64_t s = 0; s < cols; s += 16) {
-      const float* b = tile + s;
-      float* yr = y + r * rs + s * cs;
-      const int64_t c = std::min<int64_t>(16, cols - s);
-      switch (n) {
-        case 6: Micro<6>(ar, K, b, yr, rs, cs, c); break;
-        case 5: Micro<5>(ar, K, b, yr, rs, cs, c); break;
-        case 4: Micro<4>(ar, K, b, yr, rs, cs, c); break;
-        case 3: Micro<3>(ar, K, b, yr, rs, cs, c); break;
-        case 2: Micro<2>(ar, K, b, yr, rs, cs, c); break;
-        default: Micro<1>(ar, K, b, yr, rs, cs, c); break;
+  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+    const int64_t kc = std::min(kKc, K - k0);
+    for (int64_t r = 0; r < rows; r += kMr) {
+      const int64_t n = std::min(kMr, rows - r);
+      const float* ar;
+      int64_t ld = lda;
+      if constexpr (std::is_same_v<A, float>) {
+        ar = a + r * lda + k0;
+      } else {
+        converted.resize(kMr * kKc);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t k = 0; k < kc; ++k)
+            converted[i * kKc + k] = ToF32(a[(r + i) * lda + k0 + k]);
+        ar = converted.data(), ld = kKc;
+      }
+      for (int64_t s = 0; s < cols; s += 16) {
+        const float* b = tile + k0 * kTile + s;
+        float* yr = y + r * rs + s * cs;
+        const int64_t c = std::min<int64_t>(16, cols - s);
+        const bool add = k0 > 0;
+        switch (n) {
+          case 6: Micro<6>(ar, ld, kc, b, yr, rs, cs, c, add); break;
+          case 5: Micro<5>(ar, ld, kc, b, yr, rs, cs, c, add); break;
+          case 4: Micro<4>(ar, ld, kc, b, yr, rs, cs, c, add); break;
+          case 3: Micro<3>(ar, ld, kc, b, yr, rs, cs, c, add); break;
+          case 2: Micro<2>(ar, ld, kc, b, yr, rs, cs, c, add); break;
+          default: Micro<1>(ar, ld, kc, b, yr, rs, cs, c, add); break;
+        }
       }
     }
   }
@@ -196,6 +211,9 @@ static void Blocks(const A* a, int64_t rows, int64_t K, const float* tile, int64
 template <typename T>
 static void PackTile(const T* src, int64_t ld, int64_t K, int64_t c0, int64_t nc, float* tile) {
   for (int64_t k = 0; k < K; ++k) {
+    if (k + kPackAhead < K)  // rows ld apart defeat the hardware prefetcher
+      for (int64_t b = 0; b < nc * int64_t{sizeof(T)}; b += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(src + (k + kPackAhead) * ld + c0) + b);
     for (int64_t j = 0; j < nc; ++j) tile[k * kTile + j] = ToF32(src[k * ld + c0 + j]);
     for (int64_t j = nc; j < kTile; ++j) tile[k * kTile + j] = 0.f;
   }
@@ -210,7 +228,7 @@ static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, in
       tile.resize(K * kTile);
       const int64_t c0 = t * kTile, nc = std::min(kTile, N - c0);
       PackTile(w, N, K, c0, nc, tile.data());
-      Blocks(x, M, K, tile.data(), nc, y + c0, N, 1);
+      Blocks(x, K, M, K, tile.data(), nc, y + c0, N, 1);
     });
     return;
   }
@@ -224,7 +242,7 @@ static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, in
     PackTile(xt.data(), M, K, m0, nm, tile.data());
     ParallelFor(pool, (N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
       const int64_t n0 = t * kRowsPerTask, rows = std::min(kRowsPerTask, N - n0);
-      Blocks(w + n0 * K, rows, K, tile.data(), nm, y + m0 * N + n0, 1, N);
+      Blocks(w + n0 * K, K, rows, K, tile.data(), nm, y + m0 * N + n0, 1, N);
     });
   }
 }
