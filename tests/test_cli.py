@@ -77,7 +77,7 @@ def test_collect_env():
     assert r.returncode == 0, r.stderr
     for line in ("jaxllm: ", "jax: ", "jaxlib: ", "flax: ", "transformers: ", "torch: ",
                  "Python: 3.", "Platform: ", "backend: cpu", "devices: ",
-                 "attention backend (auto, one device): cpu"):
+                 "attention backend (auto, one device): cpu", "native CPU matmul: built"):
         assert line in r.stdout, line
 
 
