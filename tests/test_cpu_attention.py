@@ -38,7 +38,7 @@ def _case(seed, *, num_seqs, pad_seqs, hq, hkv, d, bs, max_len, layers=3, num_bl
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs", [(12, 4, 64, 16), (9, 3, 64, 16), (4, 4, 32, 8),
-                                         (8, 1, 16, 4)])
+                                         (8, 1, 16, 4), (8, 2, 128, 16), (2, 1, 20, 4)])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (7, None), (None, 5.0), (7, 5.0)])
 def test_kernel_matches_reference(hq, hkv, d, bs, window, soft_cap):
     q, kc, vc, kv_lens, tables, cu, ns = _case(hq * 31 + d, num_seqs=11, pad_seqs=2, hq=hq,

@@ -48,12 +48,13 @@ def test_kernel_refuses_a_layer_out_of_range():
         jax.block_until_ready(kernel_cpu.matmul(jnp.ones((1, 8)), w, 2))
 
 
-@pytest.mark.parametrize("tokens", [4, 64])  # the streaming and the register-blocked paths
+@pytest.mark.parametrize("tokens", [4, 64, 128])  # streaming, register-blocked, bf16 prefill
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decoder_native_steps_match_xla_dots(dtype, tokens, tiny_llama, load):
-    """Steps of <= NATIVE_MATMUL_ROWS tokens on backend 'cpu' run the projections and the LM
-    head in the kernel (bf16 layer weights as bits, as the runner stores them); the logits
-    equal those of the same steps run with XLA's dots (backend 'reference')."""
+    """On backend 'cpu', steps of <= NATIVE_MATMUL_ROWS tokens (and every step with bf16
+    weights) run the projections and the LM head in the kernel (bf16 layer weights as bits, as
+    the runner stores them); the logits equal those of the same steps run with XLA's dots
+    (backend 'reference')."""
     from conftest import PagedRunner
 
     from jaxllm.models.decoder import NATIVE_MATMUL_ROWS, layers_as_bits
@@ -62,7 +63,8 @@ def test_decoder_native_steps_match_xla_dots(dtype, tokens, tiny_llama, load):
     for backend in ("cpu", "reference"):
         model = load(tiny_llama, dtype=dtype, attention_backend=backend)[0]
         assert model.native_matmul(NATIVE_MATMUL_ROWS) == (backend == "cpu")
-        assert not model.native_matmul(NATIVE_MATMUL_ROWS + 1)
+        assert model.native_matmul(NATIVE_MATMUL_ROWS + 1) == (
+            backend == "cpu" and dtype == "bfloat16")
         r = PagedRunner(model, 4, 1, 32, num_tokens=tokens)
         r.state = layers_as_bits(r.state)
         out = [r.step([0], [[5, 9, 11]])[0]]  # a 3-token prompt, then greedy single tokens

@@ -141,9 +141,11 @@ class Decoder(nnx.Module):
         return rms_norm(h, self.final_norm[...], cfg), kv_cache
 
     def native_matmul(self, rows: int) -> bool:
-        """Whether a step of `rows` tokens runs its matmuls in the native CPU kernel."""
-        return (self.attention_backend == "cpu" and rows <= NATIVE_MATMUL_ROWS
-                and matmul_cpu.available())
+        """Whether a step of `rows` tokens runs its matmuls in the native CPU kernel: always for
+        bf16 weights (XLA:CPU converts them to f32 first, ~1.5x slower at every size), for f32
+        up to NATIVE_MATMUL_ROWS (above that XLA's own GEMM is on par or ahead)."""
+        return (self.attention_backend == "cpu" and matmul_cpu.available()
+                and (rows <= NATIVE_MATMUL_ROWS or self.cfg.jnp_dtype == jnp.bfloat16))
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, E] -> float32 logits [N, V], final soft-capping applied."""

@@ -138,7 +138,7 @@ static void Kn(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int6
 // either way. The operand whose columns a 16-wide register block covers is copied once into an
 // f32 [K, 64] tile in cache (W's columns for kn, x^T for nk); a 6 x 16 block then runs down K
 // for every 6 rows of the other operand, read directly (x rows for kn, W rows for nk).
-constexpr int64_t kTile = 64, kMr = 6, kPackAhead = 16, kKc = 256;
+constexpr int64_t kTile = 64, kMr = 6, kPackAhead = 16, kKc = 512;
 typedef float v8 __attribute__((vector_size(32)));
 
 // out(r, i) = sum_k a[r * lda + k] * b[k * kTile + i] for r < R, i < cols, k < K; stored to
@@ -156,6 +156,19 @@ static void Micro(const float* a, int64_t lda, int64_t K, const float* b, float*
       acc[r][0] += av * w0;
       acc[r][1] += av * w1;
     }
+  }
+  if (cs == 1 && cols == 16) {  // whole rows of y: vector stores
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) {
+        v8 v = acc[r][h];
+        if (add) {
+          v8 old;
+          std::memcpy(&old, y + r * rs + 8 * h, sizeof old);
+          v += old;
+        }
+        std::memcpy(y + r * rs + 8 * h, &v, sizeof v);
+      }
+    return;
   }
   for (int r = 0; r < R; ++r) {
     float out[16];
