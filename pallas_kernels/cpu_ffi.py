@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from typing import Optional
 
 import jax
@@ -72,10 +73,18 @@ def build(source: str) -> Optional[str]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+_locks: dict[str, threading.Lock] = {}
+
+
 def register(source: str, targets: tuple[tuple[str, str], ...]) -> bool:
     """Build `source` and register each (FFI target name, handler symbol); False if it cannot
-    be built here."""
+    be built here. Thread-safe: the loader builds the kernels in the background."""
+    with _locks.setdefault(source, threading.Lock()):
+        return _register(source, targets)
+
+
+@functools.lru_cache(maxsize=None)
+def _register(source: str, targets: tuple[tuple[str, str], ...]) -> bool:
     path = build(source)
     if path is None:
         return False

@@ -286,6 +286,24 @@ def test_no_recompilation_on_random_workload(llm):
     assert llm.llm_engine.runner.num_recompiles == before == 0
 
 
+def test_deferred_sampler_variants_serve_at_once_and_all_compile(tiny_llama):
+    """Only the plain sampler variants compile before the engine is ready; a request that needs
+    another one right away compiles it (or waits for the background thread), and the
+    background thread ends with every variant compiled, none of it counted as a recompile."""
+    llm = small_llm(tiny_llama)
+    runner = llm.llm_engine.runner
+    deferred = dict(runner._deferred_futures)
+    assert len(deferred) == 10
+    p = SamplingParams(temperature=0.8, top_k=5, repetition_penalty=1.2, logprobs=2, seed=3,
+                       max_tokens=4, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, p, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and len(out.logprobs) == 4
+    for f in deferred.values():
+        f.result(timeout=300)
+    assert set(deferred) <= set(runner._executables)
+    assert runner.num_recompiles == 0
+
+
 def test_pallas_backend_matches_reference(tiny_llama, prompts, expected):
     """--attention-backend pallas runs the Pallas kernel (interpret mode on CPU) end to end."""
     llm = small_llm(tiny_llama, attention_backend="pallas", max_num_seqs=4)

@@ -330,9 +330,13 @@ def test_padded_rows_with_garbage_are_harmless():
 
 
 def test_warmup_covers_each_static_variant_once():
-    ts = warmup_tensors(S, V, max_logprobs=5, penalty_width=64)
+    variants = warmup_tensors(S, V, max_logprobs=5, penalty_width=64)
+    ts = [t for _, t in variants]
     keys = {(t.all_greedy, t.needs_filters, t.needs_processing, t.num_logprobs) for t in ts}
     assert len(ts) == len(keys) == 12
+    plain = {(t.all_greedy, t.needs_filters, t.needs_processing, t.num_logprobs)
+             for p, t in variants if p}
+    assert plain == {(True, False, False, None), (False, False, False, None)}
     real = tensors([req(temperature=0.7, top_p=0.9, presence_penalty=0.5, logprobs=2)])
     twin = [t for t in ts if (t.all_greedy, t.needs_filters, t.needs_processing,
                               t.num_logprobs) == (False, True, True, 5)][0]

@@ -132,10 +132,12 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         max_tokens = max(max_tokens, mc.max_model_len)  # a whole prompt must fit one step
     if max_tokens < args.max_num_seqs:
         max_tokens = args.max_num_seqs
+    t = time.perf_counter()
     runner = ModelRunner(model, mc, mesh, num_blocks=num_blocks, block_size=args.block_size,
                          kv_cache_dtype=dtype, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=max_tokens, max_logprobs=args.max_logprobs,
                          enforce_eager=args.enforce_eager)
+    times["kv_cache"] = time.perf_counter() - t
     logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d", num_blocks,
                 args.block_size, jnp.dtype(dtype).name, mc.max_model_len)
     t = time.perf_counter()

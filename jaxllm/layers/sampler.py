@@ -134,8 +134,10 @@ class SamplerOutput:
 
 
 def warmup_tensors(pad_to: int, vocab_size: int, *, max_logprobs: int,
-                   penalty_width: int) -> list[SamplingTensors]:
-    """One SamplingTensors per compiled variant (the 12 static combinations) for this pad_to."""
+                   penalty_width: int) -> list[tuple[bool, SamplingTensors]]:
+    """(plain, SamplingTensors) per compiled variant (the 12 static combinations) for this
+    pad_to; plain: greedy or random sampling without penalties, logprobs or filters (vLLM's
+    defaults), the variants the runner compiles before it is ready."""
     out = []
     for greedy in (True, False):
         for filters in ((False,) if greedy else (False, True)):
@@ -144,9 +146,10 @@ def warmup_tensors(pad_to: int, vocab_size: int, *, max_logprobs: int,
                     sp = SamplingParams(temperature=0.0 if greedy else 1.0,
                                         top_k=2 if filters else 0, repetition_penalty=penalty,
                                         logprobs=logprobs)
-                    out.append(SamplingTensors.from_requests(
-                        [Request("warmup", [0], sp)], pad_to, vocab_size,
-                        max_logprobs=max_logprobs, penalty_width=penalty_width))
+                    out.append((not filters and penalty == 1.0 and logprobs is None,
+                                SamplingTensors.from_requests(
+                                    [Request("warmup", [0], sp)], pad_to, vocab_size,
+                                    max_logprobs=max_logprobs, penalty_width=penalty_width)))
     return out
 
 

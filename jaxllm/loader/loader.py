@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
+import jax
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -14,6 +16,7 @@ from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.weights import load_weights, param_shardings
 from jaxllm.models.decoder import Decoder, abstract_decoder, init_decoder
 from jaxllm.models.model_config import ModelConfig
+from pallas_kernels.matmul import kernel_cpu as matmul_cpu
 
 
 def model_path(args: EngineArgs) -> str:
@@ -55,12 +58,12 @@ def load_model(args: EngineArgs, mesh: Mesh) -> tuple[Decoder, ModelConfig]:
     """The model of --model with its weights placed (sharded) on `mesh`, and its config."""
     path = model_path(args)
     fmt = load_format(args, path)
+    backend = _resolve_backend_in_background(args)
     cfg = ModelConfig.from_hf(hf_config(path), args)
-    backend = resolve_backend(args.attention_backend, args.tensor_parallel_size)
-    model = abstract_decoder(cfg, backend)
+    model = abstract_decoder(cfg)
     if fmt == "dummy":
         shardings = param_shardings(nnx.state(model), mesh)
-        return init_decoder(cfg, args.seed, backend, shardings), cfg
+        return init_decoder(cfg, args.seed, backend.result(), shardings), cfg
     if fmt == "gguf":
         from jaxllm.loader.gguf import iter_gguf_tensors
         tensors, where = iter_gguf_tensors(path), path
@@ -69,5 +72,17 @@ def load_model(args: EngineArgs, mesh: Mesh) -> tuple[Decoder, ModelConfig]:
         origins: dict[str, str] = {}
         tensors = hf.iter_weight_files(files, fmt, origins)
         where = lambda name: origins.get(name, path)  # noqa: E731
-    return load_weights(model, tensors, mesh, where=where,
-                        progress=args.use_tqdm_on_load), cfg
+    model = load_weights(model, tensors, mesh, where=where, progress=args.use_tqdm_on_load)
+    model.attention_backend = backend.result()
+    return model, cfg
+
+
+def _resolve_backend_in_background(args: EngineArgs) -> Future:
+    """The attention backend, resolved in threads: on one CPU device that builds the native
+    kernels (g++, seconds each on a cold cache) side by side while the weights load."""
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxllm-kernels")
+    if jax.default_backend() == "cpu" and args.tensor_parallel_size == 1:
+        pool.submit(matmul_cpu.available)
+    backend = pool.submit(resolve_backend, args.attention_backend, args.tensor_parallel_size)
+    pool.shutdown(wait=False)
+    return backend

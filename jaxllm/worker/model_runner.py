@@ -25,11 +25,14 @@ step N (async scheduling).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 import jax
@@ -137,6 +140,9 @@ class ModelRunner:
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn)
         # ("forward", T, decode_only) / ("sample", treedef) / ("prompt_logprobs", T) -> compiled
         self._executables: dict = {}
+        self._deferred: dict = {}  # key -> (Future of its executable, lower()) not claimed yet
+        self._deferred_futures: dict = {}  # key -> Future, for every deferred program
+        self._deferred_lock = threading.Lock()
         self.num_recompiles = 0
 
     # --- the jitted functions ----------------------------------------------------------------
@@ -255,6 +261,8 @@ class ModelRunner:
         if self.enforce_eager:
             return fn(*args)
         exe = self._executables.get(key)
+        if exe is None and key in self._deferred_futures:
+            exe = self._compile_deferred(key)
         if exe is None and first_use:
             logger.info("compiling %s on first use", key)
             exe = self._executables[key] = fn.lower(*args).compile()
@@ -267,8 +275,45 @@ class ModelRunner:
             exe = self._executables[key] = fn.lower(*args).compile()
         return exe(*args)
 
+    def _compile_deferred(self, key):
+        """The executable of a deferred program: compiled here if nobody has started it (a
+        request needs it now), else the compile under way is waited for."""
+        with self._deferred_lock:
+            job = self._deferred.pop(key, None)
+        future, lower = job if job is not None else (self._deferred_futures[key], None)
+        if lower is not None:
+            try:
+                exe = self._executables[key] = lower().compile()
+                future.set_result(exe)
+            except BaseException as e:
+                future.set_exception(e)
+        return future.result()
+
+    def _compile_deferred_in_background(self) -> None:
+        """Compile the deferred programs one by one in a daemon thread, in warm-up order. At
+        interpreter exit it stops after the program in hand (XLA aborts the process if a compile
+        is still running while Python shuts down)."""
+        stop = threading.Event()
+
+        def run():
+            for key in list(self._deferred_futures):
+                if stop.is_set():
+                    return
+                try:
+                    self._compile_deferred(key)
+                except Exception:  # raised again to the step that needs the program
+                    logger.exception("compiling %s in the background failed", key[:1])
+            logger.info("Compiled the %d deferred sampler variants", len(self._deferred_futures))
+
+        thread = threading.Thread(target=run, name="jaxllm-compile", daemon=True)
+        thread.start()
+        atexit.register(lambda: (stop.set(), thread.join()))
+
     def warmup(self) -> None:
-        """Lower every token bucket and sampler variant and compile them on all cores."""
+        """Lower every token bucket and the plain sampler variants and compile them on all
+        cores. The sampler variants with penalties, logprobs or top-k/top-p filters compile
+        after that in a background thread, so the engine is ready sooner; a step that needs
+        one before then compiles it or waits for it (which is not a recompile)."""
         if self.enforce_eager:
             return
         S = self.max_num_seqs
@@ -279,7 +324,8 @@ class ModelRunner:
         shapes = [(T, False) for T in self.token_buckets] + [(T, True) for T in self.decode_buckets]
         tensors = warmup_tensors(S, self.model_config.vocab_size, max_logprobs=self.max_logprobs,
                                  penalty_width=self.penalty_width)
-        bar = tqdm(total=len(shapes) + len(tensors), desc="Compiling buckets", unit="shape",
+        bar = tqdm(total=len(shapes) + sum(plain for plain, _ in tensors),
+                   desc="Compiling buckets", unit="shape",
                    leave=False)
 
         def compile_one(key, low):
@@ -303,15 +349,21 @@ class ModelRunner:
                                   md(T, False), np.zeros(S, np.int32), self._no_prev_tokens,
                                   z)[0]
             rows = jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=self.rows_sharding)
-            for t in tensors:
-                submit(("sample", jax.tree_util.tree_structure(t)),
-                       self._sample.lower(self.state, rows, np.int32(0), t))
+            for plain, t in tensors:
+                key = ("sample", jax.tree_util.tree_structure(t))
+                lower = partial(self._sample.lower, self.state, rows, np.int32(0), t)
+                if plain:
+                    submit(key, lower())
+                else:
+                    self._deferred[key] = (Future(), lower)
+                    self._deferred_futures[key] = self._deferred[key][0]
             self._executables.update(f.result() for f in lowered.values())
         bar.close()
+        self._compile_deferred_in_background()
         n_fwd = sum(k[0] == "forward" for k in lowered)
         logger.info("Compiled %d forward shapes (token buckets %s, decode buckets %s) and %d "
-                    "sampler variants", n_fwd, self.token_buckets, self.decode_buckets,
-                    len(lowered) - n_fwd)
+                    "sampler variants (%d more in the background)", n_fwd, self.token_buckets,
+                    self.decode_buckets, len(lowered) - n_fwd, len(self._deferred_futures))
 
 
 def _token_slice(req, start: int, n: int) -> list[int]:
