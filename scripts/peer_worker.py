@@ -108,6 +108,7 @@ class JaxllmEngine:
         self.construct_s = time.perf_counter() - t
         self.detail = {k: round(v, 3) for k, v in self.llm.llm_engine.startup_times.items()}
         self.detail["jax_version"] = jax.__version__
+        self.llm.llm_engine.runner.wait_for_background_compiles()  # before any timed run
         self.detail["compile_cache"] = jax.config.jax_compilation_cache_dir or ""
 
     def generate(self, prompts, max_tokens):

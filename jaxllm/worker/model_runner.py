@@ -309,6 +309,12 @@ class ModelRunner:
         thread.start()
         atexit.register(lambda: (stop.set(), thread.join()))
 
+    def wait_for_background_compiles(self) -> None:
+        """Block until the deferred programs are compiled (benchmarks time the steady state, not
+        steps that share the cores with the compiler); a failure is raised where it is used."""
+        for future in list(self._deferred_futures.values()):
+            future.exception()
+
     def warmup(self) -> None:
         """Lower every token bucket and the plain sampler variants and compile them on all
         cores. The sampler variants with penalties, logprobs or top-k/top-p filters compile
