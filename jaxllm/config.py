@@ -117,7 +117,7 @@ class EngineArgs:
                                   default=False)
     enforce_eager: bool = _arg("Do not pad to buckets or compile them at start-up.", default=False)
     attention_backend: str = _arg("Attention implementation: auto = Pallas on TPU/GPU; on CPU "
-                                  "'cpu' (native decode kernel, built with the system C++ "
+                                  "'cpu' (native kernel, built with the system C++ "
                                   "compiler, plus the pure-JAX reference) on one device, else "
                                   "'reference' (pure JAX).", choices=ATTENTION_BACKENDS,
                                   default="auto")

@@ -4,8 +4,9 @@ The batch: `--seqs` sequences of `--context` tokens each (this step's tokens inc
 `--tokens` query tokens (tokens == seqs: decode; one sequence with tokens == context: prefill).
 Bandwidth: bytes of the KV pages the queries can see (K and V, one layer; a sliding window
 skips the pages before it) over the time per call.
-Runs anywhere: on CPU the reference (the Pallas kernels only interpret there, which measures
-the interpreter); unchanged on a TPU/GPU host with --backend pallas.
+Runs anywhere: on CPU the reference or the native kernel (--backend cpu, f32 cache; the Pallas
+kernels only interpret there, which measures the interpreter); unchanged on a TPU/GPU host with
+--backend pallas.
 
     python scripts/bench_attention.py --tokens 64 --seqs 64 --context 512 --backend reference
 """
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention import kernel, reference
+from pallas_kernels.ragged_paged_attention import kernel, kernel_cpu, reference
 
 
 def make_batch(tokens, seqs, context, page_size, q_heads, kv_heads, head_dim, dtype, layers,
@@ -58,7 +59,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16",
                    help="cache dtype: float32, bfloat16, float16, float8_e4m3fn, float8_e5m2")
-    p.add_argument("--backend", choices=("reference", "pallas"), default="reference")
+    p.add_argument("--backend", choices=("reference", "cpu", "pallas"), default="reference")
     p.add_argument("--variant", choices=("tpu", "gpu"), default=None,
                    help="Pallas variant (default: by platform)")
     p.add_argument("--sliding-window", type=int, default=None)
@@ -73,6 +74,10 @@ def main() -> None:
     kw = dict(sm_scale=a.head_dim ** -0.5, k_scale=scale, v_scale=scale)
     if a.backend == "pallas":
         fn = functools.partial(kernel.ragged_paged_attention, variant=a.variant, **kw)
+    elif a.backend == "cpu":
+        if scale is not None or jnp.dtype(a.dtype) != jnp.float32:
+            raise SystemExit("--backend cpu: the native kernel reads float32 caches only")
+        fn = functools.partial(kernel_cpu.ragged_paged_attention, sm_scale=kw["sm_scale"])
     else:
         fn = functools.partial(reference.ragged_paged_attention, **kw)
     step = jax.jit(lambda *xs: fn(*xs[:-1], sliding_window=xs[-1]))

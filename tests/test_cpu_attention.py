@@ -1,4 +1,4 @@
-"""The native CPU decode kernel (kernel_cpu.cc via the XLA FFI) against the pure-JAX reference.
+"""The native CPU attention kernel (kernel_cpu.cc via the XLA FFI) against the pure-JAX reference.
 
 The kernel is built with the system C++ compiler on first use; CI has one, so a build failure
 fails these tests rather than skipping them.
@@ -21,7 +21,11 @@ def test_kernel_builds_and_auto_picks_it_on_one_cpu_device():
     assert resolve_backend("reference") == "reference"
 
 
-def _case(seed, *, num_seqs, pad_seqs, hq, hkv, d, bs, max_len, layers=3, num_blocks=256):
+def _case(seed, *, num_seqs, pad_seqs, hq, hkv, d, bs, max_len, ragged, layers=3,
+          num_blocks=256):
+    """Decode (one query per sequence) or a ragged step: a decode row, whole prompts and
+    chunks of prompts whose earlier tokens are in the cache (kv_len > q_len), 40 queries for
+    some, so a sequence spans several of the kernel's query chunks."""
     rng = np.random.default_rng(seed)
     S = num_seqs + pad_seqs
     B = -(-max_len // bs)
@@ -31,8 +35,14 @@ def _case(seed, *, num_seqs, pad_seqs, hq, hkv, d, bs, max_len, layers=3, num_bl
     kv_lens = np.zeros(S, np.int32)
     kv_lens[:num_seqs] = rng.integers(1, max_len + 1, num_seqs)
     kv_lens[0] = 1  # a sequence with only its own key
-    q = rng.standard_normal((S + 2, hq, d), np.float32)  # two padding query rows too
-    cu = np.minimum(np.arange(S + 1), num_seqs).astype(np.int32)
+    q_lens = np.zeros(S, np.int32)
+    q_lens[:num_seqs] = 1
+    if ragged:
+        kv_lens[1:4] = max_len, 40, 41  # (max_len > 41) a long chunk, a whole 40-token prompt, a chunk of one
+        q_lens[1:num_seqs] = np.minimum(rng.integers(1, 45, num_seqs - 1), kv_lens[1:num_seqs])
+        q_lens[2:4] = 40
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((cu[-1] + 2, hq, d), np.float32)  # two padding query rows too
     return tuple(map(jnp.asarray, (q, kc, vc, kv_lens, tables, cu,
                                    np.array([num_seqs], np.int32))))
 
@@ -40,30 +50,34 @@ def _case(seed, *, num_seqs, pad_seqs, hq, hkv, d, bs, max_len, layers=3, num_bl
 @pytest.mark.parametrize("hq,hkv,d,bs", [(12, 4, 64, 16), (9, 3, 64, 16), (4, 4, 32, 8),
                                          (8, 1, 16, 4), (8, 2, 128, 16), (2, 1, 20, 4)])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (7, None), (None, 5.0), (7, 5.0)])
-def test_kernel_matches_reference(hq, hkv, d, bs, window, soft_cap):
+@pytest.mark.parametrize("ragged", [False, True], ids=["decode", "ragged"])
+def test_kernel_matches_reference(hq, hkv, d, bs, window, soft_cap, ragged):
     q, kc, vc, kv_lens, tables, cu, ns = _case(hq * 31 + d, num_seqs=11, pad_seqs=2, hq=hq,
-                                               hkv=hkv, d=d, bs=bs, max_len=50)
+                                               hkv=hkv, d=d, bs=bs, max_len=50, ragged=ragged)
     kw = dict(sm_scale=d ** -0.5, sliding_window=window, soft_cap=soft_cap)
+    n = int(cu[11])
     for layer in (0, 2):
-        want = ragged_paged_attention(q, kc, vc, layer, kv_lens, tables, cu, ns, q_tile=1, **kw)
-        got = jax.jit(lambda *a: kernel_cpu.paged_decode_attention(*a, **kw))(
-            q, kc, vc, np.int32(layer), kv_lens, tables, ns)
-        np.testing.assert_allclose(np.asarray(got)[:11], np.asarray(want)[:11], atol=2e-5,
+        want = ragged_paged_attention(q, kc, vc, layer, kv_lens, tables, cu, ns,
+                                      q_tile=1 if not ragged else 8, **kw)
+        got = jax.jit(lambda *a: kernel_cpu.ragged_paged_attention(*a, **kw))(
+            q, kc, vc, np.int32(layer), kv_lens, tables, cu, ns)
+        np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], atol=2e-5,
                                    rtol=0)
-        assert not np.asarray(got)[11:].any(), "rows past num_seqs must be zero"
+        assert not np.asarray(got)[n:].any(), "rows of no sequence must be zero"
 
 
 def test_kernel_traced_window_and_bfloat16_queries():
     """Gemma's per-layer window arrives traced (inside the layer scan); bf16 q comes back bf16."""
     q, kc, vc, kv_lens, tables, cu, ns = _case(5, num_seqs=6, pad_seqs=0, hq=6, hkv=2, d=32,
-                                               bs=8, max_len=40)
+                                               bs=8, max_len=50, ragged=True)
     qb = jnp.asarray(q, jnp.bfloat16)
-    f = jax.jit(lambda w: kernel_cpu.paged_decode_attention(
-        qb, kc, vc, 1, kv_lens, tables, ns, sm_scale=0.2, sliding_window=w))
+    f = jax.jit(lambda w: kernel_cpu.ragged_paged_attention(
+        qb, kc, vc, 1, kv_lens, tables, cu, ns, sm_scale=0.2, sliding_window=w))
     for w in (0, 9):
         got = f(jnp.int32(w))
         assert got.dtype == jnp.bfloat16
         want = ragged_paged_attention(qb.astype(jnp.float32), kc, vc, 1, kv_lens, tables, cu,
                                       ns, sm_scale=0.2, sliding_window=w if w else None)
-        np.testing.assert_allclose(np.asarray(got, np.float32)[:6], np.asarray(want)[:6],
+        n = int(cu[-1])
+        np.testing.assert_allclose(np.asarray(got, np.float32)[:n], np.asarray(want)[:n],
                                    atol=2e-2, rtol=0)

@@ -85,12 +85,24 @@ def test_batch_equals_transformers_and_one_by_one(llm, prompts, expected):
     dict(num_gpu_blocks_override=64),  # 256 slots; 8 running sequences need ~400: preemption
     dict(enforce_eager=True),
     dict(async_scheduling=True, num_gpu_blocks_override=64),
-], ids=["no-chunked-prefill", "no-prefix-caching", "preemption", "eager", "async-preemption"])
+    dict(attention_backend="reference"),
+], ids=["no-chunked-prefill", "no-prefix-caching", "preemption", "eager", "async-preemption",
+        "reference-attention"])
 def test_engine_variants_match_transformers(tiny_llama, prompts, expected, kw):
     llm = small_llm(tiny_llama, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert token_ids(outs) == expected
     eng = llm.llm_engine
+    # One forward program per bucket with the native CPU attention (it runs every step);
+    # the reference compiles decode steps (one-query tiles) apart.
+    runner = eng.runner
+    forward = {k[1:] for k in runner._executables if k[0] == "forward"}
+    buckets = {*runner.token_buckets, *runner.decode_buckets}
+    if kw.get("attention_backend") == "reference":
+        assert forward == ({(T, False) for T in runner.token_buckets}
+                           | {(T, True) for T in runner.decode_buckets})
+    elif not kw.get("enforce_eager"):
+        assert forward == {(T, False) for T in buckets}
     if "num_gpu_blocks_override" in kw:
         assert eng.scheduler.num_preemptions > 0
     assert eng.kv_cache_manager.usage == 0.0  # everything freed when idle

@@ -36,7 +36,7 @@ def _devices() -> list[str]:
         return [f"backend: {jax.default_backend()}",
                 f"devices: {', '.join(str(d) for d in jax.devices())}",
                 f"device count: {jax.device_count()} (local {jax.local_device_count()})",
-                # on CPU, 'reference' here means the C++ decode kernel did not build
+                # on CPU, 'reference' here means the C++ attention kernel did not build
                 f"attention backend (auto, one device): {resolve_backend('auto')}",
                 # the C++ matmul that runs decode steps of backend 'cpu' (see models/decoder.py)
                 f"native CPU matmul: {'built' if cpu and matmul_cpu.available() else 'no'}"]

@@ -32,7 +32,8 @@ class AttentionMetadata:
     cu_q_lens: jax.Array     # int32 [S + 1]
     num_seqs: jax.Array      # int32 [1]
     # Static: every sequence has exactly one query (a pure decode step), so the reference can
-    # use one-query tiles. The runner compiles both kinds for token buckets <= max_num_seqs.
+    # use one-query tiles. The runner compiles both kinds for token buckets <= max_num_seqs
+    # unless the native CPU kernel runs all steps (see `native_cpu_attention`).
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
@@ -44,7 +45,8 @@ REFERENCE_TILING = {True: (1, 16, 128), False: (16, 4, 256)}
 
 def attention_impl(backend: str):
     """The ragged paged attention function for a backend name ('reference', 'cpu' (the
-    reference, with decode steps in the native CPU kernel, see `paged_attention`) or 'pallas')."""
+    reference, for what the native CPU kernel does not run, see `paged_attention`) or
+    'pallas')."""
     if backend in ("reference", "cpu"):
         return ragged_paged_attention
     if backend == "pallas":
@@ -54,7 +56,7 @@ def attention_impl(backend: str):
 
 
 def resolve_backend(requested: str, num_devices: int = 1) -> str:
-    """auto = Pallas on TPU/GPU; on CPU the native decode kernel when it builds and the model
+    """auto = Pallas on TPU/GPU; on CPU the native kernel when it builds and the model
     is on one device (XLA cannot partition the FFI call), else the pure-JAX reference."""
     if requested == "cpu" and not kernel_cpu.available():
         raise ConfigError("--attention-backend cpu: the CPU kernel could not be built (is a "
@@ -66,6 +68,12 @@ def resolve_backend(requested: str, num_devices: int = 1) -> str:
     return "cpu" if num_devices == 1 and kernel_cpu.available() else "reference"
 
 
+def native_cpu_attention(backend: str, cache_dtype) -> bool:
+    """Whether backend 'cpu' runs every step's attention in the native kernel (an f32 cache;
+    the reference handles the others), so decode steps need no programs of their own."""
+    return backend == "cpu" and jnp.dtype(cache_dtype) == jnp.float32
+
+
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,
                     md: AttentionMetadata, *, sm_scale: float, backend: str = "reference",
                     sliding_window=None, soft_cap: Optional[float] = None,
@@ -74,11 +82,10 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, la
     """q [T, Hq, D], k/v [T, Hkv, D] -> (out [T, Hq, D], updated cache)."""
     kc, vc = write_kv(cache.k, cache.v, layer, k, v, md.slot_mapping,
                       k_scale=k_scale, v_scale=v_scale)
-    if (backend == "cpu" and md.decode_only and kc.dtype == jnp.float32 and k_scale is None
-            and v_scale is None):
-        out = kernel_cpu.paged_decode_attention(
-            q, kc, vc, layer, md.kv_lens, md.block_tables, md.num_seqs, sm_scale=sm_scale,
-            sliding_window=sliding_window, soft_cap=soft_cap)
+    if native_cpu_attention(backend, kc.dtype) and k_scale is None and v_scale is None:
+        out = kernel_cpu.ragged_paged_attention(
+            q, kc, vc, layer, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
         return out, KVCache(kc, vc)
     tiling = {}
     if backend in ("reference", "cpu"):

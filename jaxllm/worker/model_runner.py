@@ -44,7 +44,8 @@ from tqdm.auto import tqdm
 
 from jaxllm.engine.request import PENDING, Request
 from jaxllm.engine.scheduler import SchedulerOutput
-from jaxllm.layers.attention import AttentionMetadata, KVCache, empty_kv_cache
+from jaxllm.layers.attention import (AttentionMetadata, KVCache, empty_kv_cache,
+                                     native_cpu_attention)
 from jaxllm.layers.sampler import (LOGIT_ROWS, SamplingTensors, gathered_token_logprobs,
                                    sample_rows, warmup_tensors)
 from jaxllm.models.decoder import layers_as_bits
@@ -116,6 +117,9 @@ class ModelRunner:
         # a prompt chunk start at 16, since tiny prefills gain nothing from their own program.
         self.decode_buckets = pow2_buckets(1, min(max_num_seqs, max_num_batched_tokens))
         self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
+        # Decode steps get programs of their own (decode tiling) unless the attention is the
+        # same for every step: then a decode step of T tokens runs the token bucket T program.
+        self.decode_programs = not native_cpu_attention(model.attention_backend, kv_cache_dtype)
         self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
         self.graphdef, self.state = nnx.split(model)
         # LM-head chunk sizes for the sampler. XLA:CPU runs a bf16 weight against few rows by
@@ -202,7 +206,7 @@ class ModelRunner:
                 rows.append((req, t - 1))
         cu[len(items) + 1:] = t
         md = AttentionMetadata(slots, kv_lens, tables, cu, np.array([len(items)], np.int32),
-                               decode_only=decode_only)
+                               decode_only=decode_only and self.decode_programs)
         logits_indices = np.zeros(S, np.int32)
         logits_indices[:len(rows)] = [r[1] for r in rows]
         prev_tokens = (prev.out.token_ids if prev is not None and prev.out is not None
@@ -327,7 +331,9 @@ class ModelRunner:
             np.full(T, -1, np.int32), np.zeros(S, np.int32),
             np.zeros((S, self.blocks_per_seq), np.int32), np.zeros(S + 1, np.int32),
             np.zeros(1, np.int32), decode_only=d)
-        shapes = [(T, False) for T in self.token_buckets] + [(T, True) for T in self.decode_buckets]
+        shapes = ([(T, False) for T in self.token_buckets] + [(T, True) for T in self.decode_buckets]
+                  if self.decode_programs else
+                  [(T, False) for T in sorted({*self.token_buckets, *self.decode_buckets})])
         tensors = warmup_tensors(S, self.model_config.vocab_size, max_logprobs=self.max_logprobs,
                                  penalty_width=self.penalty_width)
         bar = tqdm(total=len(shapes) + sum(plain for plain, _ in tensors),
