@@ -331,9 +331,8 @@ class ModelRunner:
             np.full(T, -1, np.int32), np.zeros(S, np.int32),
             np.zeros((S, self.blocks_per_seq), np.int32), np.zeros(S + 1, np.int32),
             np.zeros(1, np.int32), decode_only=d)
-        shapes = ([(T, False) for T in self.token_buckets] + [(T, True) for T in self.decode_buckets]
-                  if self.decode_programs else
-                  [(T, False) for T in sorted({*self.token_buckets, *self.decode_buckets})])
+        shapes = sorted({*((T, False) for T in self.token_buckets),
+                         *((T, self.decode_programs) for T in self.decode_buckets)})
         tensors = warmup_tensors(S, self.model_config.vocab_size, max_logprobs=self.max_logprobs,
                                  penalty_width=self.penalty_width)
         bar = tqdm(total=len(shapes) + sum(plain for plain, _ in tensors),

@@ -117,6 +117,40 @@ static inline void AddRows(const float* p, const float* v, int64_t j0, int64_t j
   }
 }
 
+// One query head's online-softmax step over rows j0..j1-1 of a page (k, v [BS, D]): scores
+// (in sc [BS]), then the running maximum m, sum of exponentials and weighted sum acc [D].
+template <int64_t kD>
+static inline void Update(const Step& st, const float* q, const float* k, const float* v,
+                          int64_t j0, int64_t j1, float* sc, float& m, float& sum, float* acc) {
+  const int64_t D = kD > 0 ? kD : st.D;
+  int64_t j = j0;
+  for (; j + 8 <= j1; j += 8) {
+    const v8 x = Dot8<kD>(q, k + j * D, D) * st.sm_scale;
+    std::memcpy(sc + j, &x, sizeof x);
+  }
+  for (; j < j1; ++j) sc[j] = Dot<kD>(q, k + j * D, D) * st.sm_scale;
+  float mx = m;
+  for (j = j0; j < j1; ++j) {
+    if (st.soft_cap > 0.f) sc[j] = st.soft_cap * std::tanh(sc[j] / st.soft_cap);
+    mx = std::max(mx, sc[j]);
+  }
+  if (mx > m) {  // rescale what was summed under the old maximum
+    const float c = std::exp(m - mx);
+    sum *= c;
+    for (int64_t d = 0; d < D; ++d) acc[d] *= c;
+    m = mx;
+  }
+  for (j = j0; j + 8 <= j1; j += 8) {
+    v8 e;
+    std::memcpy(&e, sc + j, sizeof e);
+    e = Exp8(e - mx);
+    std::memcpy(sc + j, &e, sizeof e);
+    for (int l = 0; l < 8; ++l) sum += e[l];
+  }
+  for (; j < j1; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
+  AddRows<kD>(sc, v, j0, j1, D, acc);
+}
+
 // Sequence s, kv head h, its queries i0..i1-1 (of q_len): their G query heads each against
 // the pages up to its own position, one page at a time with an online softmax, so a page's K and
 // V rows are read from memory once for every query and head of the task (then from L1).
@@ -131,7 +165,7 @@ static void Task(const Step& st, int64_t s, int64_t h, int64_t i0, int64_t i1) {
     return st.window > 0 ? std::max<int64_t>(0, pos - st.window + 1) : 0;
   };
   thread_local std::vector<float> buf;
-  buf.assign(nq * G * (D + 2) + G * BS, 0.f);
+  buf.assign(nq * G * (D + 2) + BS, 0.f);
   float *acc = buf.data(), *m = acc + nq * G * D, *sum = m + nq * G, *scores = sum + nq * G;
   std::fill(m, m + nq * G, -INFINITY);
   const int32_t* table = st.tables + s * st.B;
@@ -156,34 +190,7 @@ static void Task(const Step& st, int64_t s, int64_t h, int64_t i0, int64_t i1) {
       const float* q = st.q + ((first + i0 + i) * st.Hq + h * G) * D;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = i * G + g;  // this query head's state
-        float* sc = scores + g * BS;
-        float mx = m[r];
-        int64_t j = j0;
-        for (; j + 8 <= j1; j += 8) {
-          const v8 x = Dot8<kD>(q + g * D, k + j * D, D) * st.sm_scale;
-          std::memcpy(sc + j, &x, sizeof x);
-        }
-        for (; j < j1; ++j) sc[j] = Dot<kD>(q + g * D, k + j * D, D) * st.sm_scale;
-        for (j = j0; j < j1; ++j) {
-          if (st.soft_cap > 0.f) sc[j] = st.soft_cap * std::tanh(sc[j] / st.soft_cap);
-          mx = std::max(mx, sc[j]);
-        }
-        float* a = acc + r * D;
-        if (mx > m[r]) {  // rescale what was summed under the old maximum
-          const float c = std::exp(m[r] - mx);
-          sum[r] *= c;
-          for (int64_t d = 0; d < D; ++d) a[d] *= c;
-          m[r] = mx;
-        }
-        for (j = j0; j + 8 <= j1; j += 8) {
-          v8 e;
-          std::memcpy(&e, sc + j, sizeof e);
-          e = Exp8(e - mx);
-          std::memcpy(sc + j, &e, sizeof e);
-          for (int i = 0; i < 8; ++i) sum[r] += e[i];
-        }
-        for (; j < j1; ++j) sum[r] += (sc[j] = std::exp(sc[j] - mx));
-        AddRows<kD>(sc, v, j0, j1, D, a);
+        Update<kD>(st, q + g * D, k, v, j0, j1, scores, m[r], sum[r], acc + r * D);
       }
     }
   }
