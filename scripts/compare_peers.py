@@ -475,7 +475,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm-args", type=json.loads, default={}, help="extra vllm LLM(...) kwargs as JSON")
     p.add_argument("--hf-threads", type=int, default=2, help="torch.set_num_threads for transformers")
     p.add_argument("--jaxllm-no-compile-cache", action="store_true",
-                   help="cold jaxllm start-up: disable its persistent XLA cache (JAXLLM_CACHE_DIR='')")
+                   help="cold jaxllm start-up: disable its executable cache (JAXLLM_CACHE_DIR='')")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the model folders are built")
     p.add_argument("--log-dir", default=None, help="worker logs (default /tmp/compare_peers/<time>)")
     p.add_argument("--startup-timeout", type=float, default=1800)

@@ -8,9 +8,17 @@ logits are well separated and greedy decoding is a meaningful comparison.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 import numpy as np
 import pytest
+
+# The suite compiles the same small programs in many tests and processes: JAX's persistent
+# cache (which jaxllm leaves to the user) keeps it within CI's time.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), "jaxllm-tests-xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 VOCAB = 512

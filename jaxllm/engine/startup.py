@@ -42,14 +42,12 @@ class EngineParts:
     startup_times: dict
 
 
-def setup_compilation_cache() -> None:
-    """JAX's persistent compilation cache, on by default ($JAXLLM_CACHE_DIR, '' to disable)."""
+def executable_cache_dir() -> str | None:
+    """Where compiled step programs are kept ($JAXLLM_CACHE_DIR, '' to disable); see
+    jaxllm/worker/executable_cache.py."""
     path = os.environ.get("JAXLLM_CACHE_DIR",
                           os.path.join(os.path.expanduser("~"), ".cache", "jaxllm", "xla"))
-    if path:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path or None
 
 
 def kv_cache_dtype(args: EngineArgs, model_dtype) -> Any:
@@ -110,7 +108,7 @@ def _device_kv_budget(args: EngineArgs) -> int:
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
     times = {}
-    setup_compilation_cache()
+    executable_dir = executable_cache_dir()
     path = resolve_model(args.model)
     args = dataclasses.replace(args, model=path)
     t = time.perf_counter()
@@ -136,7 +134,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     runner = ModelRunner(model, mc, mesh, num_blocks=num_blocks, block_size=args.block_size,
                          kv_cache_dtype=dtype, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=max_tokens, max_logprobs=args.max_logprobs,
-                         enforce_eager=args.enforce_eager)
+                         enforce_eager=args.enforce_eager, executable_dir=executable_dir)
     times["kv_cache"] = time.perf_counter() - t
     logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d", num_blocks,
                 args.block_size, jnp.dtype(dtype).name, mc.max_model_len)

@@ -32,7 +32,6 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Optional
 
 import jax
@@ -50,6 +49,7 @@ from jaxllm.layers.sampler import (LOGIT_ROWS, SamplingTensors, gathered_token_l
                                    sample_rows, warmup_tensors)
 from jaxllm.models.decoder import layers_as_bits
 from jaxllm.parallel.mesh import named_sharding
+from jaxllm.worker.executable_cache import ExecutableCache, compile_lowered
 
 logger = logging.getLogger("jaxllm")
 
@@ -103,7 +103,8 @@ class PromptRows:
 class ModelRunner:
     def __init__(self, model, model_config, mesh, *, num_blocks: int, block_size: int,
                  kv_cache_dtype, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_logprobs: int, enforce_eager: bool = False):
+                 max_logprobs: int, enforce_eager: bool = False,
+                 executable_dir: Optional[str] = None):
         self.model_config = model_config
         self.mesh = mesh
         self.block_size = block_size
@@ -144,10 +145,14 @@ class ModelRunner:
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn)
         # ("forward", T, decode_only) / ("sample", treedef) / ("prompt_logprobs", T) -> compiled
         self._executables: dict = {}
-        self._deferred: dict = {}  # key -> (Future of its executable, lower()) not claimed yet
+        self._deferred: dict = {}  # key -> (Future of its executable, fn, args) not claimed yet
         self._deferred_futures: dict = {}  # key -> Future, for every deferred program
         self._deferred_lock = threading.Lock()
         self.num_recompiles = 0
+        self._exe_cache = None if executable_dir is None else ExecutableCache(
+            os.path.join(executable_dir, "jaxllm-executables"), mesh.devices.flat,
+            context=repr((self.graphdef, self.logit_rows, self.max_logprobs)))
+        self.programs_from_cache = 0  # executables loaded from the cache (not traced)
 
     # --- the jitted functions ----------------------------------------------------------------
     def _forward_fn(self, state, kv_cache, token_ids, positions, md, logits_indices,
@@ -269,25 +274,45 @@ class ModelRunner:
             exe = self._compile_deferred(key)
         if exe is None and first_use:
             logger.info("compiling %s on first use", key)
-            exe = self._executables[key] = fn.lower(*args).compile()
+            exe = self._executables[key] = self._compile(key, fn, args)
         elif exe is None:
             self.num_recompiles += 1
             msg = f"compiling {key[:2]} after warm-up (a shape outside the buckets)"
             if os.environ.get("JAXLLM_FAIL_ON_RECOMPILE") == "1":
                 raise RuntimeError(msg)
             logger.warning(msg)
-            exe = self._executables[key] = fn.lower(*args).compile()
+            exe = self._executables[key] = self._compile(key, fn, args)
         return exe(*args)
+
+    def _cached(self, key, args):
+        """(executable-cache key, its executable or None); (None, None) without the cache."""
+        if self._exe_cache is None:
+            return None, None
+        cache_key = self._exe_cache.key(key, args)
+        exe = self._exe_cache.get(cache_key)
+        self.programs_from_cache += exe is not None
+        return cache_key, exe
+
+    def _compile_lowered(self, cache_key, lowered):
+        exe, compiled_here = compile_lowered(lowered)
+        if cache_key is not None and compiled_here:
+            self._exe_cache.put(cache_key, exe)
+        return exe
+
+    def _compile(self, key, fn, args):
+        """The executable of fn(*args): from the executable cache, else compiled (and cached)."""
+        cache_key, exe = self._cached(key, args)
+        return exe if exe is not None else self._compile_lowered(cache_key, fn.lower(*args))
 
     def _compile_deferred(self, key):
         """The executable of a deferred program: compiled here if nobody has started it (a
         request needs it now), else the compile under way is waited for."""
         with self._deferred_lock:
             job = self._deferred.pop(key, None)
-        future, lower = job if job is not None else (self._deferred_futures[key], None)
-        if lower is not None:
+        future, fn, args = job if job is not None else (self._deferred_futures[key], None, None)
+        if fn is not None:
             try:
-                exe = self._executables[key] = lower().compile()
+                exe = self._executables[key] = self._compile(key, fn, args)
                 future.set_result(exe)
             except BaseException as e:
                 future.set_exception(e)
@@ -339,42 +364,48 @@ class ModelRunner:
                    desc="Compiling buckets", unit="shape",
                    leave=False)
 
-        def compile_one(key, low):
-            exe = low.compile()
+        def compile_one(key, cache_key, lowered):
+            exe = self._compile_lowered(cache_key, lowered)
             bar.update(1)
-            return key, exe
+            return exe
 
         # Lowering (Python, one thread) feeds the compiler threads as it goes, so a cold start
-        # compiles while the remaining programs are still being traced.
-        lowered = {}
+        # compiles while the remaining programs are still being traced; a warm start loads
+        # them from the executable cache without tracing.
+        jobs = {}
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            def submit(key, low):
-                lowered[key] = pool.submit(compile_one, key, low)
+            def submit(key, fn, args):
+                cache_key, exe = self._cached(key, args)
+                if exe is None:
+                    jobs[key] = pool.submit(compile_one, key, cache_key, fn.lower(*args))
+                else:
+                    jobs[key] = Future()
+                    jobs[key].set_result(exe)
+                    bar.update(1)
 
             for T, decode_only in shapes:
                 z = np.zeros(T, np.int32)
-                submit(("forward", T, decode_only), self._forward.lower(
-                    self.state, self.kv_cache, z, z, md(T, decode_only), np.zeros(S, np.int32),
-                    self._no_prev_tokens, z))
-            rows = jax.eval_shape(self._forward_fn, self.state, self.kv_cache, z, z,
-                                  md(T, False), np.zeros(S, np.int32), self._no_prev_tokens,
-                                  z)[0]
+                forward_args = (self.state, self.kv_cache, z, z, md(T, decode_only),
+                                np.zeros(S, np.int32), self._no_prev_tokens, z)
+                submit(("forward", T, decode_only), self._forward, forward_args)
+            rows = jax.eval_shape(self._forward_fn, *forward_args)[0]
             rows = jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=self.rows_sharding)
             for plain, t in tensors:
                 key = ("sample", jax.tree_util.tree_structure(t))
-                lower = partial(self._sample.lower, self.state, rows, np.int32(0), t)
+                args = (self.state, rows, np.int32(0), t)
                 if plain:
-                    submit(key, lower())
+                    submit(key, self._sample, args)
                 else:
-                    self._deferred[key] = (Future(), lower)
+                    self._deferred[key] = (Future(), self._sample, args)
                     self._deferred_futures[key] = self._deferred[key][0]
-            self._executables.update(f.result() for f in lowered.values())
+            self._executables.update((key, f.result()) for key, f in jobs.items())
         bar.close()
         self._compile_deferred_in_background()
-        n_fwd = sum(k[0] == "forward" for k in lowered)
+        n_fwd = sum(k[0] == "forward" for k in jobs)
         logger.info("Compiled %d forward shapes (token buckets %s, decode buckets %s) and %d "
-                    "sampler variants (%d more in the background)", n_fwd, self.token_buckets,
-                    self.decode_buckets, len(lowered) - n_fwd, len(self._deferred_futures))
+                    "sampler variants (%d more in the background); %d loaded from the "
+                    "executable cache", n_fwd, self.token_buckets, self.decode_buckets,
+                    len(jobs) - n_fwd, len(self._deferred_futures), self.programs_from_cache)
 
 
 def _token_slice(req, start: int, n: int) -> list[int]:

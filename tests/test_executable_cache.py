@@ -1,0 +1,91 @@
+"""The executable cache across processes (jaxllm/worker/executable_cache.py).
+
+Each start is a fresh process (this file's __main__), as a restarted server is: it builds an
+engine, waits for the background compiles, decodes greedily and prints a JSON report.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from test_engine import GREEDY, hf_greedy, mixed_prompts
+
+PROMPTS = mixed_prompts(6, seed=5)
+
+
+def _start(path: str, cache_dir: str, jax_cache_dir: str = "") -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env["JAXLLM_CACHE_DIR"] = cache_dir
+    if jax_cache_dir:  # JAX's own persistent cache, storing every program
+        env.update(JAX_COMPILATION_CACHE_DIR=jax_cache_dir,
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    proc = subprocess.run([sys.executable, __file__, path], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _files(d) -> list:
+    d = d / "jaxllm-executables"
+    return sorted(d.iterdir()) if d.exists() else []
+
+
+def test_warm_start_loads_programs_and_decodes_the_same(tiny_llama, tmp_path):
+    """Cold: every program compiled and saved. A start whose programs come from JAX's
+    persistent cache saves none of them (such executables serialize incomplete). Warm: every
+    program loaded without tracing, the same greedy tokens as transformers, and a damaged
+    entry compiled and written again."""
+    ours, jax_cache, other = tmp_path / "ours", tmp_path / "jax", tmp_path / "other"
+    cold = _start(tiny_llama, str(ours), str(jax_cache))
+    assert cold["programs_from_cache"] == 0
+    assert len(_files(ours)) == cold["programs"] > 10
+    expected = hf_greedy(tiny_llama, PROMPTS, GREEDY.max_tokens)
+    assert cold["tokens"] == expected
+
+    from_jax = _start(tiny_llama, str(other), str(jax_cache))
+    assert from_jax["programs_from_cache"] == 0 and _files(other) == []
+    assert from_jax["tokens"] == expected
+
+    damaged = _files(ours)[0]
+    damaged.write_bytes(b"not an executable")
+    warm = _start(tiny_llama, str(ours))
+    assert warm["programs_from_cache"] == warm["programs"] - 1
+    assert warm["tokens"] == expected and warm["recompiles"] == 0
+    assert damaged.read_bytes() != b"not an executable"
+
+
+def test_key_follows_the_model_config_not_just_shapes(make_tiny_checkpoint, tiny_llama, load,
+                                                      tmp_path):
+    """Two models with the same shapes but another rms_norm_eps get different keys; the same
+    model loaded again gets the same key."""
+    from flax import nnx
+
+    from jaxllm.worker.executable_cache import ExecutableCache
+
+    def key(path):
+        model, _, mesh = load(path)
+        graphdef, state = nnx.split(model)
+        cache = ExecutableCache(str(tmp_path), mesh.devices.flat, context=repr(graphdef))
+        return cache.key(("forward", 16, False), (state,))
+
+    base = key(tiny_llama)
+    assert key(tiny_llama) == base
+    assert key(make_tiny_checkpoint("llama", rms_norm_eps=1e-3)) != base
+
+
+def _child(path: str) -> dict:
+    os.environ["JAXLLM_FAIL_ON_RECOMPILE"] = "1"
+    from test_engine import small_llm, token_ids
+
+    llm = small_llm(path, max_num_seqs=2, max_num_batched_tokens=16)  # few programs
+    runner = llm.llm_engine.runner
+    runner.wait_for_background_compiles()
+    tokens = token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                    use_tqdm=False))
+    return {"programs": len(runner._executables), "recompiles": runner.num_recompiles,
+            "programs_from_cache": runner.programs_from_cache, "tokens": tokens}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(sys.argv[1])))
