@@ -322,4 +322,3 @@ def test_pallas_backend_matches_reference(tiny_llama, prompts, expected):
     assert llm.llm_engine.runner.state is not None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], GREEDY, use_tqdm=False)
     assert token_ids(outs) == expected[:4]
-
