@@ -20,9 +20,11 @@ def test_kernel_builds():
 # K and N with tails: K not a multiple of the 4 rows read together nor of the row blocks,
 # N over the 1024-column pass and not a multiple of the vector width or the 256-column chunk.
 # m past 4 runs the register-blocked path: 6-row blocks and a remainder, 64-column tiles and a
-# part tile (32-column ones when 64-column tiles would not share evenly: n = 130, 576).
+# part tile (32-column ones when 64-column tiles would not share evenly: n = 130, 576), K in
+# 256-long chunks and a part chunk (k = 600), and past 64 rows (nk: a second tile of x).
 @pytest.mark.parametrize("m,k,n", [(1, 768, 1280), (3, 37, 1030), (4, 130, 7), (2, 5, 2311),
-                                   (5, 33, 100), (13, 64, 130), (64, 96, 200), (64, 96, 576)])
+                                   (5, 33, 100), (13, 64, 130), (64, 96, 200), (64, 96, 576),
+                                   (70, 600, 150)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bits"])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_kernel_matches_reference(m, k, n, dtype, transposed):

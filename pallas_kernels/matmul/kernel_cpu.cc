@@ -138,7 +138,7 @@ static void Kn(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int6
 // either way. The operand whose columns a 16-wide register block covers is copied once into an
 // f32 [K, 64] tile in cache (W's columns for kn, x^T for nk); a 6 x 16 block then runs down K
 // for every 6 rows of the other operand, read directly (x rows for kn, W rows for nk).
-constexpr int64_t kTile = 64, kMr = 6, kPackAhead = 16, kKc = 512;
+constexpr int64_t kTile = 64, kMr = 6, kPackAhead = 16, kKc = 256;
 typedef float v8 __attribute__((vector_size(32)));
 
 // out(r, i) = sum_k a[r * lda + k] * b[k * ldb + i] for r < R, i < cols, k < K; stored to
@@ -181,47 +181,47 @@ static void Micro(const float* a, int64_t lda, int64_t K, const float* b, int64_
   }
 }
 
-// Rows [0, rows) of a (lda apart) against the tile [K, tw]'s columns [0, cols): K in chunks of
-// kKc (so a chunk of the tile and of a's rows stay in L2), 6-row blocks, then the remainder.
-// bf16 rows are converted once per block and chunk, not once per 16 columns.
+// Rows [0, rows) of a (lda apart) against the tile's columns [0, cols): K in chunks of kKc,
+// then, as in BLIS, each 16-column strip of the chunk (kKc x 16, contiguous: 16 KB) stays in L1
+// while every 6-row block of a runs against it. bf16 rows are converted once per chunk.
 template <typename A>
-static void Blocks(const A* a, int64_t lda, int64_t rows, int64_t K, const float* tile, int64_t tw,
+static void Blocks(const A* a, int64_t lda, int64_t rows, int64_t K, const float* tile,
                    int64_t cols, float* y, int64_t rs, int64_t cs) {
   thread_local std::vector<float> converted;
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
     const int64_t kc = std::min(kKc, K - k0);
-    for (int64_t r = 0; r < rows; r += kMr) {
-      const int64_t n = std::min(kMr, rows - r);
-      const float* ar;
-      int64_t ld = lda;
-      if constexpr (std::is_same_v<A, float>) {
-        ar = a + r * lda + k0;
-      } else {
-        converted.resize(kMr * kKc);
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t k = 0; k < kc; ++k)
-            converted[i * kKc + k] = ToF32(a[(r + i) * lda + k0 + k]);
-        ar = converted.data(), ld = kKc;
-      }
-      for (int64_t s = 0; s < cols; s += 16) {
-        const float* b = tile + k0 * tw + s;
+    const float* ar = nullptr;
+    int64_t ld = lda;
+    if constexpr (std::is_same_v<A, float>) {
+      ar = a + k0;
+    } else {
+      converted.resize(rows * kKc);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t k = 0; k < kc; ++k) converted[i * kKc + k] = ToF32(a[i * lda + k0 + k]);
+      ar = converted.data(), ld = kKc;
+    }
+    const bool add = k0 > 0;
+    for (int64_t s = 0; s < cols; s += 16) {
+      const float* b = tile + s * K + k0 * 16;  // strip s / 16, row k0
+      const int64_t c = std::min<int64_t>(16, cols - s);
+      for (int64_t r = 0; r < rows; r += kMr) {
+        const float* arr = ar + r * ld;
         float* yr = y + r * rs + s * cs;
-        const int64_t c = std::min<int64_t>(16, cols - s);
-        const bool add = k0 > 0;
-        switch (n) {
-          case 6: Micro<6>(ar, ld, kc, b, tw, yr, rs, cs, c, add); break;
-          case 5: Micro<5>(ar, ld, kc, b, tw, yr, rs, cs, c, add); break;
-          case 4: Micro<4>(ar, ld, kc, b, tw, yr, rs, cs, c, add); break;
-          case 3: Micro<3>(ar, ld, kc, b, tw, yr, rs, cs, c, add); break;
-          case 2: Micro<2>(ar, ld, kc, b, tw, yr, rs, cs, c, add); break;
-          default: Micro<1>(ar, ld, kc, b, tw, yr, rs, cs, c, add); break;
+        switch (std::min(kMr, rows - r)) {
+          case 6: Micro<6>(arr, ld, kc, b, 16, yr, rs, cs, c, add); break;
+          case 5: Micro<5>(arr, ld, kc, b, 16, yr, rs, cs, c, add); break;
+          case 4: Micro<4>(arr, ld, kc, b, 16, yr, rs, cs, c, add); break;
+          case 3: Micro<3>(arr, ld, kc, b, 16, yr, rs, cs, c, add); break;
+          case 2: Micro<2>(arr, ld, kc, b, 16, yr, rs, cs, c, add); break;
+          default: Micro<1>(arr, ld, kc, b, 16, yr, rs, cs, c, add); break;
         }
       }
     }
   }
 }
 
-// tile [K, tw] f32 = columns [c0, c0 + nc) of the row-major [K, ld] matrix src, zero-padded.
+// tile = columns [c0, c0 + nc) of the row-major [K, ld] matrix src in f32 strips of 16 columns,
+// [tw / 16][K][16], zero-padded to tw columns.
 template <typename T>
 static void PackTile(const T* src, int64_t ld, int64_t K, int64_t c0, int64_t nc, int64_t tw,
                      float* tile) {
@@ -229,8 +229,15 @@ static void PackTile(const T* src, int64_t ld, int64_t K, int64_t c0, int64_t nc
     if (k + kPackAhead < K)  // rows ld apart defeat the hardware prefetcher
       for (int64_t b = 0; b < nc * int64_t{sizeof(T)}; b += 64)
         __builtin_prefetch(reinterpret_cast<const char*>(src + (k + kPackAhead) * ld + c0) + b);
-    for (int64_t j = 0; j < nc; ++j) tile[k * tw + j] = ToF32(src[k * ld + c0 + j]);
-    for (int64_t j = nc; j < tw; ++j) tile[k * tw + j] = 0.f;
+    const T* row = src + k * ld + c0;
+    for (int64_t s = 0; s < tw; s += 16) {
+      float* dst = tile + s * K + k * 16;
+      if (s + 16 <= nc) {
+        for (int j = 0; j < 16; ++j) dst[j] = ToF32(row[s + j]);
+      } else {
+        for (int64_t j = 0; j < 16; ++j) dst[j] = s + j < nc ? ToF32(row[s + j]) : 0.f;
+      }
+    }
   }
 }
 
@@ -247,7 +254,7 @@ static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, in
       tile.resize(K * tw);
       const int64_t c0 = t * tw, nc = std::min(tw, N - c0);
       PackTile(w, N, K, c0, nc, tw, tile.data());
-      Blocks(x, K, M, K, tile.data(), tw, nc, y + c0, N, 1);
+      Blocks(x, K, M, K, tile.data(), nc, y + c0, N, 1);
     });
     return;
   }
@@ -261,7 +268,7 @@ static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, in
     PackTile(xt.data(), M, K, m0, nm, kTile, tile.data());
     ParallelFor(pool, (N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
       const int64_t n0 = t * kRowsPerTask, rows = std::min(kRowsPerTask, N - n0);
-      Blocks(w + n0 * K, K, rows, K, tile.data(), kTile, nm, y + m0 * N + n0, 1, N);
+      Blocks(w + n0 * K, K, rows, K, tile.data(), nm, y + m0 * N + n0, 1, N);
     });
   }
 }
