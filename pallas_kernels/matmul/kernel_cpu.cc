@@ -136,29 +136,29 @@ static void Kn(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int6
 
 // Many rows: y = x @ W[l] (kn) or, for nk, y^T = W[l] @ x^T, so that W's rows are read in place
 // either way. The operand whose columns a 16-wide register block covers is copied once into an
-// f32 [K, 64] tile in cache (W's columns for kn, x^T for nk); a 6 x 16 block then runs down K
-// for every 6 rows of the other operand, read directly (x rows for kn, W rows for nk).
-constexpr int64_t kTile = 64, kMr = 6, kPackAhead = 16, kKc = 256;
+// f32 tile of 64 columns in cache, stored as strips of 16 (W's columns for kn, x^T for nk); a
+// 6 x 16 block then runs down K for every 6 rows of the other operand, read directly (x rows for
+// kn, W rows for nk).
+constexpr int64_t kTile = 64, kMr = 6, kNr = 16, kPackAhead = 16, kKc = 256;
 typedef float v8 __attribute__((vector_size(32)));
 
-// out(r, i) = sum_k a[r * lda + k] * b[k * ldb + i] for r < R, i < cols, k < K; stored to
-// (or, with add, added to) y[r * rs + i * cs].
+// out(r, i) = sum_k a[r * lda + k] * b[k * kNr + i] for r < R, i < cols, k < K (b: one strip);
+// stored to (or, with add, added to) y[r * rs + i * cs].
 template <int R>
-static void Micro(const float* a, int64_t lda, int64_t K, const float* b, int64_t ldb, float* y,
-                  int64_t rs,
+static void Micro(const float* a, int64_t lda, int64_t K, const float* b, float* y, int64_t rs,
                   int64_t cs, int64_t cols, bool add) {
   v8 acc[R][2] = {};
   for (int64_t k = 0; k < K; ++k) {
     v8 w0, w1;
-    std::memcpy(&w0, b + k * ldb, sizeof w0);
-    std::memcpy(&w1, b + k * ldb + 8, sizeof w1);
+    std::memcpy(&w0, b + k * kNr, sizeof w0);
+    std::memcpy(&w1, b + k * kNr + 8, sizeof w1);
     for (int r = 0; r < R; ++r) {
       const float av = a[r * lda + k];
       acc[r][0] += av * w0;
       acc[r][1] += av * w1;
     }
   }
-  if (cs == 1 && cols == 16) {  // whole rows of y: vector stores
+  if (cs == 1 && cols == kNr) {  // whole rows of y: vector stores
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h) {
         v8 v = acc[r][h];
@@ -172,7 +172,7 @@ static void Micro(const float* a, int64_t lda, int64_t K, const float* b, int64_
     return;
   }
   for (int r = 0; r < R; ++r) {
-    float out[16];
+    float out[kNr];
     std::memcpy(out, acc[r], sizeof out);
     for (int64_t i = 0; i < cols; ++i) {
       float& dst = y[r * rs + i * cs];
@@ -182,7 +182,7 @@ static void Micro(const float* a, int64_t lda, int64_t K, const float* b, int64_
 }
 
 // Rows [0, rows) of a (lda apart) against the tile's columns [0, cols): K in chunks of kKc,
-// then, as in BLIS, each 16-column strip of the chunk (kKc x 16, contiguous: 16 KB) stays in L1
+// then, as in BLIS, each strip of the chunk (kKc x kNr, contiguous: 16 KB) stays in L1
 // while every 6-row block of a runs against it. bf16 rows are converted once per chunk.
 template <typename A>
 static void Blocks(const A* a, int64_t lda, int64_t rows, int64_t K, const float* tile,
@@ -201,27 +201,27 @@ static void Blocks(const A* a, int64_t lda, int64_t rows, int64_t K, const float
       ar = converted.data(), ld = kKc;
     }
     const bool add = k0 > 0;
-    for (int64_t s = 0; s < cols; s += 16) {
-      const float* b = tile + s * K + k0 * 16;  // strip s / 16, row k0
-      const int64_t c = std::min<int64_t>(16, cols - s);
+    for (int64_t s = 0; s < cols; s += kNr) {
+      const float* b = tile + s * K + k0 * kNr;  // strip s / kNr, row k0
+      const int64_t c = std::min(kNr, cols - s);
       for (int64_t r = 0; r < rows; r += kMr) {
         const float* arr = ar + r * ld;
         float* yr = y + r * rs + s * cs;
         switch (std::min(kMr, rows - r)) {
-          case 6: Micro<6>(arr, ld, kc, b, 16, yr, rs, cs, c, add); break;
-          case 5: Micro<5>(arr, ld, kc, b, 16, yr, rs, cs, c, add); break;
-          case 4: Micro<4>(arr, ld, kc, b, 16, yr, rs, cs, c, add); break;
-          case 3: Micro<3>(arr, ld, kc, b, 16, yr, rs, cs, c, add); break;
-          case 2: Micro<2>(arr, ld, kc, b, 16, yr, rs, cs, c, add); break;
-          default: Micro<1>(arr, ld, kc, b, 16, yr, rs, cs, c, add); break;
+          case 6: Micro<6>(arr, ld, kc, b, yr, rs, cs, c, add); break;
+          case 5: Micro<5>(arr, ld, kc, b, yr, rs, cs, c, add); break;
+          case 4: Micro<4>(arr, ld, kc, b, yr, rs, cs, c, add); break;
+          case 3: Micro<3>(arr, ld, kc, b, yr, rs, cs, c, add); break;
+          case 2: Micro<2>(arr, ld, kc, b, yr, rs, cs, c, add); break;
+          default: Micro<1>(arr, ld, kc, b, yr, rs, cs, c, add); break;
         }
       }
     }
   }
 }
 
-// tile = columns [c0, c0 + nc) of the row-major [K, ld] matrix src in f32 strips of 16 columns,
-// [tw / 16][K][16], zero-padded to tw columns.
+// tile = columns [c0, c0 + nc) of the row-major [K, ld] matrix src in f32 strips of kNr
+// columns, [tw / kNr][K][kNr], zero-padded to tw columns.
 template <typename T>
 static void PackTile(const T* src, int64_t ld, int64_t K, int64_t c0, int64_t nc, int64_t tw,
                      float* tile) {
@@ -230,12 +230,12 @@ static void PackTile(const T* src, int64_t ld, int64_t K, int64_t c0, int64_t nc
       for (int64_t b = 0; b < nc * int64_t{sizeof(T)}; b += 64)
         __builtin_prefetch(reinterpret_cast<const char*>(src + (k + kPackAhead) * ld + c0) + b);
     const T* row = src + k * ld + c0;
-    for (int64_t s = 0; s < tw; s += 16) {
-      float* dst = tile + s * K + k * 16;
-      if (s + 16 <= nc) {
-        for (int j = 0; j < 16; ++j) dst[j] = ToF32(row[s + j]);
+    for (int64_t s = 0; s < tw; s += kNr) {
+      float* dst = tile + s * K + k * kNr;
+      if (s + kNr <= nc) {
+        for (int64_t j = 0; j < kNr; ++j) dst[j] = ToF32(row[s + j]);
       } else {
-        for (int64_t j = 0; j < 16; ++j) dst[j] = s + j < nc ? ToF32(row[s + j]) : 0.f;
+        for (int64_t j = 0; j < kNr; ++j) dst[j] = s + j < nc ? ToF32(row[s + j]) : 0.f;
       }
     }
   }
