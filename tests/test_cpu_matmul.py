@@ -17,11 +17,12 @@ def test_kernel_builds():
     assert kernel_cpu.available(), "the CPU matmul did not build (see the warning in the log)"
 
 
-# K and N with tails: K not a multiple of the 4 rows read together nor of the row blocks,
-# N over the 1024-column pass and not a multiple of the vector width or the 256-column chunk.
-# m past 4 runs the register-blocked path: 6-row blocks and a remainder, 64-column tiles and a
-# part tile (32-column ones when 64-column tiles would not share evenly: n = 130, 576), K in
-# 256-long chunks and a part chunk (k = 600), and past 64 rows (nk: a second tile of x).
+# K and N with tails: K not a multiple of the 4 rows read together (nk) nor of the accumulators
+# a strip run unrolls (kn), N not a multiple of the 16-column strip (kn: a zero-padded last
+# strip) nor of nk's 256-column chunk. m past 4 runs the register-blocked path: 6-row blocks and
+# a remainder, 64-column tiles and a part tile (32-column ones when 64-column tiles would not
+# share evenly: n = 130, 576), K in 256-long chunks and a part chunk (k = 600), and past 48 rows
+# (kn: a second block of rows; nk: 64 rows, a second tile of x).
 @pytest.mark.parametrize("m,k,n", [(1, 768, 1280), (3, 37, 1030), (4, 130, 7), (2, 5, 2311),
                                    (5, 33, 100), (13, 64, 130), (64, 96, 200), (64, 96, 576),
                                    (70, 600, 150)])
@@ -35,9 +36,13 @@ def test_kernel_matches_reference(m, k, n, dtype, transposed):
     if dtype == "bits":
         w = jax.lax.bitcast_convert_type(w, jnp.uint16)
     x = jnp.asarray(rng.standard_normal((m, k), np.float32))
-    f = jax.jit(lambda x, w, l: kernel_cpu.matmul(x, w, l, transposed=transposed))
+    packed = w if transposed else kernel_cpu.pack(w)
+    if not transposed:
+        assert packed.shape == (L, -(-n // 16), k, 16)
+        np.testing.assert_array_equal(np.asarray(kernel_cpu.unpack(packed, n)), np.asarray(w))
+    f = jax.jit(lambda x, w, l: kernel_cpu.matmul(x, w, l, n=n, transposed=transposed))
     for layer in (0, L - 1):
-        got = f(x, w, jnp.int32(layer))
+        got = f(x, packed, jnp.int32(layer))
         want = reference.matmul(x, w, layer, transposed=transposed)
         assert got.shape == (m, n) and got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
@@ -45,29 +50,29 @@ def test_kernel_matches_reference(m, k, n, dtype, transposed):
 
 
 def test_kernel_refuses_a_layer_out_of_range():
-    w = jnp.ones((2, 8, 8), jnp.float32)
+    w = kernel_cpu.pack(jnp.ones((2, 8, 8), jnp.float32))
     with pytest.raises(Exception, match="layer out of range"):
-        jax.block_until_ready(kernel_cpu.matmul(jnp.ones((1, 8)), w, 2))
+        jax.block_until_ready(kernel_cpu.matmul(jnp.ones((1, 8)), w, 2, n=8))
+    with pytest.raises(ValueError, match="need n in"):
+        kernel_cpu.matmul(jnp.ones((1, 8)), w, 0, n=17)
 
 
-@pytest.mark.parametrize("tokens", [4, 64, 128])  # streaming, register-blocked, bf16 prefill
+@pytest.mark.parametrize("tokens", [4, 64, 128])  # streaming, register-blocked, two row blocks
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decoder_native_steps_match_xla_dots(dtype, tokens, tiny_llama, load):
-    """On backend 'cpu', steps of <= NATIVE_MATMUL_ROWS tokens (and every step with bf16
-    weights) run the projections and the LM head in the kernel (bf16 layer weights as bits, as
-    the runner stores them); the logits equal those of the same steps run with XLA's dots
-    (backend 'reference')."""
+    """On backend 'cpu' every step runs the projections (packed by the runner) and the LM head
+    in the kernel (bf16 weights as bits, as the engine's runner stores them); the logits equal
+    those of the same steps run with XLA's dots (backend 'reference')."""
     from conftest import PagedRunner
 
-    from jaxllm.models.decoder import NATIVE_MATMUL_ROWS, weights_as_bits
+    from jaxllm.models.decoder import weights_as_bits
 
     logits = {}
     for backend in ("cpu", "reference"):
         model = load(tiny_llama, dtype=dtype, attention_backend=backend)[0]
-        assert model.native_matmul(NATIVE_MATMUL_ROWS) == (backend == "cpu")
-        assert model.native_matmul(NATIVE_MATMUL_ROWS + 1) == (
-            backend == "cpu" and dtype == "bfloat16")
+        assert model.native_matmul == (backend == "cpu")
         r = PagedRunner(model, 4, 1, 32, num_tokens=tokens)
+        assert (r.state["layers"]["qkv"][...].ndim == 4) == (backend == "cpu")  # packed
         r.state = weights_as_bits(r.state)
         out = [r.step([0], [[5, 9, 11]])[0]]  # a 3-token prompt, then greedy single tokens
         for _ in range(6):

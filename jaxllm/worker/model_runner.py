@@ -48,7 +48,7 @@ from jaxllm.layers.attention import (AttentionMetadata, KVCache, empty_kv_cache,
                                      native_cpu_attention)
 from jaxllm.layers.sampler import (LOGIT_ROWS, SamplerOutput, SamplingTensors,
                                    gathered_token_logprobs, sample_rows, warmup_tensors)
-from jaxllm.models.decoder import weights_as_bits
+from jaxllm.models.decoder import pack_native, weights_as_bits
 from jaxllm.parallel.mesh import named_sharding
 from jaxllm.worker.executable_cache import ExecutableCache, compile_lowered
 
@@ -137,9 +137,11 @@ class ModelRunner:
         # converting all of it to f32 first (3x slower than 64 rows), so without the native
         # CPU matmul (which runs every chunk size) bf16 keeps only 64-row chunks.
         self.logit_rows = LOGIT_ROWS
+        if model.native_matmul:
+            self.state = pack_native(self.state, model_config)
         if jax.default_backend() == "cpu":  # bf16 work-arounds for XLA:CPU (see both)
             self.state = weights_as_bits(self.state)
-            if model_config.jnp_dtype == jnp.bfloat16 and not model.native_matmul(max(LOGIT_ROWS)):
+            if model_config.jnp_dtype == jnp.bfloat16 and not model.native_matmul:
                 self.logit_rows = (max(LOGIT_ROWS),)
         mc = model_config
         shape = (mc.num_layers, num_blocks, mc.num_kv_heads, block_size, mc.head_dim)

@@ -4,11 +4,14 @@
 // Why not XLA's dot: a layer scan slices (copies) each layer's weights before its dot, and XLA:CPU
 // runs bf16 weights slower than f32 ones on AVX2 (3x at M = 1, ~1.4x at M = 64). Here bf16 is
 // converted in registers or in cache, so it runs at f32 speed with half the bytes.
-//   Up to 4 rows (decoding a few sequences is a stream over the weights at memory speed):
-//     kn: W [L, K, N] (y = x @ W[l]). Tasks split K into contiguous row blocks, each summing
-//         into its own [M, N] partial, so every task streams whole rows; the caller adds them.
-//     nk: W [L, N, K] (y = x @ W[l].T, e.g. an embedding used as LM head). Tasks split N.
-//   More rows: a register-blocked 6 x 16 kernel over f32 tiles in cache (`Gemm`).
+//   kn: W packed [L, S, K, 16] (`pack` in kernel_cpu.py): the N columns in S strips of 16,
+//       each strip [K, 16] contiguous, the last one zero-padded. bf16 strips keep their 16
+//       columns in the order 0 8 1 9 ... 7 15, which the shift-and-mask conversion below turns
+//       into columns 0-7 and 8-15. Up to 4 rows the tasks stream whole strips (one sequential
+//       read each, no partial sums); more rows run the register-blocked `Gemm`, which needs
+//       f32 strips: f32 weights are read as they are, bf16 ones converted a tile at a time.
+//   nk: W [L, N, K] (y = x @ W[l].T, e.g. an embedding used as LM head). Up to 4 rows tasks
+//       split N, each streaming whole rows; more rows run `Gemm` with x^T as the packed side.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -30,19 +33,18 @@ static inline float ToF32(uint16_t v) { return Bf16(v); }
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-// bf16 with AVX2 works on groups of 16 columns held de-interleaved, [8 even | 8 odd]: a shift
-// and a mask turn 16 bf16 into those two f32 vectors with no shuffles. `Interleave` restores
-// the order of every whole group at the end.
+// 16 bf16 as two f32 vectors, elements [0 2 4 .. 14] and [1 3 .. 15]: a shift and a mask, no
+// shuffles (hence the column order of packed bf16 strips, and `SplitOrder` for nk).
 constexpr bool kSplitBf16 = true;
 static inline void Split(const uint16_t* p, __m256& even, __m256& odd) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF0000)));
 }
-// Weight rows this far ahead are requested early: the hardware prefetcher alone left the
+// Weight rows this far ahead are requested early (nk): the hardware prefetcher alone left the
 // smaller projections at ~20 GB/s (28 with this).
 constexpr int64_t kPrefetchRows = 16;
-static inline void Prefetch(const uint16_t* p) {
+static inline void Prefetch(const void* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 static inline float HSum(__m256 v) {
@@ -54,92 +56,93 @@ static inline float HSum(__m256 v) {
 constexpr bool kSplitBf16 = false;
 #endif
 
-// Every whole group of 16 in the M rows of y [M, N]: [even | odd] back to column order, or
-// (split) column order to [even | odd].
-static void Interleave(float* y, int64_t M, int64_t N, bool split = false) {
+constexpr int64_t kNr = 16;  // strip width: columns of a packed strip and of a register block
+constexpr int64_t kRows = 4;  // nk: weight rows read together
+
+// Position j of a packed bf16 strip holds column Col(j) (the order `Split` undoes).
+static inline int64_t Col(int64_t j) { return (j & 1) * 8 + j / 2; }
+
+// Each whole group of 16 in the M rows of x [M, K] reordered as a bf16 strip is (nk: x meets
+// rows of W, where `Split` separates even and odd elements).
+static void SplitOrder(float* x, int64_t M, int64_t K) {
   float tmp[16];
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c + 16 <= N; c += 16) {
-      float* g = y + m * N + c;
-      for (int j = 0; j < 16; ++j) {
-        const int i = (j & 1) * 8 + j / 2;
-        split ? tmp[i] = g[j] : tmp[j] = g[i];
-      }
+    for (int64_t c = 0; c + 16 <= K; c += 16) {
+      float* g = x + m * K + c;
+      for (int64_t j = 0; j < 16; ++j) tmp[Col(j)] = g[j];
       std::memcpy(g, tmp, sizeof tmp);
     }
 }
 
-constexpr int64_t kRows = 4;     // weight rows read together
-constexpr int64_t kCols = 4096;  // columns per pass (kn): whole rows of our weights, read in order
-
-// acc[m, 0:n] += x[m, k0:k1] @ w[k0:k1, 0:n] (rows ldw apart), four weight rows at a time.
-template <typename T>
-static void KnBlock(const float* x, int64_t ldx, int64_t M, const T* w, int64_t ldw, int64_t k0,
-                    int64_t k1, int64_t n, float* acc, int64_t lda) {
-  for (int64_t k = k0; k < k1; k += kRows) {
-    const int64_t rows = std::min(kRows, k1 - k);
-    // Rows past the block's end repeat its last row, with a zero multiplier.
-    const T *__restrict w0 = w + k * ldw,
-            *__restrict w1 = w + (k + std::min<int64_t>(1, rows - 1)) * ldw,
-            *__restrict w2 = w + (k + std::min<int64_t>(2, rows - 1)) * ldw,
-            *__restrict w3 = w + (k + std::min<int64_t>(3, rows - 1)) * ldw;
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * ldx + k;
-      const float x0 = xm[0], x1 = rows > 1 ? xm[1] : 0.f, x2 = rows > 2 ? xm[2] : 0.f,
-                  x3 = rows > 3 ? xm[3] : 0.f;
-      float* __restrict a = acc + m * lda;
-      int64_t c = 0;
+// y[m, 0:cols] = x[m] @ strip (one packed strip [K, 16], cols <= 16 of it stored) for m < R.
+// U independent accumulator pairs per row hide the FMA latency; one sequential read.
+template <int R, int U, typename T>
+static void StripRows(const float* x, int64_t K, const T* s, float* y, int64_t ldy,
+                      int64_t cols) {
+  float out[R][kNr];
+  int64_t k = 0;
 #if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[R][U][2];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u][0] = acc[r][u][1] = _mm256_setzero_ps();
+  for (; k + U <= K; k += U)
+    for (int u = 0; u < U; ++u) {
+      __m256 lo, hi;  // columns 0-7 and 8-15
       if constexpr (std::is_same_v<T, uint16_t>) {
-        const __m256 b0 = _mm256_set1_ps(x0), b1 = _mm256_set1_ps(x1), b2 = _mm256_set1_ps(x2),
-                     b3 = _mm256_set1_ps(x3);
-        for (; c + 16 <= n; c += 16) {
-          __m256 ae = _mm256_loadu_ps(a + c), ao = _mm256_loadu_ps(a + c + 8), e, o;
-          if (m == 0) {
-            for (const uint16_t* p : {w0, w1, w2, w3}) Prefetch(p + c + kPrefetchRows * ldw);
-          }
-          Split(w0 + c, e, o), ae = _mm256_fmadd_ps(b0, e, ae), ao = _mm256_fmadd_ps(b0, o, ao);
-          Split(w1 + c, e, o), ae = _mm256_fmadd_ps(b1, e, ae), ao = _mm256_fmadd_ps(b1, o, ao);
-          Split(w2 + c, e, o), ae = _mm256_fmadd_ps(b2, e, ae), ao = _mm256_fmadd_ps(b2, o, ao);
-          Split(w3 + c, e, o), ae = _mm256_fmadd_ps(b3, e, ae), ao = _mm256_fmadd_ps(b3, o, ao);
-          _mm256_storeu_ps(a + c, ae), _mm256_storeu_ps(a + c + 8, ao);
-        }
+        Split(s + (k + u) * kNr, lo, hi);
+      } else {
+        lo = _mm256_loadu_ps(s + (k + u) * kNr), hi = _mm256_loadu_ps(s + (k + u) * kNr + 8);
       }
-#endif
-      for (; c < n; ++c)
-        a[c] += x0 * ToF32(w0[c]) + x1 * ToF32(w1[c]) + x2 * ToF32(w2[c]) + x3 * ToF32(w3[c]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_set1_ps(x[r * K + k + u]);
+        acc[r][u][0] = _mm256_fmadd_ps(b, lo, acc[r][u][0]);
+        acc[r][u][1] = _mm256_fmadd_ps(b, hi, acc[r][u][1]);
+      }
     }
+  for (int r = 0; r < R; ++r) {
+    for (int u = 1; u < U; ++u)
+      for (int h = 0; h < 2; ++h) acc[r][0][h] = _mm256_add_ps(acc[r][0][h], acc[r][u][h]);
+    _mm256_storeu_ps(out[r], acc[r][0][0]), _mm256_storeu_ps(out[r] + 8, acc[r][0][1]);
   }
+#else
+  for (int r = 0; r < R; ++r) std::fill(out[r], out[r] + kNr, 0.f);
+#endif
+  for (; k < K; ++k)
+    for (int64_t j = 0; j < kNr; ++j) {
+      const float w = ToF32(s[k * kNr + j]);
+      const int64_t c = std::is_same_v<T, uint16_t> ? Col(j) : j;
+      for (int r = 0; r < R; ++r) out[r][c] += x[r * K + k] * w;
+    }
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, out[r], sizeof(float) * cols);
 }
 
+// Few rows, packed W: tasks are runs of whole strips, several per thread so that a thread that
+// starts late takes fewer.
 template <typename T>
-static void Kn(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N, const T* w,
-               float* y) {
-  // Enough row blocks to keep both threads busy, each at least 16 rows (a multiple of kRows).
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(2 * pool.num_threads(), K / 16));
-  const int64_t rows = (K / tasks + kRows - 1) / kRows * kRows;
-  const int64_t used = (K + rows - 1) / rows;
-  std::vector<float> partial((used - 1) * M * N, 0.f);
-  std::memset(y, 0, sizeof(float) * M * N);
-  ParallelFor(pool, used, [&](int64_t t) {
-    float* acc = t == 0 ? y : partial.data() + (t - 1) * M * N;
-    const int64_t k0 = t * rows, k1 = std::min(K, k0 + rows);
-    for (int64_t c0 = 0; c0 < N; c0 += kCols)
-      KnBlock(x, K, M, w + c0, N, k0, k1, std::min(kCols, N - c0), acc + c0, N);
+static void KnStream(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
+                     const T* w, float* y) {
+  const int64_t strips = (N + kNr - 1) / kNr;
+  const int64_t per = std::max<int64_t>(1, strips / (4 * pool.num_threads()));
+  ParallelFor(pool, (strips + per - 1) / per, [&](int64_t t) {
+    for (int64_t s = t * per, end = std::min(strips, s + per); s < end; ++s) {
+      const T* p = w + s * K * kNr;
+      float* ys = y + s * kNr;
+      const int64_t cols = std::min(kNr, N - s * kNr);
+      switch (M) {
+        case 1: StripRows<1, 4>(x, K, p, ys, N, cols); break;
+        case 2: StripRows<2, 2>(x, K, p, ys, N, cols); break;
+        case 3: StripRows<3, 1>(x, K, p, ys, N, cols); break;
+        default: StripRows<4, 1>(x, K, p, ys, N, cols); break;
+      }
+    }
   });
-  for (int64_t t = 1; t < used; ++t) {
-    const float* __restrict p = partial.data() + (t - 1) * M * N;
-    for (int64_t i = 0; i < M * N; ++i) y[i] += p[i];
-  }
-  if (std::is_same_v<T, uint16_t> && kSplitBf16) Interleave(y, M, N);
 }
 
-// Many rows: y = x @ W[l] (kn) or, for nk, y^T = W[l] @ x^T, so that W's rows are read in place
-// either way. The operand whose columns a 16-wide register block covers is copied once into an
-// f32 tile of 64 columns in cache, stored as strips of 16 (W's columns for kn, x^T for nk); a
-// 6 x 16 block then runs down K for every 6 rows of the other operand, read directly (x rows for
-// kn, W rows for nk).
-constexpr int64_t kTile = 64, kMr = 6, kNr = 16, kPackAhead = 16, kKc = 256;
+// Many rows: y = x @ W[l] (kn) or, for nk, y^T = W[l] @ x^T, so that W is read in place either
+// way. A 6 x 16 register block runs down K for every 6 rows of one operand (x for kn, W's rows
+// for nk) against a strip of 16 columns of the other, in f32: kn's packed W (bf16 converted a
+// tile of 2-4 strips at a time), or for nk x^T, packed into strips once per 64 rows of x.
+constexpr int64_t kTile = 64, kMr = 6, kMc = 48, kPackAhead = 16, kKc = 256;
 typedef float v8 __attribute__((vector_size(32)));
 
 // out(r, i) = sum_k a[r * lda + k] * b[k * kNr + i] for r < R, i < cols, k < K (b: one strip);
@@ -181,12 +184,13 @@ static void Micro(const float* a, int64_t lda, int64_t K, const float* b, float*
   }
 }
 
-// Rows [0, rows) of a (lda apart) against the tile's columns [0, cols): K in chunks of kKc,
-// then, as in BLIS, each strip of the chunk (kKc x kNr, contiguous: 16 KB) stays in L1
-// while every 6-row block of a runs against it. bf16 rows are converted once per chunk.
+// Rows [0, rows) of a (lda apart, at most kMc) against the tile's columns [0, cols): K in
+// chunks of kKc, then, as in BLIS, each strip of the chunk (kKc x kNr, contiguous: 16 KB)
+// stays in L1 while every 6-row block of a runs against it. bf16 rows are converted once per
+// chunk.
 template <typename A>
-static void Blocks(const A* a, int64_t lda, int64_t rows, int64_t K, const float* tile,
-                   int64_t cols, float* y, int64_t rs, int64_t cs) {
+static void BlockRows(const A* a, int64_t lda, int64_t rows, int64_t K, const float* tile,
+                      int64_t cols, float* y, int64_t rs, int64_t cs) {
   thread_local std::vector<float> converted;
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
     const int64_t kc = std::min(kKc, K - k0);
@@ -220,41 +224,66 @@ static void Blocks(const A* a, int64_t lda, int64_t rows, int64_t K, const float
   }
 }
 
-// tile = columns [c0, c0 + nc) of the row-major [K, ld] matrix src in f32 strips of kNr
-// columns, [tw / kNr][K][kNr], zero-padded to tw columns.
-template <typename T>
-static void PackTile(const T* src, int64_t ld, int64_t K, int64_t c0, int64_t nc, int64_t tw,
+// All rows, kMc at a time: their K-chunk (48 KB) and their y (added to once per chunk) stay
+// in L2 (at 2048 rows, running all rows per chunk was 14% slower than XLA's dot).
+template <typename A>
+static void Blocks(const A* a, int64_t lda, int64_t rows, int64_t K, const float* tile,
+                   int64_t cols, float* y, int64_t rs, int64_t cs) {
+  for (int64_t m0 = 0; m0 < rows; m0 += kMc)
+    BlockRows(a + m0 * lda, lda, std::min(kMc, rows - m0), K, tile, cols, y + m0 * rs, rs, cs);
+}
+
+// tile = columns [c0, c0 + nc) of the row-major [K, ld] matrix src in strips of kNr columns,
+// [tw / kNr][K][kNr], zero-padded to tw columns.
+static void PackTile(const float* src, int64_t ld, int64_t K, int64_t c0, int64_t nc, int64_t tw,
                      float* tile) {
   for (int64_t k = 0; k < K; ++k) {
     if (k + kPackAhead < K)  // rows ld apart defeat the hardware prefetcher
-      for (int64_t b = 0; b < nc * int64_t{sizeof(T)}; b += 64)
+      for (int64_t b = 0; b < nc * int64_t{sizeof(float)}; b += 64)
         __builtin_prefetch(reinterpret_cast<const char*>(src + (k + kPackAhead) * ld + c0) + b);
-    const T* row = src + k * ld + c0;
+    const float* row = src + k * ld + c0;
     for (int64_t s = 0; s < tw; s += kNr) {
       float* dst = tile + s * K + k * kNr;
-      if (s + kNr <= nc) {
-        for (int64_t j = 0; j < kNr; ++j) dst[j] = ToF32(row[s + j]);
-      } else {
-        for (int64_t j = 0; j < kNr; ++j) dst[j] = s + j < nc ? ToF32(row[s + j]) : 0.f;
-      }
+      for (int64_t j = 0; j < kNr; ++j) dst[j] = s + j < nc ? row[s + j] : 0.f;
     }
   }
+}
+
+// n packed bf16 strip rows (16 values each) -> f32 in column order.
+static void Unpack(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; i < n; ++i) {
+    __m256 lo, hi;
+    Split(src + i * kNr, lo, hi);
+    _mm256_storeu_ps(dst + i * kNr, lo), _mm256_storeu_ps(dst + i * kNr + 8, hi);
+  }
+#endif
+  for (; i < n; ++i)
+    for (int64_t j = 0; j < kNr; ++j) dst[i * kNr + Col(j)] = Bf16(src[i * kNr + j]);
 }
 
 template <typename T>
 static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
                  const T* w, float* y, bool transposed) {
-  if (!transposed) {  // tasks: 64-column tiles of W
+  if (!transposed) {  // tasks: tiles of 2-4 packed strips
     // Tiles half as wide when few 64-column ones would not share evenly between the threads
     // (9 tiles on 2 threads: one does 5; 10-15% at N = 576 and 960, 64 rows).
     const int64_t tiles = (N + kTile - 1) / kTile, threads = pool.num_threads();
     const int64_t tw = tiles % threads && tiles < 8 * threads ? kTile / 2 : kTile;
     ParallelFor(pool, (N + tw - 1) / tw, [&](int64_t t) {
-      thread_local std::vector<float> tile;
-      tile.resize(K * tw);
       const int64_t c0 = t * tw, nc = std::min(tw, N - c0);
-      PackTile(w, N, K, c0, nc, tw, tile.data());
-      Blocks(x, K, M, K, tile.data(), nc, y + c0, N, 1);
+      const T* strips = w + c0 * K;  // strip c0 / kNr
+      const float* tile;
+      if constexpr (std::is_same_v<T, float>) {
+        tile = strips;
+      } else {
+        thread_local std::vector<float> converted;
+        converted.resize(K * tw);
+        Unpack(strips, (nc + kNr - 1) / kNr * K, converted.data());
+        tile = converted.data();
+      }
+      Blocks(x, K, M, K, tile, nc, y + c0, N, 1);
     });
     return;
   }
@@ -319,9 +348,9 @@ static void Nk(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int6
                float* y) {
   constexpr int64_t kChunk = 256;  // output columns per task
   std::vector<float> split;
-  if (std::is_same_v<T, uint16_t> && kSplitBf16) {  // x in the weights' [even | odd] groups
+  if (std::is_same_v<T, uint16_t> && kSplitBf16) {  // x in the order `Split` reads W's rows
     split.assign(x, x + M * K);
-    Interleave(split.data(), M, K, /*split=*/true);
+    SplitOrder(split.data(), M, K);
     x = split.data();
   }
   ParallelFor(pool, (N + kChunk - 1) / kChunk, [&](int64_t t) {
@@ -330,14 +359,14 @@ static void Nk(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int6
   });
 }
 
-// Up to kFewRows rows stream the weights (kn, nk); more run the register-blocked Gemm.
+// Up to kFewRows rows stream the weights; more run the register-blocked Gemm.
 constexpr int64_t kFewRows = 4;
 
 template <typename T>
 static void Run(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
                 const T* w, float* y, bool transposed) {
   if (M > kFewRows) return Gemm(pool, x, M, K, N, w, y, transposed);
-  transposed ? Nk(pool, x, M, K, N, w, y) : Kn(pool, x, M, K, N, w, y);
+  transposed ? Nk(pool, x, M, K, N, w, y) : KnStream(pool, x, M, K, N, w, y);
 }
 
 static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
@@ -345,13 +374,16 @@ static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
                              bool transposed) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3) return ffi::Error::InvalidArgument("matmul: ranks");
-  const int64_t M = xd[0], K = xd[1], L = wd[0];
-  const int64_t N = transposed ? wd[1] : wd[2];
-  if ((transposed ? wd[2] : wd[1]) != K) return ffi::Error::InvalidArgument("matmul: K differs");
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || wd.size() != (transposed ? 3 : 4))
+    return ffi::Error::InvalidArgument("matmul: ranks");
+  const int64_t M = xd[0], K = xd[1], L = wd[0], N = yd[1];
+  if (wd[2] != K) return ffi::Error::InvalidArgument("matmul: K differs");
+  if (transposed ? wd[1] != N : wd[1] != (N + kNr - 1) / kNr || wd[3] != kNr)
+    return ffi::Error::InvalidArgument("matmul: N differs");
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("matmul: layer out of range");
-  const int64_t offset = l * K * N;
+  const int64_t offset = l * K * (transposed ? N : wd[1] * kNr);
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
   switch (w.element_type()) {
@@ -376,7 +408,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmul, MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::AnyBuffer>()         // w
+                                  .Arg<ffi::AnyBuffer>()         // w (kn: packed)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
                                   .Attr<bool>("transposed"));

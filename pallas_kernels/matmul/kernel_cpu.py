@@ -1,7 +1,9 @@
-"""Few-row matmul for XLA:CPU (`kernel_cpu.cc` via the XLA FFI): decode-step projections that
-read one layer of the stacked weights in place, bf16 or f32, at memory speed.
+"""Matmul for XLA:CPU (`kernel_cpu.cc` via the XLA FFI): the projections and the LM head read one
+layer of the stacked weights in place, bf16 or f32; few rows at memory speed.
 
 `available()` says whether the kernel could be built here; callers fall back to `jnp` dots.
+Weights multiplied as x @ w are first laid out by `pack` (strips of 16 columns, so that every
+read is sequential and no step repacks them).
 """
 
 from __future__ import annotations
@@ -10,11 +12,16 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import cpu_ffi
 
 TARGET = "jaxllm_matmul"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_cpu.cc")
+STRIP = 16  # columns per packed strip
+# bf16 strips hold column BF16_ORDER[j] at position j: the kernel's shift-and-mask conversion
+# reads even and odd positions as columns 0-7 and 8-15.
+BF16_ORDER = np.array([(j % 2) * 8 + j // 2 for j in range(STRIP)])
 
 
 def available() -> bool:
@@ -22,13 +29,38 @@ def available() -> bool:
     return cpu_ffi.register(_SOURCE, ((TARGET, "JaxllmMatmul"),))
 
 
-def matmul(x: jax.Array, w: jax.Array, layer=0, *, transposed: bool = False) -> jax.Array:
-    """float32 [M, N] = x [M, K] @ w[layer] ([K, N]; `transposed`: w[layer] is [N, K]).
+def pack(w: jax.Array) -> jax.Array:
+    """Stacked [L, K, N] -> [L, ceil(N / 16), K, 16]: strips of 16 columns, each contiguous,
+    the last zero-padded; bf16 (or its uint16 bits) in BF16_ORDER within a strip."""
+    L, K, N = w.shape
+    S = -(-N // STRIP)
+    w = jnp.pad(w, ((0, 0), (0, 0), (0, S * STRIP - N))).reshape(L, K, S, STRIP)
+    if w.dtype in (jnp.bfloat16, jnp.uint16):
+        w = w[..., BF16_ORDER]
+    return w.transpose(0, 2, 1, 3)
 
-    w is stacked [L, K, N] (or [L, N, K]) in float32, bfloat16 or uint16 (bfloat16 bits).
+
+def unpack(w: jax.Array, n: int) -> jax.Array:
+    """`pack`'s inverse: [L, S, K, 16] -> [L, K, n]."""
+    if w.dtype in (jnp.bfloat16, jnp.uint16):
+        w = w[..., np.argsort(BF16_ORDER)]
+    L, S, K, _ = w.shape
+    return w.transpose(0, 2, 1, 3).reshape(L, K, S * STRIP)[..., :n]
+
+
+def matmul(x: jax.Array, w: jax.Array, layer=0, *, n: int | None = None,
+           transposed: bool = False) -> jax.Array:
+    """float32 [M, n] = x [M, K] @ w[layer].
+
+    w in float32, bfloat16 or uint16 (bfloat16 bits): `pack`ed [L, S, K, 16] with n (<= 16 S)
+    its true column count, or with `transposed` [L, n, K] as it is (y = x @ w[layer].T).
     """
     if not available():
         raise RuntimeError("the CPU matmul kernel could not be built (see the log)")
-    n = w.shape[1] if transposed else w.shape[2]
+    if transposed:
+        n = w.shape[1]
+    elif n is None or not STRIP * (w.shape[1] - 1) < n <= STRIP * w.shape[1]:
+        raise ValueError(f"packed weights of {w.shape[1]} strips need n in "
+                         f"({STRIP * (w.shape[1] - 1)}, {STRIP * w.shape[1]}], got {n}")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32), transposed=transposed)
