@@ -17,36 +17,46 @@ def test_kernel_builds():
     assert kernel_cpu.available(), "the CPU matmul did not build (see the warning in the log)"
 
 
-# K and N with tails: K not a multiple of the 4 rows read together (nk) nor of the accumulators
-# a strip run unrolls (kn), N not a multiple of the 16-column strip (kn: a zero-padded last
-# strip) nor of nk's 256-column chunk. m past 4 runs the register-blocked path: 6-row blocks and
-# a remainder, 64-column tiles and a part tile (32-column ones when 64-column tiles would not
-# share evenly: n = 130, 576), K in 256-long chunks and a part chunk (k = 600), and past 48 rows
-# (kn: a second block of rows; nk: 64 rows, a second tile of x).
+# K not a multiple of the accumulators a strip run unrolls, N not a multiple of the 16-column
+# strip (a zero-padded last strip). m past 4 runs the register-blocked path: 6-row blocks and a
+# remainder, 64-column tiles and a part tile (32-column ones when 64-column ones would not share
+# evenly: n = 130, 576), K in 256-long chunks and a part chunk (k = 600), past 48 rows a second
+# block of rows.
 @pytest.mark.parametrize("m,k,n", [(1, 768, 1280), (3, 37, 1030), (4, 130, 7), (2, 5, 2311),
                                    (5, 33, 100), (13, 64, 130), (64, 96, 200), (64, 96, 576),
                                    (70, 600, 150)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bits"])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_kernel_matches_reference(m, k, n, dtype, transposed):
+def test_kernel_matches_reference(m, k, n, dtype):
     rng = np.random.default_rng(m * 1000 + k + n)
     L = 3
-    w = rng.standard_normal((L, n, k) if transposed else (L, k, n), np.float32)
-    w = jnp.asarray(w, jnp.float32 if dtype == "float32" else jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((L, k, n), np.float32),
+                    jnp.float32 if dtype == "float32" else jnp.bfloat16)
     if dtype == "bits":
         w = jax.lax.bitcast_convert_type(w, jnp.uint16)
     x = jnp.asarray(rng.standard_normal((m, k), np.float32))
-    packed = w if transposed else kernel_cpu.pack(w)
-    if not transposed:
-        assert packed.shape == (L, -(-n // 16), k, 16)
-        np.testing.assert_array_equal(np.asarray(kernel_cpu.unpack(packed, n)), np.asarray(w))
-    f = jax.jit(lambda x, w, l: kernel_cpu.matmul(x, w, l, n=n, transposed=transposed))
+    packed = kernel_cpu.pack(w)
+    assert packed.shape == (L, -(-n // 16), k, 16)
+    np.testing.assert_array_equal(np.asarray(kernel_cpu.unpack(packed, n)), np.asarray(w))
+    f = jax.jit(lambda x, w, l: kernel_cpu.matmul(x, w, l, n=n))
     for layer in (0, L - 1):
         got = f(x, packed, jnp.int32(layer))
-        want = reference.matmul(x, w, layer, transposed=transposed)
+        want = reference.matmul(x, w, layer)
         assert got.shape == (m, n) and got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
                                    atol=1e-5 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bits"])
+def test_packed_rows_are_the_rows_of_the_packed_transpose(dtype):
+    """An embedding packed as LM head ([V, E] -> pack of [1, E, V]) is looked up in place."""
+    rng = np.random.default_rng(0)
+    emb = jnp.asarray(rng.standard_normal((37, 24), np.float32),
+                      jnp.float32 if dtype == "float32" else jnp.bfloat16)
+    if dtype == "bits":
+        emb = jax.lax.bitcast_convert_type(emb, jnp.uint16)
+    ids = jnp.asarray([0, 5, 16, 17, 36, 5], jnp.int32)
+    got = kernel_cpu.packed_rows(kernel_cpu.pack(emb.T[None]), ids)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(emb)[np.asarray(ids)])
 
 
 def test_kernel_refuses_a_layer_out_of_range():
@@ -57,11 +67,11 @@ def test_kernel_refuses_a_layer_out_of_range():
         kernel_cpu.matmul(jnp.ones((1, 8)), w, 0, n=17)
 
 
-@pytest.mark.parametrize("tokens", [4, 64, 128])  # streaming, register-blocked, two row blocks
+@pytest.mark.parametrize("tokens", [4, 64, 128])  # streaming, register-blocked, three row blocks
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decoder_native_steps_match_xla_dots(dtype, tokens, tiny_llama, load):
-    """On backend 'cpu' every step runs the projections (packed by the runner) and the LM head
-    in the kernel (bf16 weights as bits, as the engine's runner stores them); the logits equal
+    """On backend 'cpu' every step runs the projections and the LM head (packed by the runner;
+    the tied embedding is looked up in the packed LM head) in the kernel (bf16 weights as bits, as the engine's runner stores them); the logits equal
     those of the same steps run with XLA's dots (backend 'reference')."""
     from conftest import PagedRunner
 

@@ -2,8 +2,8 @@
 layer of the stacked weights in place, bf16 or f32; few rows at memory speed.
 
 `available()` says whether the kernel could be built here; callers fall back to `jnp` dots.
-Weights multiplied as x @ w are first laid out by `pack` (strips of 16 columns, so that every
-read is sequential and no step repacks them).
+Weights are first laid out by `pack` (strips of 16 columns, so that every read is sequential and
+no step repacks them).
 """
 
 from __future__ import annotations
@@ -48,19 +48,22 @@ def unpack(w: jax.Array, n: int) -> jax.Array:
     return w.transpose(0, 2, 1, 3).reshape(L, K, S * STRIP)[..., :n]
 
 
-def matmul(x: jax.Array, w: jax.Array, layer=0, *, n: int | None = None,
-           transposed: bool = False) -> jax.Array:
-    """float32 [M, n] = x [M, K] @ w[layer].
-
-    w in float32, bfloat16 or uint16 (bfloat16 bits): `pack`ed [L, S, K, 16] with n (<= 16 S)
-    its true column count, or with `transposed` [L, n, K] as it is (y = x @ w[layer].T).
-    """
+def matmul(x: jax.Array, w: jax.Array, layer=0, *, n: int) -> jax.Array:
+    """float32 [M, n] = x [M, K] @ w[layer], w `pack`ed [L, S, K, 16] from n columns, in float32,
+    bfloat16 or uint16 (bfloat16 bits)."""
     if not available():
         raise RuntimeError("the CPU matmul kernel could not be built (see the log)")
-    if transposed:
-        n = w.shape[1]
-    elif n is None or not STRIP * (w.shape[1] - 1) < n <= STRIP * w.shape[1]:
+    if not STRIP * (w.shape[1] - 1) < n <= STRIP * w.shape[1]:
         raise ValueError(f"packed weights of {w.shape[1]} strips need n in "
                          f"({STRIP * (w.shape[1] - 1)}, {STRIP * w.shape[1]}], got {n}")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32), transposed=transposed)
+    return call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32))
+
+
+def packed_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows `ids` of the [N, K] matrix whose transpose `pack` made into w [1, S, K, 16] (an
+    embedding packed as LM head, looked up in place): [len(ids), K]."""
+    pos = ids % STRIP
+    if w.dtype in (jnp.bfloat16, jnp.uint16):
+        pos = jnp.asarray(np.argsort(BF16_ORDER), jnp.int32)[pos]
+    return w[0, ids // STRIP, :, pos]
