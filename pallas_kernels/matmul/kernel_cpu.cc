@@ -39,6 +39,11 @@ static inline void Split(const uint16_t* p, __m256& even, __m256& odd) {
   even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF0000)));
 }
+// 16 packed values -> columns 0-7 and 8-15 as f32.
+static inline void Load16(const uint16_t* p, __m256& lo, __m256& hi) { Split(p, lo, hi); }
+static inline void Load16(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p), hi = _mm256_loadu_ps(p + 8);
+}
 #endif
 
 constexpr int64_t kNr = 16;  // strip width: columns of a packed strip and of a register block
@@ -59,12 +64,8 @@ static void StripRows(const float* x, int64_t K, const T* s, float* y, int64_t l
     for (int u = 0; u < U; ++u) acc[r][u][0] = acc[r][u][1] = _mm256_setzero_ps();
   for (; k + U <= K; k += U)
     for (int u = 0; u < U; ++u) {
-      __m256 lo, hi;  // columns 0-7 and 8-15
-      if constexpr (std::is_same_v<T, uint16_t>) {
-        Split(s + (k + u) * kNr, lo, hi);
-      } else {
-        lo = _mm256_loadu_ps(s + (k + u) * kNr), hi = _mm256_loadu_ps(s + (k + u) * kNr + 8);
-      }
+      __m256 lo, hi;
+      Load16(s + (k + u) * kNr, lo, hi);
       for (int r = 0; r < R; ++r) {
         const __m256 b = _mm256_set1_ps(x[r * K + k + u]);
         acc[r][u][0] = _mm256_fmadd_ps(b, lo, acc[r][u][0]);
@@ -177,7 +178,7 @@ static void Unpack(const uint16_t* src, int64_t n, float* dst) {
 #if defined(__AVX2__) && defined(__FMA__)
   for (; i < n; ++i) {
     __m256 lo, hi;
-    Split(src + i * kNr, lo, hi);
+    Load16(src + i * kNr, lo, hi);
     _mm256_storeu_ps(dst + i * kNr, lo), _mm256_storeu_ps(dst + i * kNr + 8, hi);
   }
 #endif

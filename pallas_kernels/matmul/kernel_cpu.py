@@ -22,6 +22,7 @@ STRIP = 16  # columns per packed strip
 # bf16 strips hold column BF16_ORDER[j] at position j: the kernel's shift-and-mask conversion
 # reads even and odd positions as columns 0-7 and 8-15.
 BF16_ORDER = np.array([(j % 2) * 8 + j // 2 for j in range(STRIP)])
+_BF16_POSITION = np.argsort(BF16_ORDER)  # where column c of a bf16 strip sits
 
 
 def available() -> bool:
@@ -43,7 +44,7 @@ def pack(w: jax.Array) -> jax.Array:
 def unpack(w: jax.Array, n: int) -> jax.Array:
     """`pack`'s inverse: [L, S, K, 16] -> [L, K, n]."""
     if w.dtype in (jnp.bfloat16, jnp.uint16):
-        w = w[..., np.argsort(BF16_ORDER)]
+        w = w[..., _BF16_POSITION]
     L, S, K, _ = w.shape
     return w.transpose(0, 2, 1, 3).reshape(L, K, S * STRIP)[..., :n]
 
@@ -65,5 +66,5 @@ def packed_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
     embedding packed as LM head, looked up in place): [len(ids), K]."""
     pos = ids % STRIP
     if w.dtype in (jnp.bfloat16, jnp.uint16):
-        pos = jnp.asarray(np.argsort(BF16_ORDER), jnp.int32)[pos]
+        pos = jnp.asarray(_BF16_POSITION, jnp.int32)[pos]
     return w[0, ids // STRIP, :, pos]
