@@ -11,7 +11,7 @@ import pytest
 
 from jaxllm.layers.attention import resolve_backend
 from pallas_kernels.ragged_paged_attention import kernel_cpu
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
 
 
 def test_kernel_builds_and_auto_picks_it_on_one_cpu_device():
@@ -43,8 +43,20 @@ def _case(seed, *, num_seqs, pad_seqs, hq, hkv, d, bs, max_len, ragged, layers=3
         q_lens[2:4] = 40
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = rng.standard_normal((cu[-1] + 2, hq, d), np.float32)  # two padding query rows too
-    return tuple(map(jnp.asarray, (q, kc, vc, kv_lens, tables, cu,
+    # This step's K/V go to the slots of each sequence's last q_len positions; padding rows -1.
+    slots = np.full(cu[-1] + 2, -1, np.int32)
+    for s in range(num_seqs):
+        pos = np.arange(kv_lens[s] - q_lens[s], kv_lens[s])
+        slots[cu[s]:cu[s + 1]] = tables[s, pos // bs] * bs + pos % bs
+    k, v = (rng.standard_normal((cu[-1] + 2, hkv, d), np.float32) for _ in range(2))
+    return tuple(map(jnp.asarray, (q, k, v, kc, vc, slots, kv_lens, tables, cu,
                                    np.array([num_seqs], np.int32))))
+
+
+def _reference(q, k, v, kc, vc, layer, slots, *rest, **kw):
+    """The reference's write_kv then ragged_paged_attention: (out, k_cache, v_cache)."""
+    kc, vc = write_kv(kc, vc, layer, k, v, slots)
+    return ragged_paged_attention(q, kc, vc, layer, *rest, **kw), kc, vc
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs", [(12, 4, 64, 16), (9, 3, 64, 16), (4, 4, 32, 8),
@@ -52,32 +64,42 @@ def _case(seed, *, num_seqs, pad_seqs, hq, hkv, d, bs, max_len, ragged, layers=3
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (7, None), (None, 5.0), (7, 5.0)])
 @pytest.mark.parametrize("ragged", [False, True], ids=["decode", "ragged"])
 def test_kernel_matches_reference(hq, hkv, d, bs, window, soft_cap, ragged):
-    q, kc, vc, kv_lens, tables, cu, ns = _case(hq * 31 + d, num_seqs=11, pad_seqs=2, hq=hq,
-                                               hkv=hkv, d=d, bs=bs, max_len=50, ragged=ragged)
+    """Outputs and written caches equal the reference's write_kv + attention; the caches come
+    back updated in place when donated."""
+    case = _case(hq * 31 + d, num_seqs=11, pad_seqs=2, hq=hq, hkv=hkv, d=d, bs=bs, max_len=50,
+                 ragged=ragged)
+    q, k, v, kc, vc, slots, kv_lens, tables, cu, ns = case
     kw = dict(sm_scale=d ** -0.5, sliding_window=window, soft_cap=soft_cap)
     n = int(cu[11])
+    kernel = jax.jit(lambda kc, vc, layer: kernel_cpu.ragged_paged_attention(
+        q, k, v, kc, vc, layer, slots, kv_lens, tables, cu, ns, **kw), donate_argnums=(0, 1))
     for layer in (0, 2):
-        want = ragged_paged_attention(q, kc, vc, layer, kv_lens, tables, cu, ns,
-                                      q_tile=1 if not ragged else 8, **kw)
-        got = jax.jit(lambda *a: kernel_cpu.ragged_paged_attention(*a, **kw))(
-            q, kc, vc, np.int32(layer), kv_lens, tables, cu, ns)
+        want, want_k, want_v = _reference(q, k, v, kc, vc, layer, slots, kv_lens, tables, cu,
+                                           ns, q_tile=1 if not ragged else 8, **kw)
+        got, got_k, got_v = kernel(jnp.array(kc), jnp.array(vc), np.int32(layer))
         np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], atol=2e-5,
                                    rtol=0)
         assert not np.asarray(got)[n:].any(), "rows of no sequence must be zero"
+        np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
+        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+        assert not np.array_equal(np.asarray(got_k), np.asarray(kc)), "nothing was written"
 
 
 def test_kernel_traced_window_and_bfloat16_queries():
     """Gemma's per-layer window arrives traced (inside the layer scan); bf16 q comes back bf16."""
-    q, kc, vc, kv_lens, tables, cu, ns = _case(5, num_seqs=6, pad_seqs=0, hq=6, hkv=2, d=32,
-                                               bs=8, max_len=50, ragged=True)
-    qb = jnp.asarray(q, jnp.bfloat16)
+    q, k, v, kc, vc, slots, kv_lens, tables, cu, ns = _case(5, num_seqs=6, pad_seqs=0, hq=6,
+                                                            hkv=2, d=32, bs=8, max_len=50,
+                                                            ragged=True)
+    qb, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     f = jax.jit(lambda w: kernel_cpu.ragged_paged_attention(
-        qb, kc, vc, 1, kv_lens, tables, cu, ns, sm_scale=0.2, sliding_window=w))
+        qb, kb, vb, kc, vc, 1, slots, kv_lens, tables, cu, ns, sm_scale=0.2,
+        sliding_window=w)[0])
     for w in (0, 9):
         got = f(jnp.int32(w))
         assert got.dtype == jnp.bfloat16
-        want = ragged_paged_attention(qb.astype(jnp.float32), kc, vc, 1, kv_lens, tables, cu,
-                                      ns, sm_scale=0.2, sliding_window=w if w else None)
+        want, _, _ = _reference(qb.astype(jnp.float32), kb.astype(jnp.float32),
+                                vb.astype(jnp.float32), kc, vc, 1, slots, kv_lens, tables, cu,
+                                ns, sm_scale=0.2, sliding_window=w if w else None)
         n = int(cu[-1])
         np.testing.assert_allclose(np.asarray(got, np.float32)[:n], np.asarray(want)[:n],
                                    atol=2e-2, rtol=0)

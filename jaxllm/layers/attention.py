@@ -80,13 +80,14 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, la
                     k_scale: Optional[float] = None, v_scale: Optional[float] = None
                     ) -> tuple[jax.Array, KVCache]:
     """q [T, Hq, D], k/v [T, Hkv, D] -> (out [T, Hq, D], updated cache)."""
+    if native_cpu_attention(backend, cache.k.dtype) and k_scale is None and v_scale is None:
+        out, kc, vc = kernel_cpu.ragged_paged_attention(
+            q, k, v, cache.k, cache.v, layer, md.slot_mapping, md.kv_lens, md.block_tables,
+            md.cu_q_lens, md.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+            soft_cap=soft_cap)
+        return out, KVCache(kc, vc)
     kc, vc = write_kv(cache.k, cache.v, layer, k, v, md.slot_mapping,
                       k_scale=k_scale, v_scale=v_scale)
-    if native_cpu_attention(backend, kc.dtype) and k_scale is None and v_scale is None:
-        out = kernel_cpu.ragged_paged_attention(
-            q, kc, vc, layer, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-        return out, KVCache(kc, vc)
     tiling = {}
     if backend in ("reference", "cpu"):
         q_tile, groups, keys = REFERENCE_TILING[md.decode_only]

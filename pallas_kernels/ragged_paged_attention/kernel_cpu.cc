@@ -2,10 +2,13 @@
 //
 // XLA:CPU runs the pure-JAX reference's page gather, transposes and small batched dots at
 // 2-4 GB/s; this loop reads each sequence's pages in place (10-20 GB/s here). Same layout and
-// semantics as reference.py:
-//   q [T, Hq, D] f32, k/v cache [L, NB, Hkv, BS, D] f32, layer [], kv_lens [S],
+// semantics as reference.py's write_kv followed by ragged_paged_attention:
+//   q [T, Hq, D] f32, k/v [T, Hkv, D] f32 (this step's), k/v cache [L, NB, Hkv, BS, D] f32,
+//   layer [], slot_mapping [T] (block * BS + offset; < 0: padding), kv_lens [S],
 //   block_tables [S, B], cu_q_lens [S + 1], num_seqs [1], window [] (<= 0: none);
-//   attrs sm_scale, soft_cap (0: none).
+//   attrs sm_scale, soft_cap (0: none); results out [T, Hq, D] and the two caches, which alias
+//   the cache arguments: k/v are written in place. (As XLA ops, the scatter's index arithmetic
+//   and bounds checks were nine small ops per layer, ~0.5 ms of a 30-layer decode token.)
 // Rows of no sequence come out as zeros. Work is split over (sequence, kv head, up to
 // kQueriesPerTask queries) tasks run on XLA's own intra-op thread pool (a separate OpenMP pool
 // would spin against XLA's threads).
@@ -205,13 +208,32 @@ static void Task(const Step& st, int64_t s, int64_t h, int64_t i0, int64_t i1) {
 // Queries per task: a page read for a task serves this many queries of a prompt from L1.
 constexpr int64_t kQueriesPerTask = 16;
 
+// This step's k/v rows [T, Hkv, D] into the layer's pages [NB, Hkv, BS, D] at their slots;
+// padding (slot < 0) and slots past the cache are dropped, as the reference's scatter does.
+static void WriteKV(const float* k, const float* v, const int32_t* slots, int64_t T,
+                    int64_t NB, int64_t Hkv, int64_t BS, int64_t D, float* kc, float* vc) {
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0 || slot >= NB * BS) continue;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t dst = ((slot / BS * Hkv + h) * BS + slot % BS) * D, src = (t * Hkv + h) * D;
+      std::memcpy(kc + dst, k + src, sizeof(float) * D);
+      std::memcpy(vc + dst, v + src, sizeof(float) * D);
+    }
+  }
+}
+
 static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                     ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
                                      ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
-                                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
+                                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
+                                     ffi::Buffer<ffi::S32> kv_lens,
                                      ffi::Buffer<ffi::S32> block_tables,
                                      ffi::Buffer<ffi::S32> cu_q_lens,
                                      ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
-                                     ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                                     ffi::ResultBuffer<ffi::F32> out,
+                                     ffi::ResultBuffer<ffi::F32> k_out,
+                                     ffi::ResultBuffer<ffi::F32> v_out, float sm_scale,
                                      float soft_cap) {
   auto qd = q.dimensions();
   auto cd = k_cache.dimensions();
@@ -222,7 +244,9 @@ static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
   const int64_t T = qd[0], Hq = qd[1], D = qd[2];
   const int64_t L = cd[0], NB = cd[1], Hkv = cd[2], BS = cd[3];
   const int64_t S = td[0], B = td[1];
-  if (cd[4] != D || Hq % Hkv != 0 || cu_q_lens.element_count() != S + 1) {
+  if (cd[4] != D || Hq % Hkv != 0 || cu_q_lens.element_count() != S + 1 ||
+      k_new.element_count() != T * Hkv * D || v_new.element_count() != T * Hkv * D ||
+      slots.element_count() != T) {
     return ffi::Error::InvalidArgument("paged attention: shapes do not match");
   }
   const int32_t l = layer.typed_data()[0];
@@ -235,9 +259,11 @@ static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
     }
   }
 
+  // The results alias the caches (XLA copies an argument first if it must keep it).
   const int64_t page = Hkv * BS * D;  // floats per page of one layer
-  const Step st{q.typed_data(), k_cache.typed_data() + l * NB * page,
-                v_cache.typed_data() + l * NB * page, kv_lens.typed_data(),
+  float *kc = k_out->typed_data() + l * NB * page, *vc = v_out->typed_data() + l * NB * page;
+  WriteKV(k_new.typed_data(), v_new.typed_data(), slots.typed_data(), T, NB, Hkv, BS, D, kc, vc);
+  const Step st{q.typed_data(), kc, vc, kv_lens.typed_data(),
                 block_tables.typed_data(), cu, out->typed_data(), Hq, Hkv, Hq / Hkv, BS, B, D,
                 window.typed_data()[0], sm_scale, soft_cap};
   std::memset(st.out, 0, sizeof(float) * T * Hq * D);
@@ -262,14 +288,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k (this step's)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // k_cache, aliased
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // v_cache, aliased
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap"));

@@ -1,8 +1,8 @@
 """Ragged paged attention for XLA:CPU: `kernel_cpu.cc`, built with the system C++ compiler on
 first use (cached per source and machine) and called through the XLA FFI.
 
-Every step kind (decode, prefill, chunked prefill, mixed) with an f32 cache on one device; the
-pure-JAX reference runs the rest (quantized caches, sharded models). `available()` says whether
+Every step kind (decode, prefill, chunked prefill, mixed) with an f32 cache on one device, this
+step's K/V written into the cache by the same call; the pure-JAX reference runs the rest (quantized caches, sharded models). `available()` says whether
 the kernel could be built here.
 """
 
@@ -26,19 +26,29 @@ def available() -> bool:
     return cpu_ffi.register(_SOURCE, ((TARGET, "JaxllmPagedAttention"),))
 
 
-def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer,
+def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array,
+                           v_cache: jax.Array, layer, slot_mapping: jax.Array,
                            kv_lens: jax.Array, block_tables: jax.Array, cu_q_lens: jax.Array,
                            num_seqs: jax.Array, *, sm_scale: float, sliding_window=None,
-                           soft_cap: Optional[float] = None) -> jax.Array:
-    """Attention output [T, Hq, D] in q's dtype; the reference's layout and semantics.
+                           soft_cap: Optional[float] = None
+                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The reference's `write_kv` (this step's k/v [T, Hkv, D] into their slots) followed by
+    its `ragged_paged_attention`, in one call: (out [T, Hq, D] in q's dtype, k_cache, v_cache).
 
-    Caches must be float32; q is computed in float32. sliding_window may be traced (per layer).
+    The caches are the call's aliased results, written in place when donated. They must be
+    float32; q, k and v are computed in float32. sliding_window may be traced (per layer).
     """
     if not available():
         raise RuntimeError("the CPU paged attention kernel could not be built (see the log)")
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32),
-               kv_lens, block_tables, cu_q_lens, num_seqs, window,
-               sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0))
-    return out.astype(q.dtype)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    call = jax.ffi.ffi_call(
+        TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                 jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+        input_output_aliases={3: 1, 4: 2})
+    out, k_cache, v_cache = call(
+        f32(q), f32(k), f32(v), k_cache, v_cache, jnp.asarray(layer, jnp.int32),
+        slot_mapping, kv_lens, block_tables, cu_q_lens, num_seqs, window,
+        sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0))
+    return out.astype(q.dtype), k_cache, v_cache
