@@ -2,8 +2,8 @@
 first use (cached per source and machine) and called through the XLA FFI.
 
 Every step kind (decode, prefill, chunked prefill, mixed) with an f32 cache on one device, this
-step's K/V written into the cache by the same call; the pure-JAX reference runs the rest (quantized caches, sharded models). `available()` says whether
-the kernel could be built here.
+step's K/V written into the cache by the same call; the pure-JAX reference runs the rest
+(quantized caches, sharded models). `available()` says whether the kernel could be built here.
 """
 
 from __future__ import annotations
