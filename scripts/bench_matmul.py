@@ -29,13 +29,14 @@ DIMS = {  # hidden, FFN, q + k + v width, layers
 
 
 def chain(matmul, E: int, F: int):
-    """The layer scan: h -> qkv -> o -> gate_up -> down, each output cut to the next input."""
+    """The layer scan: h -> qkv -> o -> gate_up -> down, each output cut to the next input and
+    cast to h's dtype (a bf16 model's activations are bf16)."""
     def run(h, ws):
         def body(h, layer):
-            a = matmul(h, ws, 0, layer)[:, :E]
+            a = matmul(h, ws, 0, layer)[:, :E].astype(h.dtype)
             b = matmul(a, ws, 1, layer)
-            c = matmul(b * 1e-2, ws, 2, layer)[:, :F]
-            return h + 1e-2 * matmul(c * 1e-2, ws, 3, layer), None
+            c = (matmul((b * 1e-2).astype(h.dtype), ws, 2, layer)[:, :F] * 1e-2).astype(h.dtype)
+            return (h + 1e-2 * matmul(c, ws, 3, layer)).astype(h.dtype), None
 
         return jax.lax.scan(body, h, jnp.arange(ws[0].shape[0], dtype=jnp.int32))[0]
     return run
@@ -70,8 +71,8 @@ def main() -> None:
     runs = {"native": (jax.jit(chain(native, E, F)), packed),
             "xla": (jax.jit(chain(xla, E, F)), ws)}
     for rows in args.rows:
-        h = jnp.asarray(rng.standard_normal((rows, E), np.float32))
-        outs = {k: np.asarray(f(h, w)) for k, (f, w) in runs.items()}  # compile; compare
+        h = jnp.asarray(rng.standard_normal((rows, E), np.float32), args.dtype)
+        outs = {k: np.asarray(f(h, w), np.float32) for k, (f, w) in runs.items()}  # compile; compare
         err = np.abs(outs["native"] - outs["xla"]).max() / np.abs(outs["xla"]).max()
         best = {k: float("inf") for k in runs}
         for _ in range(args.reps):

@@ -1,5 +1,6 @@
 // Matmul over stacked per-layer weights for XLA:CPU, called through the XLA FFI:
-// y [M, N] f32 = x [M, K] f32 @ W[layer], W bf16 (as bf16 or its uint16 bits) or f32, read in place.
+// y [M, N] f32 = x [M, K] @ W[layer], W bf16 (as bf16 or its uint16 bits) or f32, read in place;
+// x f32, or bf16 with bf16 W.
 //
 // Why not XLA's dot: a layer scan slices (copies) each layer's weights before its dot, and XLA:CPU
 // runs bf16 weights slower than f32 ones on AVX2 (3x at M = 1, ~1.4x at M = 64). Here bf16 is
@@ -10,7 +11,8 @@
 // order 0 8 1 9 ... 7 15, which the shift-and-mask conversion below turns into columns 0-7 and
 // 8-15. Up to 4 rows the tasks stream whole strips (one sequential read each, no partial sums);
 // more rows run the register-blocked `Gemm`, which needs f32 strips: f32 weights are read as
-// they are, bf16 ones converted a tile at a time.
+// they are, bf16 ones converted a tile at a time. bf16 x against bf16 W on a CPU with AVX512_BF16
+// runs `DpGemm` instead: the native bf16 dot product, at twice the f32 rate.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -188,35 +190,144 @@ static void Unpack(const uint16_t* src, int64_t n, float* dst) {
 
 // Tasks: tiles of 2-4 strips, each against all rows, kMc at a time: their K-chunk (48 KB) and
 // their y (added to once per chunk) stay in L2 (at 2048 rows, running all rows per chunk was 14%
-// slower than XLA's dot).
-template <typename T>
-static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
-                 const T* w, float* y) {
+// slower than XLA's dot). tile(c0, cols) readies a task's weights and returns rows(m0, m), which
+// runs rows [m0, m0 + m) against them.
+template <typename Tile>
+static void ForTiles(ffi::ThreadPool& pool, int64_t M, int64_t N, const Tile& tile) {
   // Tiles half as wide when few 64-column ones would not share evenly between the threads
   // (9 tiles on 2 threads: one does 5; 10-15% at N = 576 and 960, 64 rows).
   const int64_t tiles = (N + kTile - 1) / kTile, threads = pool.num_threads();
   const int64_t tw = tiles % threads && tiles < 8 * threads ? kTile / 2 : kTile;
   ParallelFor(pool, (N + tw - 1) / tw, [&](int64_t t) {
-    const int64_t c0 = t * tw, nc = std::min(tw, N - c0);
+    const int64_t c0 = t * tw;
+    const auto rows = tile(c0, std::min(tw, N - c0));
+    for (int64_t m0 = 0; m0 < M; m0 += kMc) rows(m0, std::min(kMc, M - m0));
+  });
+}
+
+template <typename T>
+static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
+                 const T* w, float* y) {
+  ForTiles(pool, M, N, [&](int64_t c0, int64_t cols) {
     const T* strips = w + c0 * K;  // strip c0 / kNr
     const float* tile;
     if constexpr (std::is_same_v<T, float>) {
       tile = strips;
     } else {
       thread_local std::vector<float> converted;
-      converted.resize(K * tw);
-      Unpack(strips, (nc + kNr - 1) / kNr * K, converted.data());
+      converted.resize(K * kTile);
+      Unpack(strips, (cols + kNr - 1) / kNr * K, converted.data());
       tile = converted.data();
     }
-    for (int64_t m0 = 0; m0 < M; m0 += kMc)
-      BlockRows(x + m0 * K, std::min(kMc, M - m0), K, tile, nc, y + m0 * N + c0, N);
+    return [=](int64_t m0, int64_t m) {
+      BlockRows(x + m0 * K, m, K, tile, cols, y + m0 * N + c0, N);
+    };
   });
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define JAXLLM_DPBF16 1
+// bf16 x against bf16 W, many rows: vdpbf16ps adds the products of a pair of bf16 (k, k + 1) to
+// each f32 lane. The products are exact and the sums f32, as in the f32 path. A task re-packs its
+// tile's strips as k-pairs, [K / 2][16 columns][2] in column order; x is read as pairs in place.
+constexpr int64_t kDpMr = 6, kDpPc = 1024;  // rows per block; k-pairs per chunk (4 strips: 16 KB)
+
+// n packed bf16 strips [K, 16] (BF16_ORDER) -> [n][P][16] 32-bit (w[2p, c], w[2p + 1, c]).
+static void PairStrips(const uint16_t* s, int64_t K, int64_t n, int64_t P, uint32_t* dst) {
+  const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  auto row = [](const uint16_t* p) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  for (int64_t i = 0; i < n; ++i, s += K * kNr)
+    for (int64_t p = 0; p < P; ++p) {
+      const __m512i hi = 2 * p + 1 < K ? _mm512_slli_epi32(row(s + (2 * p + 1) * kNr), 16)
+                                       : _mm512_setzero_si512();
+      const __m512i v = _mm512_or_si512(row(s + 2 * p * kNr), hi);
+      _mm512_storeu_si512(dst + (i * P + p) * kNr, _mm512_permutexvar_epi32(order, v));
+    }
+}
+
+// y[r, 0:cols] (=, or with add +=) sum over pairs p < P of x pairs a[r * lda + 2p ..] times the
+// S paired strips b (ldb apart), for r < R.
+template <int R, int S>
+static void DpMicro(const uint16_t* a, int64_t lda, int64_t P, const uint32_t* b, int64_t ldb,
+                    float* y, int64_t ldy, int64_t cols, bool add) {
+  __m512 acc[R][S];
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    __m512bh w[S];
+    for (int s = 0; s < S; ++s) w[s] = (__m512bh)_mm512_loadu_si512(b + s * ldb + p * kNr);
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int s = 0; s < S; ++s) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], xv, w[s]);
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    const __mmask16 mask = (1u << std::min(kNr, cols - s * kNr)) - 1;
+    for (int r = 0; r < R; ++r) {
+      float* yp = y + r * ldy + s * kNr;
+      const __m512 v = add ? _mm512_add_ps(acc[r][s], _mm512_maskz_loadu_ps(mask, yp))
+                           : acc[r][s];
+      _mm512_mask_storeu_ps(yp, mask, v);
+    }
+  }
+}
+
+template <int S>
+static void DpRows(const uint16_t* a, int64_t lda, int64_t rows, int64_t P, const uint32_t* b,
+                   int64_t ldb, float* y, int64_t ldy, int64_t cols, bool add) {
+  for (int64_t r = 0; r < rows; r += kDpMr) {
+    const uint16_t* ar = a + r * lda;
+    float* yr = y + r * ldy;
+    switch (std::min(kDpMr, rows - r)) {
+      case 6: DpMicro<6, S>(ar, lda, P, b, ldb, yr, ldy, cols, add); break;
+      case 5: DpMicro<5, S>(ar, lda, P, b, ldb, yr, ldy, cols, add); break;
+      case 4: DpMicro<4, S>(ar, lda, P, b, ldb, yr, ldy, cols, add); break;
+      case 3: DpMicro<3, S>(ar, lda, P, b, ldb, yr, ldy, cols, add); break;
+      case 2: DpMicro<2, S>(ar, lda, P, b, ldb, yr, ldy, cols, add); break;
+      default: DpMicro<1, S>(ar, lda, P, b, ldb, yr, ldy, cols, add); break;
+    }
+  }
+}
+
+// x bf16 [M, lda] (K values, zero-padded to even lda) against bf16 packed strips, as `Gemm`.
+static void DpGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64_t M, int64_t K,
+                   int64_t N, const uint16_t* w, float* y) {
+  const int64_t P = lda / 2;
+  ForTiles(pool, M, N, [&](int64_t c0, int64_t cols) {
+    const int64_t strips = (cols + kNr - 1) / kNr;
+    thread_local std::vector<uint32_t> paired;
+    paired.resize(P * kTile);
+    PairStrips(w + c0 * K, K, strips, P, paired.data());
+    const uint32_t* tile = paired.data();
+    // K in chunks of kDpPc pairs; each chunk of up to 4 strips stays in L1 while every 6-row
+    // block of x runs against it.
+    return [=](int64_t m0, int64_t m) {
+      for (int64_t p0 = 0; p0 < P; p0 += kDpPc) {
+        const int64_t pc = std::min(kDpPc, P - p0);
+        for (int64_t s = 0, g; s < strips; s += g) {
+          g = strips - s >= 4 ? 4 : strips - s >= 2 ? 2 : 1;
+          const uint32_t* b = tile + (s * P + p0) * kNr;
+          const int64_t c = std::min(g * kNr, cols - s * kNr);
+          const uint16_t* a = x + m0 * lda + 2 * p0;
+          float* ys = y + m0 * N + c0 + s * kNr;
+          if (g == 4) DpRows<4>(a, lda, m, pc, b, P * kNr, ys, N, c, p0 > 0);
+          else if (g == 2) DpRows<2>(a, lda, m, pc, b, P * kNr, ys, N, c, p0 > 0);
+          else DpRows<1>(a, lda, m, pc, b, P * kNr, ys, N, c, p0 > 0);
+        }
+      }
+    };
+  });
+}
+#endif
 
 // Up to kFewRows rows stream the weights; more run the register-blocked Gemm.
 constexpr int64_t kFewRows = 4;
 
-static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                              ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
@@ -229,28 +340,49 @@ static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
     return ffi::Error::InvalidArgument("matmul: N differs");
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("matmul: layer out of range");
-  auto run = [&](const auto* wl) {  // the layer's strips
-    if (M > kFewRows) return Gemm(pool, x.typed_data(), M, K, N, wl, y->typed_data());
-    KnStream(pool, x.typed_data(), M, K, N, wl, y->typed_data());
+  const bool bf16_x = x.element_type() == ffi::BF16;
+  if (!bf16_x && x.element_type() != ffi::F32)
+    return ffi::Error::InvalidArgument("matmul: x must be f32 or bf16");
+  float* out = y->typed_data();
+  auto run = [&](const float* xf, const auto* wl) {  // wl: the layer's strips
+    if (M > kFewRows) return Gemm(pool, xf, M, K, N, wl, out);
+    KnStream(pool, xf, M, K, N, wl, out);
   };
-  switch (w.element_type()) {
-    case ffi::F32:
-      run(static_cast<const float*>(w.untyped_data()) + l * S * K * kNr);
-      break;
-    case ffi::BF16:
-    case ffi::U16:
-      run(static_cast<const uint16_t*>(w.untyped_data()) + l * S * K * kNr);
-      break;
-    default:
-      return ffi::Error::InvalidArgument("matmul: weights must be f32, bf16 or uint16 bf16 bits");
+  if (w.element_type() == ffi::F32) {
+    if (bf16_x) return ffi::Error::InvalidArgument("matmul: bf16 x needs bf16 weights");
+    run(x.typed_data<float>(), static_cast<const float*>(w.untyped_data()) + l * S * K * kNr);
+    return ffi::Error::Success();
   }
+  if (w.element_type() != ffi::BF16 && w.element_type() != ffi::U16)
+    return ffi::Error::InvalidArgument("matmul: weights must be f32, bf16 or uint16 bf16 bits");
+  const uint16_t* wl = static_cast<const uint16_t*>(w.untyped_data()) + l * S * K * kNr;
+  if (!bf16_x) {
+    run(x.typed_data<float>(), wl);
+    return ffi::Error::Success();
+  }
+  const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
+#ifdef JAXLLM_DPBF16
+  if (M > kFewRows) {
+    if (K % 2 == 0) {
+      DpGemm(pool, xb, K, M, K, N, wl, out);
+    } else {  // rows of whole pairs
+      std::vector<uint16_t> even(M * (K + 1), 0);
+      for (int64_t m = 0; m < M; ++m) std::memcpy(&even[m * (K + 1)], xb + m * K, 2 * K);
+      DpGemm(pool, even.data(), K + 1, M, K, N, wl, out);
+    }
+    return ffi::Error::Success();
+  }
+#endif
+  std::vector<float> xf(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = Bf16(xb[i]);
+  run(xf.data(), wl);
   return ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmul, MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::AnyBuffer>()         // x, f32 or bf16
                                   .Arg<ffi::AnyBuffer>()         // w, packed
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y

@@ -51,14 +51,18 @@ def unpack(w: jax.Array, n: int) -> jax.Array:
 
 def matmul(x: jax.Array, w: jax.Array, layer=0, *, n: int) -> jax.Array:
     """float32 [M, n] = x [M, K] @ w[layer], w `pack`ed [L, S, K, 16] from n columns, in float32,
-    bfloat16 or uint16 (bfloat16 bits)."""
+    bfloat16 or uint16 (bfloat16 bits). A bfloat16 x against bfloat16 weights stays bfloat16 (the
+    products are exact either way; with AVX512_BF16 the kernel multiplies pairs natively), any
+    other x is taken as float32."""
     if not available():
         raise RuntimeError("the CPU matmul kernel could not be built (see the log)")
     if not STRIP * (w.shape[1] - 1) < n <= STRIP * w.shape[1]:
         raise ValueError(f"packed weights of {w.shape[1]} strips need n in "
                          f"({STRIP * (w.shape[1] - 1)}, {STRIP * w.shape[1]}], got {n}")
+    if not (x.dtype == jnp.bfloat16 and w.dtype in (jnp.bfloat16, jnp.uint16)):
+        x = x.astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32))
+    return call(x, w, jnp.asarray(layer, jnp.int32))
 
 
 def packed_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
