@@ -4,7 +4,7 @@ The batch: `--seqs` sequences of `--context` tokens each (this step's tokens inc
 `--tokens` query tokens (tokens == seqs: decode; one sequence with tokens == context: prefill).
 Bandwidth: bytes of the KV pages the queries can see (K and V, one layer; a sliding window
 skips the pages before it) over the time per call.
-Runs anywhere: on CPU the reference or the native kernel (--backend cpu, f32 cache; the Pallas
+Runs anywhere: on CPU the reference or the native kernel (--backend cpu, f32 or bf16 cache; the Pallas
 kernels only interpret there, which measures the interpreter); unchanged on a TPU/GPU host with
 --backend pallas.
 
@@ -73,8 +73,8 @@ def main() -> None:
     scale = 1.0 if jnp.dtype(a.dtype).itemsize == 1 else None
     kw = dict(sm_scale=a.head_dim ** -0.5, k_scale=scale, v_scale=scale)
     if a.backend == "cpu":
-        if scale is not None or jnp.dtype(a.dtype) != jnp.float32:
-            raise SystemExit("--backend cpu: the native kernel reads float32 caches only")
+        if jnp.dtype(a.dtype) not in (jnp.float32, jnp.bfloat16):
+            raise SystemExit("--backend cpu: the native kernel reads float32 or bfloat16 caches")
         # The kernel also writes this step's K/V: padding slots (-1) write nothing, so every
         # call sees the same cache; the caches are donated and come back (written in place).
         new_kv = jnp.zeros((a.tokens, hkv, a.head_dim), jnp.float32)

@@ -63,12 +63,15 @@ def _reference(q, k, v, kc, vc, layer, slots, *rest, **kw):
                                          (8, 1, 16, 4), (8, 2, 128, 16), (2, 1, 20, 4)])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (7, None), (None, 5.0), (7, 5.0)])
 @pytest.mark.parametrize("ragged", [False, True], ids=["decode", "ragged"])
-def test_kernel_matches_reference(hq, hkv, d, bs, window, soft_cap, ragged):
-    """Outputs and written caches equal the reference's write_kv + attention; the caches come
-    back updated in place when donated."""
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_kernel_matches_reference(hq, hkv, d, bs, window, soft_cap, ragged, cache_dtype):
+    """Outputs and written caches equal the reference's write_kv + attention (a bf16 cache:
+    k/v rounded to nearest even, bit for bit); the caches come back updated in place when
+    donated."""
     case = _case(hq * 31 + d, num_seqs=11, pad_seqs=2, hq=hq, hkv=hkv, d=d, bs=bs, max_len=50,
                  ragged=ragged)
     q, k, v, kc, vc, slots, kv_lens, tables, cu, ns = case
+    kc, vc = kc.astype(cache_dtype), vc.astype(cache_dtype)
     kw = dict(sm_scale=d ** -0.5, sliding_window=window, soft_cap=soft_cap)
     n = int(cu[11])
     kernel = jax.jit(lambda kc, vc, layer: kernel_cpu.ragged_paged_attention(
@@ -80,6 +83,7 @@ def test_kernel_matches_reference(hq, hkv, d, bs, window, soft_cap, ragged):
         np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], atol=2e-5,
                                    rtol=0)
         assert not np.asarray(got)[n:].any(), "rows of no sequence must be zero"
+        assert got_k.dtype == got_v.dtype == jnp.dtype(cache_dtype)
         np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
         np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
         assert not np.array_equal(np.asarray(got_k), np.asarray(kc)), "nothing was written"

@@ -361,3 +361,20 @@ def test_pallas_backend_matches_reference(tiny_llama, prompts, expected):
     assert llm.llm_engine.runner.state is not None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], GREEDY, use_tqdm=False)
     assert token_ids(outs) == expected[:4]
+
+
+@pytest.mark.parametrize("requested,model_dtype,backend,want", [
+    ("auto", "float32", "cpu", "float32"),
+    ("auto", "bfloat16", "cpu", "bfloat16"),  # the native kernel reads and writes bf16
+    ("auto", "bfloat16", "reference", "float32"),  # XLA:CPU would upcast the whole cache
+    ("float32", "bfloat16", "cpu", "float32"),
+    ("float16", "float32", "reference", "float16"),  # as asked (a warning says it is slow)
+])
+def test_kv_cache_dtype_on_cpu(requested, model_dtype, backend, want):
+    import jax.numpy as jnp
+
+    from jaxllm.config import EngineArgs
+    from jaxllm.engine.startup import kv_cache_dtype
+
+    args = EngineArgs(model="m", kv_cache_dtype=requested)
+    assert jnp.dtype(kv_cache_dtype(args, jnp.dtype(model_dtype), backend)) == jnp.dtype(want)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ConfigError, EngineArgs, cpu_kv_cache_bytes
+from jaxllm.layers.attention import native_cpu_attention
 from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.loader import load_model
 from jaxllm.parallel.mesh import make_mesh
@@ -50,18 +51,21 @@ def executable_cache_dir() -> str | None:
     return path or None
 
 
-def kv_cache_dtype(args: EngineArgs, model_dtype) -> Any:
-    """'auto' = the model's dtype, except on CPU: XLA:CPU upcasts a 16-bit cache update to
-    float32 over the whole cache (measured: +7 GB and ~100x slower steps for SmolLM2 at 8k
-    context), so the CPU cache is float32."""
+def kv_cache_dtype(args: EngineArgs, model_dtype, attention_backend: str) -> Any:
+    """'auto' = the model's dtype, except on CPU without the native attention kernel: XLA:CPU
+    upcasts a 16-bit cache update to float32 over the whole cache (measured: +7 GB and ~100x
+    slower steps for SmolLM2 at 8k context), so that cache is float32. The native kernel
+    writes a float32 or bfloat16 cache in place."""
     on_cpu = jax.default_backend() == "cpu"
+    dtype = model_dtype if args.kv_cache_dtype == "auto" else _KV_DTYPES[args.kv_cache_dtype]
+    if not on_cpu or native_cpu_attention(attention_backend, dtype):
+        return dtype
     if args.kv_cache_dtype == "auto":
-        return jnp.float32 if on_cpu else model_dtype
-    dtype = _KV_DTYPES[args.kv_cache_dtype]
-    if on_cpu and jnp.dtype(dtype).itemsize < 4:
-        logger.warning("--kv-cache-dtype %s on CPU: XLA:CPU converts the whole cache to float32 "
-                       "on every step (slow, and memory-hungry); 'auto' uses float32 here",
-                       args.kv_cache_dtype)
+        return jnp.float32
+    if jnp.dtype(dtype).itemsize < 4:
+        logger.warning("--kv-cache-dtype %s on CPU without the native attention kernel: XLA:CPU "
+                       "converts the whole cache to float32 on every step (slow, and "
+                       "memory-hungry); 'auto' uses float32 here", args.kv_cache_dtype)
     return dtype
 
 
@@ -123,7 +127,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = {tokenizer.eos_token_id}
     times["tokenizer"] = time.perf_counter() - t
-    dtype = kv_cache_dtype(args, mc.jnp_dtype)
+    dtype = kv_cache_dtype(args, mc.jnp_dtype, model.attention_backend)
     num_blocks = num_kv_blocks(args, mc, dtype)
     max_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     if not args.chunked_prefill:

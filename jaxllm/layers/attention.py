@@ -69,9 +69,9 @@ def resolve_backend(requested: str, num_devices: int = 1) -> str:
 
 
 def native_cpu_attention(backend: str, cache_dtype) -> bool:
-    """Whether backend 'cpu' runs every step's attention in the native kernel (an f32 cache;
-    the reference handles the others), so decode steps need no programs of their own."""
-    return backend == "cpu" and jnp.dtype(cache_dtype) == jnp.float32
+    """Whether backend 'cpu' runs every step's attention in the native kernel (an f32 or bf16
+    cache; the reference handles the others), so decode steps need no programs of their own."""
+    return backend == "cpu" and jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16)
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,

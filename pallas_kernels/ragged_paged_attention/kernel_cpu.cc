@@ -3,7 +3,8 @@
 // XLA:CPU runs the pure-JAX reference's page gather, transposes and small batched dots at
 // 2-4 GB/s; this loop reads each sequence's pages in place (10-20 GB/s here). Same layout and
 // semantics as reference.py's write_kv followed by ragged_paged_attention:
-//   q [T, Hq, D] f32, k/v [T, Hkv, D] f32 (this step's), k/v cache [L, NB, Hkv, BS, D] f32,
+//   q [T, Hq, D] f32, k/v [T, Hkv, D] f32 (this step's), k/v cache [L, NB, Hkv, BS, D] f32 or
+//   bf16 (written rounded to nearest even, read converted in registers: half the bytes),
 //   layer [], slot_mapping [T] (block * BS + offset; < 0: padding), kv_lens [S],
 //   block_tables [S, B], cu_q_lens [S + 1], num_seqs [1], window [] (<= 0: none);
 //   attrs sm_scale, soft_cap (0: none); results out [T, Hq, D] and the two caches, which alias
@@ -23,10 +24,43 @@
 namespace ffi = xla::ffi;
 
 typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 
-// What every task reads: one layer's pages and the step's inputs.
+// 8 cache values as f32: f32 as they are, bf16 (its bits) widened and shifted.
+static inline v8 Load8(const float* p) {
+  v8 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+static inline v8 Load8(const uint16_t* p) {
+  v8u16 h;
+  std::memcpy(&h, p, sizeof h);
+  const v8i bits = __builtin_convertvector(h, v8i) << 16;
+  v8 x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+static inline float ToF32(float v) { return v; }
+static inline float ToF32(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+static inline void Store(float x, float* p) { *p = x; }
+static inline void Store(float x, uint16_t* p) {  // round to nearest even, as astype(bfloat16)
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  *p = (u & 0x7FFFFFFF) > 0x7F800000 ? (u >> 16) | 0x40  // NaN stays NaN
+                                      : (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+}
+
+// What every task reads: one layer's pages (C: float or bf16 bits) and the step's inputs.
+template <typename C>
 struct Step {
-  const float *q, *k, *v;  // q [T, Hq, D]; k, v: the layer's pages [NB, Hkv, BS, D]
+  const float* q;  // [T, Hq, D]
+  const C *k, *v;  // the layer's pages [NB, Hkv, BS, D]
   const int32_t *lens, *tables, *cu;
   float* out;
   int64_t Hq, Hkv, G, BS, B, D;
@@ -34,22 +68,21 @@ struct Step {
   float sm_scale, soft_cap;
 };
 
-// q . k over D floats (kD: D known at compile time, so the loop unrolls; 0: runtime D).
-template <int64_t kD>
-static inline float Dot(const float* q, const float* k, int64_t D) {
+// q . k over D values (kD: D known at compile time, so the loop unrolls; 0: runtime D).
+template <int64_t kD, typename C>
+static inline float Dot(const float* q, const C* k, int64_t D) {
   if constexpr (kD > 0) D = kD;
-  v8 s0 = {}, s1 = {}, x, y;
+  v8 s0 = {}, s1 = {};
   int64_t d = 0;
   for (; d + 16 <= D; d += 16) {  // two chains: an FMA's latency is longer than its issue
-    std::memcpy(&x, q + d, sizeof x), std::memcpy(&y, k + d, sizeof y), s0 += x * y;
-    std::memcpy(&x, q + d + 8, sizeof x), std::memcpy(&y, k + d + 8, sizeof y), s1 += x * y;
+    s0 += Load8(q + d) * Load8(k + d);
+    s1 += Load8(q + d + 8) * Load8(k + d + 8);
   }
-  for (; d + 8 <= D; d += 8)
-    std::memcpy(&x, q + d, sizeof x), std::memcpy(&y, k + d, sizeof y), s0 += x * y;
+  for (; d + 8 <= D; d += 8) s0 += Load8(q + d) * Load8(k + d);
   s0 += s1;
   float r = 0.f;
   for (int i = 0; i < 8; ++i) r += s0[i];
-  for (; d < D; ++d) r += q[d] * k[d];
+  for (; d < D; ++d) r += q[d] * ToF32(k[d]);
   return r;
 }
 
@@ -59,25 +92,34 @@ static inline v8 PairSums(v8 a, v8 b) {
          __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
-// q . k[r] for the 8 rows r of k [8, D] at once: eight independent FMA chains, then one
-// transposing reduction (three rounds of pairwise sums) instead of eight serial ones.
-template <int64_t kD>
-static inline v8 Dot8(const float* q, const float* k, int64_t D) {
+// Scaled scores of kH query heads (q: kH rows of D) against 4 keys (k: 4 rows of D) into
+// sc[h * ldsc + r]: each key chunk is loaded (and converted) once for all kH heads, 4 kH
+// independent FMA chains, then one transposing reduction per head.
+template <int64_t kD, int kH, typename C>
+static inline void Scores4(const float* q, const C* k, int64_t D, float sm_scale, float* sc,
+                           int64_t ldsc) {
   if constexpr (kD > 0) D = kD;
-  v8 acc[8] = {}, x, y;
+  v8 acc[kH][4] = {};
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) {
-    std::memcpy(&x, q + d, sizeof x);
-    for (int r = 0; r < 8; ++r) std::memcpy(&y, k + r * D + d, sizeof y), acc[r] += x * y;
+    v8 x[4];
+    for (int r = 0; r < 4; ++r) x[r] = Load8(k + r * D + d);
+    for (int h = 0; h < kH; ++h) {
+      const v8 qh = Load8(q + h * D + d);
+      for (int r = 0; r < 4; ++r) acc[h][r] += qh * x[r];
+    }
   }
-  v8 out = PairSums(PairSums(PairSums(acc[0], acc[1]), PairSums(acc[2], acc[3])),
-                    PairSums(PairSums(acc[4], acc[5]), PairSums(acc[6], acc[7])));
-  for (; d < D; ++d)
-    for (int r = 0; r < 8; ++r) out[r] += q[d] * k[r * D + d];
-  return out;
+  for (int h = 0; h < kH; ++h) {
+    // [a0123 a4567 b0123 b4567 c0123 c4567 d0123 d4567], then [a b c d a b c d]
+    const v8 s = PairSums(PairSums(acc[h][0], acc[h][1]), PairSums(acc[h][2], acc[h][3]));
+    const v8 t = PairSums(s, s);
+    for (int r = 0; r < 4; ++r) {
+      float x = t[r];
+      for (int64_t e = d; e < D; ++e) x += q[h * D + e] * ToF32(k[r * D + e]);
+      sc[h * ldsc + r] = x * sm_scale;
+    }
+  }
 }
-
-typedef int32_t v8i __attribute__((vector_size(32)));
 
 // exp(x) of 8 floats x <= 0 (Cephes' expf polynomial, ~1e-7 relative): libm's expf is scalar
 // here and was a fifth of the kernel's time.
@@ -101,40 +143,13 @@ static inline v8 Exp8(v8 x) {
   return p * scale;
 }
 
-// acc[0:D] += sum_j p[j] * v[j] over rows j0..j1 of v [*, D]; with kD the sum stays in registers.
-template <int64_t kD>
-static inline void AddRows(const float* p, const float* v, int64_t j0, int64_t j1, int64_t D,
-                           float* __restrict acc) {
-  if constexpr (kD > 0 && kD % 8 == 0) {
-    v8 r[kD / 8], x;
-    std::memcpy(r, acc, sizeof r);
-    for (int64_t j = j0; j < j1; ++j) {
-      const v8 pj = v8{} + p[j];
-      for (int64_t i = 0; i < kD / 8; ++i)
-        std::memcpy(&x, v + j * kD + 8 * i, sizeof x), r[i] += pj * x;
-    }
-    std::memcpy(acc, r, sizeof r);
-  } else {
-    for (int64_t j = j0; j < j1; ++j)
-      for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * v[j * D + d];
-  }
-}
-
-// One query head's online-softmax step over rows j0..j1-1 of a page (k, v [BS, D]): scores
-// (in sc [BS]), then the running maximum m, sum of exponentials and weighted sum acc [D].
-template <int64_t kD>
-static inline void Update(const Step& st, const float* q, const float* k, const float* v,
-                          int64_t j0, int64_t j1, float* sc, float& m, float& sum, float* acc) {
-  const int64_t D = kD > 0 ? kD : st.D;
-  int64_t j = j0;
-  for (; j + 8 <= j1; j += 8) {
-    const v8 x = Dot8<kD>(q, k + j * D, D) * st.sm_scale;
-    std::memcpy(sc + j, &x, sizeof x);
-  }
-  for (; j < j1; ++j) sc[j] = Dot<kD>(q, k + j * D, D) * st.sm_scale;
+// One head's online-softmax step over its scores sc[j0..j1): soft cap, the new running maximum m
+// (rescaling what sum and acc [D] hold), the exponentials into sc and their sum into sum.
+static inline void Softmax(float soft_cap, float* sc, int64_t j0, int64_t j1, float& m,
+                           float& sum, float* acc, int64_t D) {
   float mx = m;
-  for (j = j0; j < j1; ++j) {
-    if (st.soft_cap > 0.f) sc[j] = st.soft_cap * std::tanh(sc[j] / st.soft_cap);
+  for (int64_t j = j0; j < j1; ++j) {
+    if (soft_cap > 0.f) sc[j] = soft_cap * std::tanh(sc[j] / soft_cap);
     mx = std::max(mx, sc[j]);
   }
   if (mx > m) {  // rescale what was summed under the old maximum
@@ -143,7 +158,8 @@ static inline void Update(const Step& st, const float* q, const float* k, const 
     for (int64_t d = 0; d < D; ++d) acc[d] *= c;
     m = mx;
   }
-  for (j = j0; j + 8 <= j1; j += 8) {
+  int64_t j = j0;
+  for (; j + 8 <= j1; j += 8) {
     v8 e;
     std::memcpy(&e, sc + j, sizeof e);
     e = Exp8(e - mx);
@@ -151,14 +167,58 @@ static inline void Update(const Step& st, const float* q, const float* k, const 
     for (int l = 0; l < 8; ++l) sum += e[l];
   }
   for (; j < j1; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
-  AddRows<kD>(sc, v, j0, j1, D, acc);
 }
 
-// Sequence s, kv head h, its queries i0..i1-1 (of q_len): their G query heads each against
-// the pages up to its own position, one page at a time with an online softmax, so a page's K and
-// V rows are read from memory once for every query and head of the task (then from L1).
-template <int64_t kD>
-static void Task(const Step& st, int64_t s, int64_t h, int64_t i0, int64_t i1) {
+// acc[h][0:D] += sum_j p[h * ldp + j] * v[j] over rows j0..j1 of v [*, D], for kH heads: each
+// value chunk is loaded (and converted) once for all heads; 32 columns at a time, so the 4 kH
+// sums stay in registers.
+template <int64_t kD, int kH, typename C>
+static inline void AddRows(const float* p, int64_t ldp, const C* v, int64_t j0, int64_t j1,
+                           int64_t D, float* __restrict acc) {
+  if constexpr (kD > 0 && kD % 32 == 0) {
+    for (int64_t c = 0; c < kD; c += 32) {
+      v8 r[kH][4];
+      for (int h = 0; h < kH; ++h)
+        for (int i = 0; i < 4; ++i) r[h][i] = Load8(acc + h * kD + c + 8 * i);
+      for (int64_t j = j0; j < j1; ++j) {
+        v8 x[4];
+        for (int i = 0; i < 4; ++i) x[i] = Load8(v + j * kD + c + 8 * i);
+        for (int h = 0; h < kH; ++h) {
+          const v8 pj = v8{} + p[h * ldp + j];
+          for (int i = 0; i < 4; ++i) r[h][i] += pj * x[i];
+        }
+      }
+      for (int h = 0; h < kH; ++h) std::memcpy(acc + h * kD + c, r[h], sizeof r[h]);
+    }
+  } else {
+    for (int h = 0; h < kH; ++h)
+      for (int64_t j = j0; j < j1; ++j)
+        for (int64_t d = 0; d < D; ++d) acc[h * D + d] += p[h * ldp + j] * ToF32(v[j * D + d]);
+  }
+}
+
+// kH query heads of one query (q: kH rows of D) over rows j0..j1-1 of a page (k, v [BS, D]):
+// scores (in sc [kH][BS]), then each head's running maximum m, sum of exponentials and weighted
+// sum acc [kH][D].
+template <int64_t kD, int kH, typename C>
+static inline void Update(const Step<C>& st, const float* q, const C* k, const C* v,
+                          int64_t j0, int64_t j1, float* sc, float* m, float* sum, float* acc) {
+  const int64_t D = kD > 0 ? kD : st.D, BS = st.BS;
+  int64_t j = j0;
+  for (; j + 4 <= j1; j += 4) Scores4<kD, kH>(q, k + j * D, D, st.sm_scale, sc + j, BS);
+  for (; j < j1; ++j)
+    for (int h = 0; h < kH; ++h) sc[h * BS + j] = Dot<kD>(q + h * D, k + j * D, D) * st.sm_scale;
+  for (int h = 0; h < kH; ++h)
+    Softmax(st.soft_cap, sc + h * BS, j0, j1, m[h], sum[h], acc + h * D, D);
+  AddRows<kD, kH>(sc, BS, v, j0, j1, D, acc);
+}
+
+// Sequence s, kv head h, its queries i0..i1-1 (of q_len): their G query heads, in groups of up
+// to 3 (the most whose sums fit the registers), against the pages up to each query's position,
+// one page at a time with an online softmax, so a page's K and V rows are read from memory once
+// for every query and head of the task, and from L1 once per group.
+template <int64_t kD, typename C>
+static void Task(const Step<C>& st, int64_t s, int64_t h, int64_t i0, int64_t i1) {
   const int64_t G = st.G, BS = st.BS, D = kD > 0 ? kD : st.D, nq = i1 - i0;
   const int64_t len = std::min<int64_t>(st.lens[s], st.B * BS);
   const int64_t first = st.cu[s], q_len = st.cu[s + 1] - first;
@@ -167,19 +227,20 @@ static void Task(const Step& st, int64_t s, int64_t h, int64_t i0, int64_t i1) {
   auto start = [&](int64_t pos) {  // first key a query at pos sees
     return st.window > 0 ? std::max<int64_t>(0, pos - st.window + 1) : 0;
   };
+  const int64_t groups = (G + 2) / 3;
   thread_local std::vector<float> buf;
-  buf.assign(nq * G * (D + 2) + BS, 0.f);
+  buf.assign(nq * G * (D + 2) + 3 * BS, 0.f);
   float *acc = buf.data(), *m = acc + nq * G * D, *sum = m + nq * G, *scores = sum + nq * G;
   std::fill(m, m + nq * G, -INFINITY);
   const int32_t* table = st.tables + s * st.B;
   for (int64_t b = start(std::max<int64_t>(p0, 0)) / BS, last = p1 / BS; b <= last; ++b) {
     const int64_t off = (table[b] * st.Hkv + h) * BS * D;
-    const float *k = st.k + off, *v = st.v + off;
+    const C *k = st.k + off, *v = st.v + off;
     // The next page's rows are requested while this page is used: one head's rows (BS * D
-    // floats) are too short a run for the hardware prefetcher to get going.
+    // values) are too short a run for the hardware prefetcher to get going.
     if (b < last) {
       const int64_t next = (table[b + 1] * st.Hkv + h) * BS * D;
-      for (int64_t i = 0; i < BS * D; i += 16) {
+      for (int64_t i = 0; i < BS * D; i += 64 / sizeof(C)) {  // a cache line
         __builtin_prefetch(st.k + next + i);
         __builtin_prefetch(st.v + next + i);
       }
@@ -191,9 +252,15 @@ static void Task(const Step& st, int64_t s, int64_t h, int64_t i0, int64_t i1) {
       const int64_t j1 = std::min(pos + 1, (b + 1) * BS) - b * BS;
       if (j0 >= j1) continue;
       const float* q = st.q + ((first + i0 + i) * st.Hq + h * G) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = i * G + g;  // this query head's state
-        Update<kD>(st, q + g * D, k, v, j0, j1, scores, m[r], sum[r], acc + r * D);
+      for (int64_t grp = 0, g = 0, n; grp < groups; ++grp, g += n) {  // sizes as even as can be
+        n = G / groups + (grp < G % groups);
+        const int64_t r = i * G + g;  // the group's first state
+        float *mg = m + r, *sg = sum + r, *ag = acc + r * D;
+        switch (n) {
+          case 3: Update<kD, 3>(st, q + g * D, k, v, j0, j1, scores, mg, sg, ag); break;
+          case 2: Update<kD, 2>(st, q + g * D, k, v, j0, j1, scores, mg, sg, ag); break;
+          default: Update<kD, 1>(st, q + g * D, k, v, j0, j1, scores, mg, sg, ag); break;
+        }
       }
     }
   }
@@ -210,63 +277,35 @@ constexpr int64_t kQueriesPerTask = 16;
 
 // This step's k/v rows [T, Hkv, D] into the layer's pages [NB, Hkv, BS, D] at their slots;
 // padding (slot < 0) and slots past the cache are dropped, as the reference's scatter does.
+template <typename C>
 static void WriteKV(const float* k, const float* v, const int32_t* slots, int64_t T,
-                    int64_t NB, int64_t Hkv, int64_t BS, int64_t D, float* kc, float* vc) {
+                    int64_t NB, int64_t Hkv, int64_t BS, int64_t D, C* kc, C* vc) {
   for (int64_t t = 0; t < T; ++t) {
     const int64_t slot = slots[t];
     if (slot < 0 || slot >= NB * BS) continue;
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t dst = ((slot / BS * Hkv + h) * BS + slot % BS) * D, src = (t * Hkv + h) * D;
-      std::memcpy(kc + dst, k + src, sizeof(float) * D);
-      std::memcpy(vc + dst, v + src, sizeof(float) * D);
+      for (int64_t d = 0; d < D; ++d) {
+        Store(k[src + d], kc + dst + d);
+        Store(v[src + d], vc + dst + d);
+      }
     }
   }
 }
 
-static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                                     ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
-                                     ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
-                                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
-                                     ffi::Buffer<ffi::S32> kv_lens,
-                                     ffi::Buffer<ffi::S32> block_tables,
-                                     ffi::Buffer<ffi::S32> cu_q_lens,
-                                     ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
-                                     ffi::ResultBuffer<ffi::F32> out,
-                                     ffi::ResultBuffer<ffi::F32> k_out,
-                                     ffi::ResultBuffer<ffi::F32> v_out, float sm_scale,
-                                     float soft_cap) {
-  auto qd = q.dimensions();
-  auto cd = k_cache.dimensions();
-  auto td = block_tables.dimensions();
-  if (qd.size() != 3 || cd.size() != 5 || td.size() != 2) {
-    return ffi::Error::InvalidArgument("paged attention: unexpected ranks");
-  }
-  const int64_t T = qd[0], Hq = qd[1], D = qd[2];
-  const int64_t L = cd[0], NB = cd[1], Hkv = cd[2], BS = cd[3];
-  const int64_t S = td[0], B = td[1];
-  if (cd[4] != D || Hq % Hkv != 0 || cu_q_lens.element_count() != S + 1 ||
-      k_new.element_count() != T * Hkv * D || v_new.element_count() != T * Hkv * D ||
-      slots.element_count() != T) {
-    return ffi::Error::InvalidArgument("paged attention: shapes do not match");
-  }
-  const int32_t l = layer.typed_data()[0];
-  const int32_t* cu = cu_q_lens.typed_data();
-  const int64_t n = std::min<int64_t>(num_seqs.typed_data()[0], S);
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("paged attention: layer out of range");
-  for (int64_t s = 0; s < n; ++s) {
-    if (cu[s] < 0 || cu[s] > cu[s + 1] || cu[s + 1] > T) {
-      return ffi::Error::InvalidArgument("paged attention: cu_q_lens out of order or range");
-    }
-  }
-
-  // The results alias the caches (XLA copies an argument first if it must keep it).
-  const int64_t page = Hkv * BS * D;  // floats per page of one layer
-  float *kc = k_out->typed_data() + l * NB * page, *vc = v_out->typed_data() + l * NB * page;
-  WriteKV(k_new.typed_data(), v_new.typed_data(), slots.typed_data(), T, NB, Hkv, BS, D, kc, vc);
-  const Step st{q.typed_data(), kc, vc, kv_lens.typed_data(),
-                block_tables.typed_data(), cu, out->typed_data(), Hq, Hkv, Hq / Hkv, BS, B, D,
-                window.typed_data()[0], sm_scale, soft_cap};
-  std::memset(st.out, 0, sizeof(float) * T * Hq * D);
+// Writes this step's K/V into layer l of the caches (C: float or bf16 bits), then attends.
+template <typename C>
+static void Attend(ffi::ThreadPool& pool, const float* q, const float* k_new,
+                   const float* v_new, C* k_cache, C* v_cache, int64_t l, const int32_t* slots,
+                   const int32_t* lens, const int32_t* tables, const int32_t* cu, int64_t n,
+                   float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t NB, int64_t BS,
+                   int64_t B, int64_t D, int32_t window, float sm_scale, float soft_cap) {
+  const int64_t page = Hkv * BS * D;  // values per page of one layer
+  C *kc = k_cache + l * NB * page, *vc = v_cache + l * NB * page;
+  WriteKV(k_new, v_new, slots, T, NB, Hkv, BS, D, kc, vc);
+  const Step<C> st{q, kc, vc, lens, tables, cu, out, Hq, Hkv, Hq / Hkv, BS, B, D, window,
+                   sm_scale, soft_cap};
+  std::memset(out, 0, sizeof(float) * T * Hq * D);
   struct Chunk { int64_t s, i0, i1; };
   std::vector<Chunk> chunks;
   for (int64_t s = 0; s < n; ++s)
@@ -281,6 +320,58 @@ static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
       default: return Task<0>(st, c.s, h, c.i0, c.i1);
     }
   });
+}
+
+static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                     ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                                     ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
+                                     ffi::Buffer<ffi::S32> kv_lens,
+                                     ffi::Buffer<ffi::S32> block_tables,
+                                     ffi::Buffer<ffi::S32> cu_q_lens,
+                                     ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
+                                     ffi::ResultBuffer<ffi::F32> out,
+                                     ffi::Result<ffi::AnyBuffer> k_out,
+                                     ffi::Result<ffi::AnyBuffer> v_out, float sm_scale,
+                                     float soft_cap) {
+  auto qd = q.dimensions();
+  auto cd = k_cache.dimensions();
+  auto td = block_tables.dimensions();
+  if (qd.size() != 3 || cd.size() != 5 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("paged attention: unexpected ranks");
+  }
+  const int64_t T = qd[0], Hq = qd[1], D = qd[2];
+  const int64_t L = cd[0], NB = cd[1], Hkv = cd[2], BS = cd[3];
+  const int64_t S = td[0], B = td[1];
+  if (cd[4] != D || Hq % Hkv != 0 || cu_q_lens.element_count() != S + 1 ||
+      k_new.element_count() != T * Hkv * D || v_new.element_count() != T * Hkv * D ||
+      slots.element_count() != T || v_cache.element_count() != k_cache.element_count()) {
+    return ffi::Error::InvalidArgument("paged attention: shapes do not match");
+  }
+  const auto dtype = k_cache.element_type();
+  if ((dtype != ffi::F32 && dtype != ffi::BF16) || v_cache.element_type() != dtype)
+    return ffi::Error::InvalidArgument("paged attention: the caches must be f32 or bf16");
+  const int32_t l = layer.typed_data()[0];
+  const int32_t* cu = cu_q_lens.typed_data();
+  const int64_t n = std::min<int64_t>(num_seqs.typed_data()[0], S);
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("paged attention: layer out of range");
+  for (int64_t s = 0; s < n; ++s) {
+    if (cu[s] < 0 || cu[s] > cu[s + 1] || cu[s + 1] > T) {
+      return ffi::Error::InvalidArgument("paged attention: cu_q_lens out of order or range");
+    }
+  }
+  // The results alias the caches (XLA copies an argument first if it must keep it).
+  auto run = [&](auto* kc, auto* vc) {
+    Attend(pool, q.typed_data(), k_new.typed_data(), v_new.typed_data(), kc, vc, l,
+           slots.typed_data(), kv_lens.typed_data(), block_tables.typed_data(), cu, n,
+           out->typed_data(), T, Hq, Hkv, NB, BS, B, D, window.typed_data()[0], sm_scale,
+           soft_cap);
+  };
+  if (dtype == ffi::F32)
+    run(static_cast<float*>(k_out->untyped_data()), static_cast<float*>(v_out->untyped_data()));
+  else
+    run(static_cast<uint16_t*>(k_out->untyped_data()),
+        static_cast<uint16_t*>(v_out->untyped_data()));
   return ffi::Error::Success();
 }
 
@@ -290,8 +381,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k (this step's)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::AnyBuffer>()         // k_cache, f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()         // v_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
@@ -300,7 +391,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // k_cache, aliased
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // v_cache, aliased
+                                  .Ret<ffi::AnyBuffer>()         // k_cache, aliased
+                                  .Ret<ffi::AnyBuffer>()         // v_cache, aliased
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap"));

@@ -1,9 +1,9 @@
 """Ragged paged attention for XLA:CPU: `kernel_cpu.cc`, built with the system C++ compiler on
 first use (cached per source and machine) and called through the XLA FFI.
 
-Every step kind (decode, prefill, chunked prefill, mixed) with an f32 cache on one device, this
-step's K/V written into the cache by the same call; the pure-JAX reference runs the rest
-(quantized caches, sharded models). `available()` says whether the kernel could be built here.
+Every step kind (decode, prefill, chunked prefill, mixed) with an f32 or bf16 cache on one
+device, this step's K/V written into the cache by the same call; the pure-JAX reference runs the
+rest (other caches, sharded models). `available()` says whether the kernel could be built here.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: ja
     """The reference's `write_kv` (this step's k/v [T, Hkv, D] into their slots) followed by
     its `ragged_paged_attention`, in one call: (out [T, Hq, D] in q's dtype, k_cache, v_cache).
 
-    The caches are the call's aliased results, written in place when donated. They must be
-    float32; q, k and v are computed in float32. sliding_window may be traced (per layer).
+    The caches are the call's aliased results, written in place when donated. They are float32
+    or bfloat16 (k and v rounded to it, as the reference's write_kv does); q, k and v are
+    computed in float32. sliding_window may be traced (per layer).
     """
     if not available():
         raise RuntimeError("the CPU paged attention kernel could not be built (see the log)")
