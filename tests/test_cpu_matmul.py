@@ -37,8 +37,10 @@ def test_kernel_matches_reference(m, k, n, dtype, x_dtype):
         w = jax.lax.bitcast_convert_type(w, jnp.uint16)
     x = jnp.asarray(rng.standard_normal((m, k), np.float32), x_dtype)
     packed = kernel_cpu.pack(w)
-    assert packed.shape == (L, -(-n // 16), k, 16)
-    np.testing.assert_array_equal(np.asarray(kernel_cpu.unpack(packed, n)), np.asarray(w))
+    strips = -(-n // 16)
+    assert packed.shape == ((L, strips, k, 16) if dtype == "float32" else
+                            (L, strips, -(-k // 2), 32))  # bf16: rows in pairs
+    np.testing.assert_array_equal(np.asarray(kernel_cpu.unpack(packed, k, n)), np.asarray(w))
     f = jax.jit(lambda x, w, l: kernel_cpu.matmul(x, w, l, n=n))
     for layer in (0, L - 1):
         got = f(x, packed, jnp.int32(layer))
@@ -52,12 +54,12 @@ def test_kernel_matches_reference(m, k, n, dtype, x_dtype):
 def test_packed_rows_are_the_rows_of_the_packed_transpose(dtype):
     """An embedding packed as LM head ([V, E] -> pack of [1, E, V]) is looked up in place."""
     rng = np.random.default_rng(0)
-    emb = jnp.asarray(rng.standard_normal((37, 24), np.float32),
+    emb = jnp.asarray(rng.standard_normal((37, 25), np.float32),  # odd: a padded pair
                       jnp.float32 if dtype == "float32" else jnp.bfloat16)
     if dtype == "bits":
         emb = jax.lax.bitcast_convert_type(emb, jnp.uint16)
     ids = jnp.asarray([0, 5, 16, 17, 36, 5], jnp.int32)
-    got = kernel_cpu.packed_rows(kernel_cpu.pack(emb.T[None]), ids)
+    got = kernel_cpu.packed_rows(kernel_cpu.pack(emb.T[None]), ids, 25)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(emb)[np.asarray(ids)])
 
 

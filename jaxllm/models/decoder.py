@@ -106,7 +106,7 @@ class Decoder(nnx.Module):
                  md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         cfg = self.cfg
         if self.native_matmul and self.lm_head is None:  # packed as the LM head
-            h = _from_bits(matmul_cpu.packed_rows(self.embed[...], token_ids))
+            h = _from_bits(matmul_cpu.packed_rows(self.embed[...], token_ids, cfg.hidden_size))
         else:
             h = _from_bits(jnp.take(self.embed[...], token_ids, axis=0))
         if cfg.embed_scale is not None:

@@ -4,15 +4,15 @@
 //
 // Why not XLA's dot: a layer scan slices (copies) each layer's weights before its dot, and XLA:CPU
 // runs bf16 weights slower than f32 ones on AVX2 (3x at M = 1, ~1.4x at M = 64). Here bf16 is
-// converted in registers or in cache, so it runs at f32 speed with half the bytes.
+// converted in registers or in cache, so it runs at f32 speed with half the bytes, or, bf16 x
+// against bf16 W on a CPU with AVX512_BF16, with the native bf16 dot product at twice that.
 //
-// W is packed [L, S, K, 16] (`pack` in kernel_cpu.py): the N columns in S strips of 16, each
-// strip [K, 16] contiguous, the last one zero-padded. bf16 strips keep their 16 columns in the
-// order 0 8 1 9 ... 7 15, which the shift-and-mask conversion below turns into columns 0-7 and
-// 8-15. Up to 4 rows the tasks stream whole strips (one sequential read each, no partial sums);
-// more rows run the register-blocked `Gemm`, which needs f32 strips: f32 weights are read as
-// they are, bf16 ones converted a tile at a time. bf16 x against bf16 W on a CPU with AVX512_BF16
-// runs `DpGemm` instead: the native bf16 dot product, at twice the f32 rate.
+// W is packed (`pack` in kernel_cpu.py): the N columns in S strips of 16, each strip contiguous,
+// the last one zero-padded; f32 strips [K, 16]; bf16 strips [K / 2, 16, 2], rows in pairs (an odd
+// K gets a zero row), the operand layout of vdpbf16ps, which a shift and a mask also split into
+// two f32 rows. Up to 4 rows the tasks stream whole strips (one sequential read each, no partial
+// sums); more rows run the register-blocked `Gemm`, on f32 strips (bf16 ones converted a tile at
+// a time), or `DpGemm`, the bf16 dot product on the strips as they are.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -29,50 +29,62 @@ static inline float Bf16(uint16_t b) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
-static inline float ToF32(float v) { return v; }
-static inline float ToF32(uint16_t v) { return Bf16(v); }
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-// 16 bf16 as two f32 vectors, elements [0 2 4 .. 14] and [1 3 .. 15]: a shift and a mask, no
-// shuffles (hence the column order of packed bf16 strips).
-static inline void Split(const uint16_t* p, __m256& even, __m256& odd) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF0000)));
-}
-// 16 packed values -> columns 0-7 and 8-15 as f32.
-static inline void Load16(const uint16_t* p, __m256& lo, __m256& hi) { Split(p, lo, hi); }
-static inline void Load16(const float* p, __m256& lo, __m256& hi) {
-  lo = _mm256_loadu_ps(p), hi = _mm256_loadu_ps(p + 8);
-}
-#endif
 
 constexpr int64_t kNr = 16;  // strip width: columns of a packed strip and of a register block
 
-// Position j of a packed bf16 strip holds column Col(j) (the order `Split` undoes).
-static inline int64_t Col(int64_t j) { return (j & 1) * 8 + j / 2; }
+// Rows a strip stores for K: bf16 strips hold whole pairs.
+template <typename T>
+static inline int64_t StripRowsOf(int64_t K) {
+  return std::is_same_v<T, uint16_t> ? K + K % 2 : K;
+}
+// W[k, j] of a packed strip s, as f32.
+static inline float At(const float* s, int64_t k, int64_t j) { return s[k * kNr + j]; }
+static inline float At(const uint16_t* s, int64_t k, int64_t j) {
+  return Bf16(s[(k - k % 2) * kNr + 2 * j + k % 2]);
+}
 
-// y[m, 0:cols] = x[m] @ strip (one packed strip [K, 16], cols <= 16 of it stored) for m < R.
-// U independent accumulator pairs per row hide the FMA latency; one sequential read.
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// Rows k .. k + kStep - 1 of a packed strip as f32: lo[t] columns 0-7 and hi[t] columns 8-15 of
+// row k + t. bf16 (k even): each 32-bit lane holds a column's pair, split by a shift and a mask.
+template <typename T>
+constexpr int kStep = std::is_same_v<T, uint16_t> ? 2 : 1;
+static inline void Rows(const float* s, int64_t k, __m256* lo, __m256* hi) {
+  lo[0] = _mm256_loadu_ps(s + k * kNr), hi[0] = _mm256_loadu_ps(s + k * kNr + 8);
+}
+static inline void Rows(const uint16_t* s, int64_t k, __m256* lo, __m256* hi) {
+  const __m256i mask = _mm256_set1_epi32(0xFFFF0000);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + k * kNr + 16 * h));
+    __m256* out = h ? hi : lo;
+    out[0] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    out[1] = _mm256_castsi256_ps(_mm256_and_si256(v, mask));
+  }
+}
+#endif
+
+// y[m, 0:cols] = x[m] @ strip (one packed strip, cols <= 16 of it stored) for m < R. U
+// independent accumulator pairs per row hide the FMA latency; one sequential read.
 template <int R, int U, typename T>
 static void StripRows(const float* x, int64_t K, const T* s, float* y, int64_t ldy,
                       int64_t cols) {
   float out[R][kNr];
   int64_t k = 0;
 #if defined(__AVX2__) && defined(__FMA__)
+  constexpr int kS = kStep<T>;
   __m256 acc[R][U][2];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) acc[r][u][0] = acc[r][u][1] = _mm256_setzero_ps();
-  for (; k + U <= K; k += U)
+  for (; k + U * kS <= K; k += U * kS)
     for (int u = 0; u < U; ++u) {
-      __m256 lo, hi;
-      Load16(s + (k + u) * kNr, lo, hi);
-      for (int r = 0; r < R; ++r) {
-        const __m256 b = _mm256_set1_ps(x[r * K + k + u]);
-        acc[r][u][0] = _mm256_fmadd_ps(b, lo, acc[r][u][0]);
-        acc[r][u][1] = _mm256_fmadd_ps(b, hi, acc[r][u][1]);
-      }
+      __m256 lo[kS], hi[kS];
+      Rows(s, k + u * kS, lo, hi);
+      for (int t = 0; t < kS; ++t)
+        for (int r = 0; r < R; ++r) {
+          const __m256 b = _mm256_set1_ps(x[r * K + k + u * kS + t]);
+          acc[r][u][0] = _mm256_fmadd_ps(b, lo[t], acc[r][u][0]);
+          acc[r][u][1] = _mm256_fmadd_ps(b, hi[t], acc[r][u][1]);
+        }
     }
   for (int r = 0; r < R; ++r) {
     for (int u = 1; u < U; ++u)
@@ -84,9 +96,8 @@ static void StripRows(const float* x, int64_t K, const T* s, float* y, int64_t l
 #endif
   for (; k < K; ++k)
     for (int64_t j = 0; j < kNr; ++j) {
-      const float w = ToF32(s[k * kNr + j]);
-      const int64_t c = std::is_same_v<T, uint16_t> ? Col(j) : j;
-      for (int r = 0; r < R; ++r) out[r][c] += x[r * K + k] * w;
+      const float w = At(s, k, j);
+      for (int r = 0; r < R; ++r) out[r][j] += x[r * K + k] * w;
     }
   for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, out[r], sizeof(float) * cols);
 }
@@ -96,11 +107,11 @@ static void StripRows(const float* x, int64_t K, const T* s, float* y, int64_t l
 template <typename T>
 static void KnStream(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
                      const T* w, float* y) {
-  const int64_t strips = (N + kNr - 1) / kNr;
+  const int64_t strips = (N + kNr - 1) / kNr, len = StripRowsOf<T>(K) * kNr;
   const int64_t per = std::max<int64_t>(1, strips / (4 * pool.num_threads()));
   ParallelFor(pool, (strips + per - 1) / per, [&](int64_t t) {
     for (int64_t s = t * per, end = std::min(strips, s + per); s < end; ++s) {
-      const T* p = w + s * K * kNr;
+      const T* p = w + s * len;
       float* ys = y + s * kNr;
       const int64_t cols = std::min(kNr, N - s * kNr);
       switch (M) {
@@ -174,18 +185,22 @@ static void BlockRows(const float* x, int64_t rows, int64_t K, const float* tile
   }
 }
 
-// n packed bf16 strip rows (16 values each) -> f32 in column order.
-static void Unpack(const uint16_t* src, int64_t n, float* dst) {
-  int64_t i = 0;
+// n packed bf16 strips (K rows) -> f32 strips [K, 16].
+static void Unpack(const uint16_t* src, int64_t K, int64_t n, float* dst) {
+  const int64_t len = StripRowsOf<uint16_t>(K) * kNr;
+  for (int64_t i = 0; i < n; ++i, src += len, dst += K * kNr) {
+    int64_t k = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  for (; i < n; ++i) {
-    __m256 lo, hi;
-    Load16(src + i * kNr, lo, hi);
-    _mm256_storeu_ps(dst + i * kNr, lo), _mm256_storeu_ps(dst + i * kNr + 8, hi);
-  }
+    for (; k + 2 <= K; k += 2) {
+      __m256 lo[2], hi[2];
+      Rows(src, k, lo, hi);
+      for (int t = 0; t < 2; ++t)
+        _mm256_storeu_ps(dst + (k + t) * kNr, lo[t]), _mm256_storeu_ps(dst + (k + t) * kNr + 8, hi[t]);
+    }
 #endif
-  for (; i < n; ++i)
-    for (int64_t j = 0; j < kNr; ++j) dst[i * kNr + Col(j)] = Bf16(src[i * kNr + j]);
+    for (; k < K; ++k)
+      for (int64_t j = 0; j < kNr; ++j) dst[k * kNr + j] = At(src, k, j);
+  }
 }
 
 // Tasks: tiles of 2-4 strips, each against all rows, kMc at a time: their K-chunk (48 KB) and
@@ -209,14 +224,14 @@ template <typename T>
 static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
                  const T* w, float* y) {
   ForTiles(pool, M, N, [&](int64_t c0, int64_t cols) {
-    const T* strips = w + c0 * K;  // strip c0 / kNr
+    const T* strips = w + c0 * StripRowsOf<T>(K);  // strip c0 / kNr
     const float* tile;
     if constexpr (std::is_same_v<T, float>) {
       tile = strips;
     } else {
       thread_local std::vector<float> converted;
       converted.resize(K * kTile);
-      Unpack(strips, (cols + kNr - 1) / kNr * K, converted.data());
+      Unpack(strips, K, (cols + kNr - 1) / kNr, converted.data());
       tile = converted.data();
     }
     return [=](int64_t m0, int64_t m) {
@@ -228,24 +243,9 @@ static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, in
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define JAXLLM_DPBF16 1
 // bf16 x against bf16 W, many rows: vdpbf16ps adds the products of a pair of bf16 (k, k + 1) to
-// each f32 lane. The products are exact and the sums f32, as in the f32 path. A task re-packs its
-// tile's strips as k-pairs, [K / 2][16 columns][2] in column order; x is read as pairs in place.
-constexpr int64_t kDpMr = 6, kDpPc = 1024;  // rows per block; k-pairs per chunk (4 strips: 16 KB)
-
-// n packed bf16 strips [K, 16] (BF16_ORDER) -> [n][P][16] 32-bit (w[2p, c], w[2p + 1, c]).
-static void PairStrips(const uint16_t* s, int64_t K, int64_t n, int64_t P, uint32_t* dst) {
-  const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  auto row = [](const uint16_t* p) {
-    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  };
-  for (int64_t i = 0; i < n; ++i, s += K * kNr)
-    for (int64_t p = 0; p < P; ++p) {
-      const __m512i hi = 2 * p + 1 < K ? _mm512_slli_epi32(row(s + (2 * p + 1) * kNr), 16)
-                                       : _mm512_setzero_si512();
-      const __m512i v = _mm512_or_si512(row(s + 2 * p * kNr), hi);
-      _mm512_storeu_si512(dst + (i * P + p) * kNr, _mm512_permutexvar_epi32(order, v));
-    }
-}
+// each f32 lane. The products are exact and the sums f32, as in the f32 path. The strips' pairs
+// are its operand as they are; x is read as pairs in place.
+constexpr int64_t kDpMr = 6, kDpPc = 1024;  // rows per block; k-pairs per chunk
 
 // y[r, 0:cols] (=, or with add +=) sum over pairs p < P of x pairs a[r * lda + 2p ..] times the
 // S paired strips b (ldb apart), for r < R.
@@ -299,12 +299,9 @@ static void DpGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64_
   const int64_t P = lda / 2;
   ForTiles(pool, M, N, [&](int64_t c0, int64_t cols) {
     const int64_t strips = (cols + kNr - 1) / kNr;
-    thread_local std::vector<uint32_t> paired;
-    paired.resize(P * kTile);
-    PairStrips(w + c0 * K, K, strips, P, paired.data());
-    const uint32_t* tile = paired.data();
-    // K in chunks of kDpPc pairs; each chunk of up to 4 strips stays in L1 while every 6-row
-    // block of x runs against it.
+    const uint32_t* tile = reinterpret_cast<const uint32_t*>(w + c0 * 2 * P);  // strip c0 / kNr
+    // K in chunks of kDpPc pairs (1024: at most 128 KB of 4 strips, in L2; blocking for L1 was
+    // 10-20% slower), each chunk of up to 4 strips against every 6-row block of x in turn.
     return [=](int64_t m0, int64_t m) {
       for (int64_t p0 = 0; p0 < P; p0 += kDpPc) {
         const int64_t pc = std::min(kDpPc, P - p0);
@@ -335,9 +332,13 @@ static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
   if (xd.size() != 2 || yd.size() != 2 || wd.size() != 4)
     return ffi::Error::InvalidArgument("matmul: ranks");
   const int64_t M = xd[0], K = xd[1], L = wd[0], S = wd[1], N = yd[1];
-  if (wd[2] != K) return ffi::Error::InvalidArgument("matmul: K differs");
-  if (S != (N + kNr - 1) / kNr || wd[3] != kNr)
-    return ffi::Error::InvalidArgument("matmul: N differs");
+  const bool f32_w = w.element_type() == ffi::F32;
+  if (!f32_w && w.element_type() != ffi::BF16 && w.element_type() != ffi::U16)
+    return ffi::Error::InvalidArgument("matmul: weights must be f32, bf16 or uint16 bf16 bits");
+  if (f32_w ? wd[2] != K || wd[3] != kNr : wd[2] != (K + 1) / 2 || wd[3] != 2 * kNr)
+    return ffi::Error::InvalidArgument("matmul: K differs");
+  if (S != (N + kNr - 1) / kNr) return ffi::Error::InvalidArgument("matmul: N differs");
+  const int64_t layer_len = S * wd[2] * wd[3];  // values per layer
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("matmul: layer out of range");
   const bool bf16_x = x.element_type() == ffi::BF16;
@@ -348,14 +349,12 @@ static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
     if (M > kFewRows) return Gemm(pool, xf, M, K, N, wl, out);
     KnStream(pool, xf, M, K, N, wl, out);
   };
-  if (w.element_type() == ffi::F32) {
+  if (f32_w) {
     if (bf16_x) return ffi::Error::InvalidArgument("matmul: bf16 x needs bf16 weights");
-    run(x.typed_data<float>(), static_cast<const float*>(w.untyped_data()) + l * S * K * kNr);
+    run(x.typed_data<float>(), static_cast<const float*>(w.untyped_data()) + l * layer_len);
     return ffi::Error::Success();
   }
-  if (w.element_type() != ffi::BF16 && w.element_type() != ffi::U16)
-    return ffi::Error::InvalidArgument("matmul: weights must be f32, bf16 or uint16 bf16 bits");
-  const uint16_t* wl = static_cast<const uint16_t*>(w.untyped_data()) + l * S * K * kNr;
+  const uint16_t* wl = static_cast<const uint16_t*>(w.untyped_data()) + l * layer_len;
   if (!bf16_x) {
     run(x.typed_data<float>(), wl);
     return ffi::Error::Success();

@@ -12,17 +12,12 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import cpu_ffi
 
 TARGET = "jaxllm_matmul"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_cpu.cc")
 STRIP = 16  # columns per packed strip
-# bf16 strips hold column BF16_ORDER[j] at position j: the kernel's shift-and-mask conversion
-# reads even and odd positions as columns 0-7 and 8-15.
-BF16_ORDER = np.array([(j % 2) * 8 + j // 2 for j in range(STRIP)])
-_BF16_POSITION = np.argsort(BF16_ORDER)  # where column c of a bf16 strip sits
 
 
 def available() -> bool:
@@ -30,28 +25,34 @@ def available() -> bool:
     return cpu_ffi.register(_SOURCE, ((TARGET, "JaxllmMatmul"),))
 
 
+def _paired(w: jax.Array) -> bool:
+    return w.dtype in (jnp.bfloat16, jnp.uint16)
+
+
 def pack(w: jax.Array) -> jax.Array:
-    """Stacked [L, K, N] -> [L, ceil(N / 16), K, 16]: strips of 16 columns, each contiguous,
-    the last zero-padded; bf16 (or its uint16 bits) in BF16_ORDER within a strip."""
+    """Stacked [L, K, N] -> strips of 16 columns, each contiguous, the last zero-padded: float32
+    [L, S, K, 16]; bfloat16 (or its uint16 bits) [L, S, ceil(K / 2), 32], rows in pairs
+    (w[2p, c], w[2p + 1, c]) for c < 16, an odd K padded with a zero row."""
     L, K, N = w.shape
     S = -(-N // STRIP)
-    w = jnp.pad(w, ((0, 0), (0, 0), (0, S * STRIP - N))).reshape(L, K, S, STRIP)
-    if w.dtype in (jnp.bfloat16, jnp.uint16):
-        w = w[..., BF16_ORDER]
-    return w.transpose(0, 2, 1, 3)
+    w = jnp.pad(w, ((0, 0), (0, K % 2 if _paired(w) else 0), (0, S * STRIP - N)))
+    if _paired(w):
+        P = w.shape[1] // 2
+        return w.reshape(L, P, 2, S, STRIP).transpose(0, 3, 1, 4, 2).reshape(L, S, P, 2 * STRIP)
+    return w.reshape(L, K, S, STRIP).transpose(0, 2, 1, 3)
 
 
-def unpack(w: jax.Array, n: int) -> jax.Array:
-    """`pack`'s inverse: [L, S, K, 16] -> [L, K, n]."""
-    if w.dtype in (jnp.bfloat16, jnp.uint16):
-        w = w[..., _BF16_POSITION]
-    L, S, K, _ = w.shape
-    return w.transpose(0, 2, 1, 3).reshape(L, K, S * STRIP)[..., :n]
+def unpack(w: jax.Array, k: int, n: int) -> jax.Array:
+    """`pack`'s inverse: [L, k, n]."""
+    L, S = w.shape[:2]
+    if _paired(w):
+        w = w.reshape(L, S, -1, STRIP, 2).transpose(0, 1, 2, 4, 3).reshape(L, S, -1, STRIP)
+    return w.transpose(0, 2, 1, 3).reshape(L, -1, S * STRIP)[:, :k, :n]
 
 
 def matmul(x: jax.Array, w: jax.Array, layer=0, *, n: int) -> jax.Array:
-    """float32 [M, n] = x [M, K] @ w[layer], w `pack`ed [L, S, K, 16] from n columns, in float32,
-    bfloat16 or uint16 (bfloat16 bits). A bfloat16 x against bfloat16 weights stays bfloat16 (the
+    """float32 [M, n] = x [M, K] @ w[layer], w `pack`ed from n columns, in float32, bfloat16 or
+    uint16 (bfloat16 bits). A bfloat16 x against bfloat16 weights stays bfloat16 (the
     products are exact either way; with AVX512_BF16 the kernel multiplies pairs natively), any
     other x is taken as float32."""
     if not available():
@@ -59,16 +60,17 @@ def matmul(x: jax.Array, w: jax.Array, layer=0, *, n: int) -> jax.Array:
     if not STRIP * (w.shape[1] - 1) < n <= STRIP * w.shape[1]:
         raise ValueError(f"packed weights of {w.shape[1]} strips need n in "
                          f"({STRIP * (w.shape[1] - 1)}, {STRIP * w.shape[1]}], got {n}")
-    if not (x.dtype == jnp.bfloat16 and w.dtype in (jnp.bfloat16, jnp.uint16)):
+    if not (x.dtype == jnp.bfloat16 and _paired(w)):
         x = x.astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x, w, jnp.asarray(layer, jnp.int32))
 
 
-def packed_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
-    """Rows `ids` of the [N, K] matrix whose transpose `pack` made into w [1, S, K, 16] (an
-    embedding packed as LM head, looked up in place): [len(ids), K]."""
-    pos = ids % STRIP
-    if w.dtype in (jnp.bfloat16, jnp.uint16):
-        pos = jnp.asarray(_BF16_POSITION, jnp.int32)[pos]
-    return w[0, ids // STRIP, :, pos]
+def packed_rows(w: jax.Array, ids: jax.Array, k: int) -> jax.Array:
+    """Rows `ids` of the [N, k] matrix whose transpose `pack` made into w (an embedding packed as
+    LM head, looked up in place): [len(ids), k]."""
+    s, c = ids // STRIP, ids % STRIP
+    if _paired(w):  # [1, S, P, 32]: value k of column c at [k // 2, 2 * c + k % 2]
+        rows = w[0, s[:, None], :, 2 * c[:, None] + jnp.arange(2)]  # [n, 2, P]
+        return rows.transpose(0, 2, 1).reshape(len(ids), -1)[:, :k]
+    return w[0, s, :, c]
