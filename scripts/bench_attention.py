@@ -63,7 +63,9 @@ def main() -> None:
     p.add_argument("--variant", choices=("tpu", "gpu"), default=None,
                    help="Pallas variant (default: by platform)")
     p.add_argument("--sliding-window", type=int, default=None)
-    p.add_argument("--layers", type=int, default=2, help="layers in the stacked cache")
+    p.add_argument("--layers", type=int, default=2,
+                   help="layers in the stacked cache, read in turn (more than fit the caches: "
+                        "the pages come from memory, as in a model's step)")
     p.add_argument("--iters", type=int, default=10)
     a = p.parse_args()
 
@@ -94,9 +96,12 @@ def main() -> None:
     step = jax.jit(lambda *xs: fn(*xs[:-1], sliding_window=xs[-1]), donate_argnums=(1, 2))
     window = None if a.sliding_window is None else jnp.int32(a.sliding_window)
 
-    def run():
-        nonlocal args
-        _, kc, vc = out = step(*args, window)
+    calls = 0
+
+    def run():  # each call reads the next layer, as a model's step does (--layers 12: from DRAM)
+        nonlocal args, calls
+        calls += 1
+        _, kc, vc = out = step(*args[:3], jnp.int32(calls % a.layers), *args[4:], window)
         args = (args[0], kc, vc, *args[3:])
         jax.block_until_ready(out)
 

@@ -270,16 +270,23 @@ def test_multi_step_keeps_outputs(tiny_llama, llm, prompts, async_scheduling):
                  for o in r.outputs] for r in outs]
 
     multi = small_llm(tiny_llama, num_scheduler_steps=4, async_scheduling=async_scheduling)
-    runner, bursts = multi.llm_engine.runner, []
-    run_burst = runner.run_burst
-    runner.run_burst = lambda steps: (bursts.append(len(steps)), run_burst(steps))[1]
+    runner, bursts, chained = multi.llm_engine.runner, [], []
+    dispatch_burst = runner.dispatch_burst
+
+    def spy(steps, prev=None):  # chained: dispatched while the step before is still unread
+        bursts.append(len(steps))
+        chained.append(prev is not None)
+        return dispatch_burst(steps, prev)
+    runner.dispatch_burst = spy
     # The greedy and plain random bursts compile at start-up (in the background), others
     # (top_k here) when first wanted, while single steps serve: the same outputs either way.
     assert summary(multi.generate(batch, params, use_tqdm=False)) == summary(want)
     runner.wait_for_background_compiles()
     bursts.clear()
+    chained.clear()
     assert summary(multi.generate(batch, params, use_tqdm=False)) == summary(want)
     assert bursts and set(bursts) == {4}
+    assert any(chained) == async_scheduling
     assert multi.llm_engine.kv_cache_manager.usage == 0.0
     assert runner.num_recompiles == 0
 

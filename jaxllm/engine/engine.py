@@ -48,6 +48,11 @@ class _UserRequest:
     prompt_logprobs: Optional[list] = None  # per prompt token; filled as positions are computed
 
 
+def _last(inflight):
+    """The last step of what is in flight (a step, a burst's list of steps, or None)."""
+    return inflight[-1] if isinstance(inflight, list) else inflight
+
+
 def _reads_output_history(sp: SamplingParams) -> bool:
     """Penalties count the output tokens, so they need every one of them on the host."""
     return (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0
@@ -77,7 +82,7 @@ class LLMEngine:
         self.startup_times = dict(parts.startup_times, total=time.perf_counter() - t0)
         self._requests: dict[str, _UserRequest] = {}
         self._seq_owner: dict[str, _UserRequest] = {}
-        self._inflight = None  # async scheduling: the dispatched step not read yet
+        self._inflight = None  # async scheduling: the dispatched step (or burst) not read yet
         self._rng = np.random.default_rng(args.seed)
         self._last_log = time.monotonic()
         self._log_counts = [0, 0]  # prompt, generation tokens since the last stats line
@@ -183,26 +188,25 @@ class LLMEngine:
 
     # --- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and dispatch one model step; return the outputs of the requests that
-        progressed. With async scheduling the step just dispatched is read on the next call,
-        so the host schedules and prepares step N+1 while the device runs step N."""
+        """Schedule and dispatch one model step (or a burst of num_scheduler_steps); return the
+        outputs of the requests that progressed. With async scheduling what was just dispatched
+        is read on the next call, so the host schedules and prepares the next step while the
+        device runs this one (its input tokens are taken from the device)."""
         outputs: list[RequestOutput] = []
-        if self._burst_ready():
-            if self._inflight is not None:  # a burst starts from known tokens
-                outputs += self._complete(self._inflight)
-                self._inflight = None
-            if self._burst_ready():  # still: the step just read may have stopped some
-                return outputs + self._step_burst()
         prev, self._inflight = self._inflight, None
-        if prev is not None and not self._can_overlap():
-            outputs += self._complete(prev)  # penalties need the real previous tokens
-            prev = None
-        sched = self.scheduler.schedule()
-        cur = self.runner.dispatch(sched, prev) if sched.scheduled else None
+        if self._burst_ready():
+            cur = self._dispatch_burst(prev)
+        else:
+            if prev is not None and not self._can_overlap():
+                outputs += self._complete(prev)  # penalties need the real previous tokens
+                prev = None
+            sched = self.scheduler.schedule()
+            cur = self.runner.dispatch(sched, _last(prev)) if sched.scheduled else None
+            if cur is not None:
+                self.scheduler.advance(sched)
         if prev is not None:
             outputs += self._complete(prev)
         if cur is not None:
-            self.scheduler.advance(sched)
             if self.args.async_scheduling:
                 self._inflight = cur
             else:
@@ -238,27 +242,28 @@ class LLMEngine:
         return self.runner.burst_ready(self.runner.burst_key(len(sched.running), K, tensors),
                                        tensors)
 
-    def _step_burst(self) -> list[RequestOutput]:
+    def _dispatch_burst(self, prev) -> list:
         """num_scheduler_steps decode steps in one program: each is scheduled and advanced on
-        the host as usual (its input token is the step before's, still on the device), then all
-        run, and their tokens are resolved in order (tokens after a stop are dropped)."""
-        outputs, steps = [], []
+        the host as usual (its input token is the step before's, still on the device; step 0's
+        is prev's), then all are dispatched. Their tokens are resolved in order when read
+        (tokens after a stop are dropped)."""
+        steps = []
         for _ in range(self.args.num_scheduler_steps):
             sched = self.scheduler.schedule()
             assert len(sched.scheduled) == len(steps[0].inflight.reqs if steps else sched.scheduled)
-            steps.append(self.runner.prepare_burst_step(sched, steps[-1] if steps else None))
+            steps.append(self.runner.prepare_burst_step(
+                sched, steps[-1].inflight if steps else _last(prev)))
             self.scheduler.advance(sched)
-        for step in self.runner.run_burst(steps):
-            outputs += self._complete(step)
-        self._maybe_log_stats(time.monotonic())
-        return outputs
+        return self.runner.dispatch_burst(steps, _last(prev))
 
     def _can_overlap(self) -> bool:
         """The next step's sampling may not read output tokens still in flight."""
         return not any(_reads_output_history(r.sampling_params) for r in self.scheduler.running)
 
     def _complete(self, step) -> list[RequestOutput]:
-        """Read a dispatched step's tokens and turn them into outputs."""
+        """Read a dispatched step's (or a burst's steps') tokens and turn them into outputs."""
+        if isinstance(step, list):
+            return [out for s in step for out in self._complete(s)]
         sched = step.sched
         sampled, prompt_logprobs = self.runner.collect(step)
         for seq_id, (first, positions) in prompt_logprobs.items():

@@ -83,7 +83,13 @@ class Request:
 
     @property
     def resolved_output_token_ids(self) -> list[int]:
-        return self.output_token_ids[:-1] if self.has_pending else list(self.output_token_ids)
+        """The output tokens known on the host: the placeholders of steps in flight (a burst's
+        are several) are all at the end."""
+        out = self.output_token_ids
+        n = len(out)
+        while n and out[n - 1] == PENDING:
+            n -= 1
+        return out[:n]
 
     @property
     def is_finished(self) -> bool:

@@ -94,7 +94,7 @@ class Inflight:
 
 @dataclass
 class BurstStep:
-    """One step of a burst: its Inflight (tokens filled in by run_burst) and its host arrays."""
+    """One step of a burst: its Inflight (tokens filled in by dispatch_burst), host arrays."""
     inflight: Inflight
     inputs: tuple
     tensors: SamplingTensors
@@ -190,9 +190,11 @@ class ModelRunner:
                                        model.compute_logits, self.max_logprobs)
 
     def _burst_fn(self, state, kv_cache, token_ids, positions, md, logits_indices, from_prev,
-                  num_rows, tensors):
+                  num_rows, tensors, prev_tokens):
         """K decode steps in one call (multi-step scheduling): each step's inputs are stacked on
-        a leading K axis, and step k's in-flight tokens are step k-1's samples."""
+        a leading K axis, step k's in-flight tokens are step k-1's samples and step 0's are
+        prev_tokens (the samples of the step dispatched before, still on the device). Each
+        step's tokens come back as their own array, so the next call can start from the last."""
         def step(carry, xs):
             kv, prev_tokens = carry
             tok, pos, m, li, fp, n, t = xs
@@ -200,10 +202,9 @@ class ModelRunner:
             sampled = self._sample_fn(state, rows, n, t).token_ids
             return (kv, sampled), sampled
 
-        first = jnp.zeros(self.max_num_seqs, jnp.int32)  # step 0 has no tokens in flight
         xs = (token_ids, positions, md, logits_indices, from_prev, num_rows, tensors)
-        (kv_cache, _), tokens = lax.scan(step, (kv_cache, first), xs)
-        return tokens, kv_cache
+        (kv_cache, _), tokens = lax.scan(step, (kv_cache, prev_tokens), xs)
+        return tuple(tokens), kv_cache
 
     # --- host side ---------------------------------------------------------------------------
     def _prepare(self, sched, prev: Optional["Inflight"] = None) -> tuple:
@@ -270,10 +271,10 @@ class ModelRunner:
             out = self._run(key, self._sample, self.state, rows, np.int32(len(reqs)), tensors)
         return Inflight(sched, reqs, out, prompt_rows, prompt)
 
-    def prepare_burst_step(self, sched, prev: Optional["BurstStep"]) -> "BurstStep":
+    def prepare_burst_step(self, sched, prev: Optional["Inflight"]) -> "BurstStep":
         """One step of a burst, prepared on the host as it is scheduled (before the scheduler
         advances past it); its in-flight input tokens come from `prev`, the step before."""
-        inputs, reqs, _ = self._prepare(sched, prev.inflight if prev else None)
+        inputs, reqs, _ = self._prepare(sched, prev)
         tensors = SamplingTensors.from_requests(reqs, pad_to=self.max_num_seqs,
                                                 vocab_size=self.model_config.vocab_size,
                                                 max_logprobs=self.max_logprobs,
@@ -309,23 +310,27 @@ class ModelRunner:
                                decode_only=self.decode_programs)
         z = np.zeros(T, np.int32)
         return (self.state, self.kv_cache, *stack((z, z, md, np.zeros(S, np.int32), z,
-                                                    np.int32(0), tensors)))
+                                                    np.int32(0), tensors)),
+                self._no_prev_tokens)
 
-    def run_burst(self, steps: list["BurstStep"]) -> list["Inflight"]:
-        """Run prepared steps (same requests, one token each) as one program and read their
-        tokens: the steps' Inflights, each holding its step's tokens on the host."""
+    def dispatch_burst(self, steps: list["BurstStep"],
+                       prev: Optional["Inflight"] = None) -> list["Inflight"]:
+        """Launch prepared steps (same requests, one token each) as one program without waiting
+        for it; step 0's in-flight input tokens come from prev, the step dispatched before.
+        Returns the steps' Inflights, each holding its step's tokens on the device."""
         stack = lambda *xs: np.stack([np.asarray(x) for x in xs])  # noqa: E731
         token_ids, positions, md, logits_indices, _, from_prev = jax.tree.map(
             stack, *[s.inputs for s in steps])
         num_rows = np.array([len(s.inflight.reqs) for s in steps], np.int32)
         tensors = jax.tree.map(stack, *[s.tensors for s in steps])
         key = self.burst_key(len(steps[0].inflight.reqs), len(steps), steps[0].tensors)
+        first = prev.out.token_ids if prev is not None and prev.out is not None \
+            else self._no_prev_tokens
         tokens, self.kv_cache = self._run(key, self._burst, self.state, self.kv_cache, token_ids,
                                           positions, md, logits_indices, from_prev, num_rows,
-                                          tensors)
-        tokens = np.asarray(tokens)
-        for k, s in enumerate(steps):
-            s.inflight.out = SamplerOutput(tokens[k])
+                                          tensors, first)
+        for s, t in zip(steps, tokens):
+            s.inflight.out = SamplerOutput(t)
         return [s.inflight for s in steps]
 
     def collect(self, step: "Inflight") -> tuple[dict[str, SampleResult], dict[str, tuple]]:

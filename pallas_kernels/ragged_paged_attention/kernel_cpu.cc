@@ -19,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include <immintrin.h>
+
 #include "cpu_parallel.h"
 
 namespace ffi = xla::ffi;
@@ -34,12 +36,16 @@ static inline v8 Load8(const float* p) {
   return x;
 }
 static inline v8 Load8(const uint16_t* p) {
+#ifdef __AVX2__  // one widening load (GCC splits the generic conversion into four instructions)
+  return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+#else
   v8u16 h;
   std::memcpy(&h, p, sizeof h);
   const v8i bits = __builtin_convertvector(h, v8i) << 16;
   v8 x;
   std::memcpy(&x, &bits, sizeof x);
   return x;
+#endif
 }
 static inline float ToF32(float v) { return v; }
 static inline float ToF32(uint16_t b) {
@@ -143,80 +149,115 @@ static inline v8 Exp8(v8 x) {
   return p * scale;
 }
 
-// One head's online-softmax step over its scores sc[j0..j1): soft cap, the new running maximum m
-// (rescaling what sum and acc [D] hold), the exponentials into sc and their sum into sum.
+static inline float Max8(v8 x) {
+  float r = x[0];
+  for (int i = 1; i < 8; ++i) r = std::max(r, x[i]);
+  return r;
+}
+static inline float Sum8(v8 x) {
+  float r = 0.f;
+  for (int i = 0; i < 8; ++i) r += x[i];
+  return r;
+}
+
+// One head's online-softmax step over its scores sc[j0..j1) (a block of keys): soft cap, the new
+// running maximum m (rescaling what sum and acc [D] hold), the exponentials into sc and their
+// sum into sum. Eight lanes at a time: a scalar max or sum is a chain of dependent adds.
 static inline void Softmax(float soft_cap, float* sc, int64_t j0, int64_t j1, float& m,
                            float& sum, float* acc, int64_t D) {
-  float mx = m;
-  for (int64_t j = j0; j < j1; ++j) {
-    if (soft_cap > 0.f) sc[j] = soft_cap * std::tanh(sc[j] / soft_cap);
-    mx = std::max(mx, sc[j]);
+  if (soft_cap > 0.f)
+    for (int64_t j = j0; j < j1; ++j) sc[j] = soft_cap * std::tanh(sc[j] / soft_cap);
+  v8 mv = v8{} + m;
+  int64_t j = j0;
+  for (; j + 8 <= j1; j += 8) {
+    const v8 x = Load8(sc + j);
+    mv = mv > x ? mv : x;
   }
+  float mx = Max8(mv);
+  for (; j < j1; ++j) mx = std::max(mx, sc[j]);
   if (mx > m) {  // rescale what was summed under the old maximum
     const float c = std::exp(m - mx);
     sum *= c;
     for (int64_t d = 0; d < D; ++d) acc[d] *= c;
     m = mx;
   }
-  int64_t j = j0;
-  for (; j + 8 <= j1; j += 8) {
-    v8 e;
-    std::memcpy(&e, sc + j, sizeof e);
-    e = Exp8(e - mx);
+  v8 sv = {};
+  for (j = j0; j + 8 <= j1; j += 8) {
+    const v8 e = Exp8(Load8(sc + j) - mx);
     std::memcpy(sc + j, &e, sizeof e);
-    for (int l = 0; l < 8; ++l) sum += e[l];
+    sv += e;
   }
-  for (; j < j1; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
+  float s = Sum8(sv);
+  for (; j < j1; ++j) s += (sc[j] = std::exp(sc[j] - mx));
+  sum += s;
 }
 
-// acc[h][0:D] += sum_j p[h * ldp + j] * v[j] over rows j0..j1 of v [*, D], for kH heads: each
-// value chunk is loaded (and converted) once for all heads; 32 columns at a time, so the 4 kH
-// sums stay in registers.
+// A block of keys: up to kBlockPages pages of one kv head (pointers into the cache), each
+// query's visible keys in it a contiguous run [j0, j1) of block positions.
+constexpr int64_t kBlockPages = 32;
+template <typename C>
+struct Block {
+  const C* k[kBlockPages];
+  const C* v[kBlockPages];
+};
+
+// acc[h][0:D] += sum_j p[h * ldp + j] * v(j) over block positions j0..j1 (row j % BS of page
+// j / BS), for kH heads: each value chunk is loaded (and converted) once for all heads; 32
+// columns at a time, so the 4 kH sums stay in registers over the whole block.
 template <int64_t kD, int kH, typename C>
-static inline void AddRows(const float* p, int64_t ldp, const C* v, int64_t j0, int64_t j1,
-                           int64_t D, float* __restrict acc) {
+static inline void AddRows(const float* p, int64_t ldp, const Block<C>& blk, int64_t BS,
+                           int64_t j0, int64_t j1, int64_t D, float* __restrict acc) {
   if constexpr (kD > 0 && kD % 32 == 0) {
     for (int64_t c = 0; c < kD; c += 32) {
       v8 r[kH][4];
       for (int h = 0; h < kH; ++h)
         for (int i = 0; i < 4; ++i) r[h][i] = Load8(acc + h * kD + c + 8 * i);
-      for (int64_t j = j0; j < j1; ++j) {
-        v8 x[4];
-        for (int i = 0; i < 4; ++i) x[i] = Load8(v + j * kD + c + 8 * i);
-        for (int h = 0; h < kH; ++h) {
-          const v8 pj = v8{} + p[h * ldp + j];
-          for (int i = 0; i < 4; ++i) r[h][i] += pj * x[i];
+      for (int64_t j = j0; j < j1;) {
+        const int64_t pg = j / BS, end = std::min(j1, (pg + 1) * BS);
+        const C* v = blk.v[pg] + (c - pg * BS * kD);  // row j at v + j * kD
+        for (; j < end; ++j) {
+          v8 x[4];
+          for (int i = 0; i < 4; ++i) x[i] = Load8(v + j * kD + 8 * i);
+          for (int h = 0; h < kH; ++h) {
+            const v8 pj = v8{} + p[h * ldp + j];
+            for (int i = 0; i < 4; ++i) r[h][i] += pj * x[i];
+          }
         }
       }
       for (int h = 0; h < kH; ++h) std::memcpy(acc + h * kD + c, r[h], sizeof r[h]);
     }
   } else {
-    for (int h = 0; h < kH; ++h)
-      for (int64_t j = j0; j < j1; ++j)
-        for (int64_t d = 0; d < D; ++d) acc[h * D + d] += p[h * ldp + j] * ToF32(v[j * D + d]);
+    for (int64_t j = j0; j < j1; ++j) {
+      const C* v = blk.v[j / BS] + (j % BS) * D;
+      for (int h = 0; h < kH; ++h)
+        for (int64_t d = 0; d < D; ++d) acc[h * D + d] += p[h * ldp + j] * ToF32(v[d]);
+    }
   }
 }
 
-// kH query heads of one query (q: kH rows of D) over rows j0..j1-1 of a page (k, v [BS, D]):
-// scores (in sc [kH][BS]), then each head's running maximum m, sum of exponentials and weighted
-// sum acc [kH][D].
+// kH query heads of one query (q: kH rows of D) over block positions j0..j1-1: scores (into
+// sc [kH][kBlockPages * BS]), then each head's running maximum m, sum of exponentials and
+// weighted sum acc [kH][D]. One softmax per block rather than per page.
 template <int64_t kD, int kH, typename C>
-static inline void Update(const Step<C>& st, const float* q, const C* k, const C* v,
-                          int64_t j0, int64_t j1, float* sc, float* m, float* sum, float* acc) {
-  const int64_t D = kD > 0 ? kD : st.D, BS = st.BS;
-  int64_t j = j0;
-  for (; j + 4 <= j1; j += 4) Scores4<kD, kH>(q, k + j * D, D, st.sm_scale, sc + j, BS);
-  for (; j < j1; ++j)
-    for (int h = 0; h < kH; ++h) sc[h * BS + j] = Dot<kD>(q + h * D, k + j * D, D) * st.sm_scale;
+static inline void Update(const Step<C>& st, const float* q, const Block<C>& blk, int64_t j0,
+                          int64_t j1, float* sc, float* m, float* sum, float* acc) {
+  const int64_t D = kD > 0 ? kD : st.D, BS = st.BS, ld = kBlockPages * BS;
+  for (int64_t j = j0; j < j1;) {
+    const int64_t pg = j / BS, end = std::min(j1, (pg + 1) * BS);
+    const C* k = blk.k[pg] - pg * BS * D;  // row j at k + j * D
+    for (; j + 4 <= end; j += 4) Scores4<kD, kH>(q, k + j * D, D, st.sm_scale, sc + j, ld);
+    for (; j < end; ++j)
+      for (int h = 0; h < kH; ++h) sc[h * ld + j] = Dot<kD>(q + h * D, k + j * D, D) * st.sm_scale;
+  }
   for (int h = 0; h < kH; ++h)
-    Softmax(st.soft_cap, sc + h * BS, j0, j1, m[h], sum[h], acc + h * D, D);
-  AddRows<kD, kH>(sc, BS, v, j0, j1, D, acc);
+    Softmax(st.soft_cap, sc + h * ld, j0, j1, m[h], sum[h], acc + h * D, D);
+  AddRows<kD, kH>(sc, ld, blk, BS, j0, j1, D, acc);
 }
 
 // Sequence s, kv head h, its queries i0..i1-1 (of q_len): their G query heads, in groups of up
-// to 3 (the most whose sums fit the registers), against the pages up to each query's position,
-// one page at a time with an online softmax, so a page's K and V rows are read from memory once
-// for every query and head of the task, and from L1 once per group.
+// to 3 (the most whose sums fit the registers), against the keys up to each query's position, a
+// block of pages at a time with an online softmax, so a block's K and V rows are read from
+// memory once for every query and head of the task.
 template <int64_t kD, typename C>
 static void Task(const Step<C>& st, int64_t s, int64_t h, int64_t i0, int64_t i1) {
   const int64_t G = st.G, BS = st.BS, D = kD > 0 ? kD : st.D, nq = i1 - i0;
@@ -229,27 +270,31 @@ static void Task(const Step<C>& st, int64_t s, int64_t h, int64_t i0, int64_t i1
   };
   const int64_t groups = (G + 2) / 3;
   thread_local std::vector<float> buf;
-  buf.assign(nq * G * (D + 2) + 3 * BS, 0.f);
+  buf.assign(nq * G * (D + 2) + 3 * kBlockPages * BS, 0.f);
   float *acc = buf.data(), *m = acc + nq * G * D, *sum = m + nq * G, *scores = sum + nq * G;
   std::fill(m, m + nq * G, -INFINITY);
   const int32_t* table = st.tables + s * st.B;
-  for (int64_t b = start(std::max<int64_t>(p0, 0)) / BS, last = p1 / BS; b <= last; ++b) {
-    const int64_t off = (table[b] * st.Hkv + h) * BS * D;
-    const C *k = st.k + off, *v = st.v + off;
-    // The next page's rows are requested while this page is used: one head's rows (BS * D
-    // values) are too short a run for the hardware prefetcher to get going.
-    if (b < last) {
-      const int64_t next = (table[b + 1] * st.Hkv + h) * BS * D;
-      for (int64_t i = 0; i < BS * D; i += 64 / sizeof(C)) {  // a cache line
-        __builtin_prefetch(st.k + next + i);
-        __builtin_prefetch(st.v + next + i);
-      }
+  Block<C> blk;
+  for (int64_t b0 = start(std::max<int64_t>(p0, 0)) / BS, last = p1 / BS; b0 <= last;
+       b0 += kBlockPages) {
+    const int64_t nb = std::min(kBlockPages, last + 1 - b0), base = b0 * BS;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t off = (table[b0 + b] * st.Hkv + h) * BS * D;
+      blk.k[b] = st.k + off;
+      blk.v[b] = st.v + off;
     }
+    // Requested up front: one head's rows of a page (BS * D values) are too short a run for
+    // the hardware prefetcher to get going.
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t i = 0; i < BS * D; i += 64 / sizeof(C)) {  // a cache line
+        __builtin_prefetch(blk.k[b] + i);
+        __builtin_prefetch(blk.v[b] + i);
+      }
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t pos = p0 + i;
       if (pos < 0) continue;
-      const int64_t j0 = std::max(start(pos), b * BS) - b * BS;
-      const int64_t j1 = std::min(pos + 1, (b + 1) * BS) - b * BS;
+      const int64_t j0 = std::max(start(pos), base) - base;
+      const int64_t j1 = std::min(pos + 1, base + nb * BS) - base;
       if (j0 >= j1) continue;
       const float* q = st.q + ((first + i0 + i) * st.Hq + h * G) * D;
       for (int64_t grp = 0, g = 0, n; grp < groups; ++grp, g += n) {  // sizes as even as can be
@@ -257,9 +302,9 @@ static void Task(const Step<C>& st, int64_t s, int64_t h, int64_t i0, int64_t i1
         const int64_t r = i * G + g;  // the group's first state
         float *mg = m + r, *sg = sum + r, *ag = acc + r * D;
         switch (n) {
-          case 3: Update<kD, 3>(st, q + g * D, k, v, j0, j1, scores, mg, sg, ag); break;
-          case 2: Update<kD, 2>(st, q + g * D, k, v, j0, j1, scores, mg, sg, ag); break;
-          default: Update<kD, 1>(st, q + g * D, k, v, j0, j1, scores, mg, sg, ag); break;
+          case 3: Update<kD, 3>(st, q + g * D, blk, j0, j1, scores, mg, sg, ag); break;
+          case 2: Update<kD, 2>(st, q + g * D, blk, j0, j1, scores, mg, sg, ag); break;
+          default: Update<kD, 1>(st, q + g * D, blk, j0, j1, scores, mg, sg, ag); break;
         }
       }
     }
