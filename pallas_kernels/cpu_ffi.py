@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import glob
 import hashlib
 import logging
 import os
@@ -53,8 +54,9 @@ def build(source: str) -> Optional[str]:
         return None
     with open(source, "rb") as f:
         src = f.read()
-    with open(os.path.join(_HERE, "cpu_parallel.h"), "rb") as f:
-        src += f.read()
+    for header in sorted(glob.glob(os.path.join(_HERE, "*.h"))):  # what the sources include
+        with open(header, "rb") as f:
+            src += f.read()
     key = hashlib.sha256(src + _cpu_id().encode() + jax.__version__.encode()).hexdigest()[:16]
     out = os.path.join(_cache_dir(), f"{name}_{key}.so")
     if os.path.exists(out):

@@ -16,6 +16,7 @@ from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.weights import load_weights, param_shardings
 from jaxllm.models.decoder import Decoder, abstract_decoder, init_decoder
 from jaxllm.models.model_config import ModelConfig
+from pallas_kernels.activation import kernel_cpu as activation_cpu
 from pallas_kernels.matmul import kernel_cpu as matmul_cpu
 
 
@@ -82,7 +83,7 @@ def _resolve_backend_in_background(args: EngineArgs) -> Future:
     kernels (g++, seconds each on a cold cache) side by side while the weights load."""
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxllm-kernels")
     if jax.default_backend() == "cpu" and args.tensor_parallel_size == 1:
-        pool.submit(matmul_cpu.available)
+        pool.submit(lambda: matmul_cpu.available() and activation_cpu.available())
     backend = pool.submit(resolve_backend, args.attention_backend, args.tensor_parallel_size)
     pool.shutdown(wait=False)
     return backend

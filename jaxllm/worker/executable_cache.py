@@ -73,9 +73,11 @@ def _cpu_kernels() -> str:
     a cached executable naming them is loaded (a program traced without them differs)."""
     if jax.default_backend() != "cpu":
         return ""
+    from pallas_kernels.activation import kernel_cpu as activation_cpu
     from pallas_kernels.matmul import kernel_cpu as matmul_cpu
     from pallas_kernels.ragged_paged_attention import kernel_cpu as attention_cpu
-    return f"matmul={matmul_cpu.available()} attention={attention_cpu.available()}"
+    return (f"matmul={matmul_cpu.available()} activation={activation_cpu.available()} "
+            f"attention={attention_cpu.available()}")
 
 
 def _signature(args) -> str:

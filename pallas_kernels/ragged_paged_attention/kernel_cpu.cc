@@ -19,48 +19,13 @@
 #include <cstring>
 #include <vector>
 
-#include <immintrin.h>
-
 #include "cpu_parallel.h"
+#include "cpu_vec.h"
 
 namespace ffi = xla::ffi;
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-// 8 cache values as f32: f32 as they are, bf16 (its bits) widened and shifted.
-static inline v8 Load8(const float* p) {
-  v8 x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
-static inline v8 Load8(const uint16_t* p) {
-#ifdef __AVX2__  // one widening load (GCC splits the generic conversion into four instructions)
-  return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
-#else
-  v8u16 h;
-  std::memcpy(&h, p, sizeof h);
-  const v8i bits = __builtin_convertvector(h, v8i) << 16;
-  v8 x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-#endif
-}
-static inline float ToF32(float v) { return v; }
-static inline float ToF32(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 static inline void Store(float x, float* p) { *p = x; }
-static inline void Store(float x, uint16_t* p) {  // round to nearest even, as astype(bfloat16)
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  *p = (u & 0x7FFFFFFF) > 0x7F800000 ? (u >> 16) | 0x40  // NaN stays NaN
-                                      : (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
-}
+static inline void Store(float x, uint16_t* p) { *p = ToBF16(x); }
 
 // What every task reads: one layer's pages (C: float or bf16 bits) and the step's inputs.
 template <typename C>
@@ -125,28 +90,6 @@ static inline void Scores4(const float* q, const C* k, int64_t D, float sm_scale
       sc[h * ldsc + r] = x * sm_scale;
     }
   }
-}
-
-// exp(x) of 8 floats x <= 0 (Cephes' expf polynomial, ~1e-7 relative): libm's expf is scalar
-// here and was a fifth of the kernel's time.
-static inline v8 Exp8(v8 x) {
-  x = x < -87.f ? v8{} - 87.f : x;
-  // n = round(x / ln 2) (x <= 0: truncating x / ln 2 - 0.5 rounds; -ffast-math would fold the
-  // usual add-and-subtract-2^23 trick away), r = x - n ln 2 in two parts, exp(x) = 2^n exp(r).
-  const v8i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v8i);
-  const v8 nf = __builtin_convertvector(n, v8);
-  const v8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  v8 p = v8{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const v8i bits = (n + 127) << 23;
-  v8 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 static inline float Max8(v8 x) {
