@@ -13,8 +13,8 @@ namespace ffi = xla::ffi;
 
 // sigmoid(g) from e = exp(-|g|) <= 1 (no overflow either way).
 static inline v8 Sigmoid8(v8 g) {
-  const v8 e = Exp8(g < 0 ? g : -g);
-  return g < 0 ? e / (1.f + e) : 1.f / (1.f + e);
+  const v8 e = Exp8(g < 0 ? g : -g), r = 1.f / (1.f + e);
+  return g < 0 ? e * r : r;
 }
 
 // silu(g) * u of 8 values; kRound: g and u rounded to bf16, silu computed in f32 and rounded,
