@@ -89,6 +89,23 @@ def test_kernel_matches_reference(hq, hkv, d, bs, window, soft_cap, ragged, cach
         assert not np.array_equal(np.asarray(got_k), np.asarray(kc)), "nothing was written"
 
 
+@pytest.mark.parametrize("hq,hkv", [(12, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("num_seqs", [1, 2, 3])
+def test_kernel_few_sequences_split_heads(hq, hkv, num_seqs):
+    """With fewer query chunks than the threads want (decode of a few sequences), tasks take
+    ranges of kv heads instead of all of them: the same outputs."""
+    q, k, v, kc, vc, slots, kv_lens, tables, cu, ns = _case(
+        hq + num_seqs, num_seqs=num_seqs, pad_seqs=1, hq=hq, hkv=hkv, d=64, bs=16, max_len=100,
+        ragged=False)
+    kv_lens = kv_lens.at[num_seqs - 1].set(100)  # one sequence of 7 pages
+    kw = dict(sm_scale=0.125, sliding_window=None, soft_cap=None)
+    want, _, _ = _reference(q, k, v, kc, vc, 1, slots, kv_lens, tables, cu, ns, q_tile=1, **kw)
+    got, _, _ = jax.jit(lambda kc, vc: kernel_cpu.ragged_paged_attention(
+        q, k, v, kc, vc, 1, slots, kv_lens, tables, cu, ns, **kw))(kc, vc)
+    np.testing.assert_allclose(np.asarray(got)[:num_seqs], np.asarray(want)[:num_seqs],
+                               atol=2e-5, rtol=0)
+
+
 def test_kernel_traced_window_and_bfloat16_queries():
     """Gemma's per-layer window arrives traced (inside the layer scan); bf16 q comes back bf16."""
     q, k, v, kc, vc, slots, kv_lens, tables, cu, ns = _case(5, num_seqs=6, pad_seqs=0, hq=6,

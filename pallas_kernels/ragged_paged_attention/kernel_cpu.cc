@@ -10,9 +10,9 @@
 //   attrs sm_scale, soft_cap (0: none); results out [T, Hq, D] and the two caches, which alias
 //   the cache arguments: k/v are written in place. (As XLA ops, the scatter's index arithmetic
 //   and bounds checks were nine small ops per layer, ~0.5 ms of a 30-layer decode token.)
-// Rows of no sequence come out as zeros. Work is split over (sequence, kv head, up to
-// kQueriesPerTask queries) tasks run on XLA's own intra-op thread pool (a separate OpenMP pool
-// would spin against XLA's threads).
+// Rows of no sequence come out as zeros. Work is split over (sequence, up to kQueriesPerTask
+// queries, all kv heads or a range of them) tasks run on XLA's own intra-op thread pool (a
+// separate OpenMP pool would spin against XLA's threads).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -135,75 +135,58 @@ static inline void Softmax(float soft_cap, float* sc, int64_t j0, int64_t j1, fl
   sum += s;
 }
 
-// A block of keys: up to kBlockPages pages of one kv head (pointers into the cache), each
-// query's visible keys in it a contiguous run [j0, j1) of block positions.
-constexpr int64_t kBlockPages = 32;
-template <typename C>
-struct Block {
-  const C* k[kBlockPages];
-  const C* v[kBlockPages];
-};
-
-// acc[h][0:D] += sum_j p[h * ldp + j] * v(j) over block positions j0..j1 (row j % BS of page
-// j / BS), for kH heads: each value chunk is loaded (and converted) once for all heads; 32
-// columns at a time, so the 4 kH sums stay in registers over the whole block.
+// acc[h][0:D] += sum_r p[h * ldp + r] * v[r] over rows r0..r1-1 of one page's values v [BS, D],
+// for kH heads: each value chunk is loaded (and converted) once for all heads; 32 columns at a
+// time, so the 4 kH sums stay in registers.
 template <int64_t kD, int kH, typename C>
-static inline void AddRows(const float* p, int64_t ldp, const Block<C>& blk, int64_t BS,
-                           int64_t j0, int64_t j1, int64_t D, float* __restrict acc) {
+static inline void AddRows(const float* p, int64_t ldp, const C* v, int64_t r0, int64_t r1,
+                           int64_t D, float* __restrict acc) {
   if constexpr (kD > 0 && kD % 32 == 0) {
     for (int64_t c = 0; c < kD; c += 32) {
       v8 r[kH][4];
       for (int h = 0; h < kH; ++h)
         for (int i = 0; i < 4; ++i) r[h][i] = Load8(acc + h * kD + c + 8 * i);
-      for (int64_t j = j0; j < j1;) {
-        const int64_t pg = j / BS, end = std::min(j1, (pg + 1) * BS);
-        const C* v = blk.v[pg] + (c - pg * BS * kD);  // row j at v + j * kD
-        for (; j < end; ++j) {
-          v8 x[4];
-          for (int i = 0; i < 4; ++i) x[i] = Load8(v + j * kD + 8 * i);
-          for (int h = 0; h < kH; ++h) {
-            const v8 pj = v8{} + p[h * ldp + j];
-            for (int i = 0; i < 4; ++i) r[h][i] += pj * x[i];
-          }
+      for (int64_t j = r0; j < r1; ++j) {
+        v8 x[4];
+        for (int i = 0; i < 4; ++i) x[i] = Load8(v + j * kD + c + 8 * i);
+        for (int h = 0; h < kH; ++h) {
+          const v8 pj = v8{} + p[h * ldp + j];
+          for (int i = 0; i < 4; ++i) r[h][i] += pj * x[i];
         }
       }
       for (int h = 0; h < kH; ++h) std::memcpy(acc + h * kD + c, r[h], sizeof r[h]);
     }
   } else {
-    for (int64_t j = j0; j < j1; ++j) {
-      const C* v = blk.v[j / BS] + (j % BS) * D;
-      for (int h = 0; h < kH; ++h)
-        for (int64_t d = 0; d < D; ++d) acc[h * D + d] += p[h * ldp + j] * ToF32(v[d]);
-    }
+    for (int h = 0; h < kH; ++h)
+      for (int64_t j = r0; j < r1; ++j)
+        for (int64_t d = 0; d < D; ++d) acc[h * D + d] += p[h * ldp + j] * ToF32(v[j * D + d]);
   }
 }
 
-// kH query heads of one query (q: kH rows of D) over block positions j0..j1-1: scores (into
-// sc [kH][kBlockPages * BS]), then each head's running maximum m, sum of exponentials and
-// weighted sum acc [kH][D]. One softmax per block rather than per page.
+// Scores of kH query heads (q: kH rows of D) against rows r0..r1-1 of one page's keys k [BS, D]
+// into sc[h * ldsc + r].
 template <int64_t kD, int kH, typename C>
-static inline void Update(const Step<C>& st, const float* q, const Block<C>& blk, int64_t j0,
-                          int64_t j1, float* sc, float* m, float* sum, float* acc) {
-  const int64_t D = kD > 0 ? kD : st.D, BS = st.BS, ld = kBlockPages * BS;
-  for (int64_t j = j0; j < j1;) {
-    const int64_t pg = j / BS, end = std::min(j1, (pg + 1) * BS);
-    const C* k = blk.k[pg] - pg * BS * D;  // row j at k + j * D
-    for (; j + 4 <= end; j += 4) Scores4<kD, kH>(q, k + j * D, D, st.sm_scale, sc + j, ld);
-    for (; j < end; ++j)
-      for (int h = 0; h < kH; ++h) sc[h * ld + j] = Dot<kD>(q + h * D, k + j * D, D) * st.sm_scale;
-  }
-  for (int h = 0; h < kH; ++h)
-    Softmax(st.soft_cap, sc + h * ld, j0, j1, m[h], sum[h], acc + h * D, D);
-  AddRows<kD, kH>(sc, ld, blk, BS, j0, j1, D, acc);
+static inline void Scores(const float* q, const C* k, int64_t r0, int64_t r1, int64_t D,
+                          float sm_scale, float* sc, int64_t ldsc) {
+  if constexpr (kD > 0) D = kD;
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) Scores4<kD, kH>(q, k + r * D, D, sm_scale, sc + r, ldsc);
+  for (; r < r1; ++r)
+    for (int h = 0; h < kH; ++h) sc[h * ldsc + r] = Dot<kD>(q + h * D, k + r * D, D) * sm_scale;
 }
 
-// Sequence s, kv head h, its queries i0..i1-1 (of q_len): their G query heads, in groups of up
-// to 3 (the most whose sums fit the registers), against the keys up to each query's position, a
-// block of pages at a time with an online softmax, so a block's K and V rows are read from
-// memory once for every query and head of the task.
+// Keys scored per softmax: a block of pages.
+constexpr int64_t kBlockPages = 32;
+
+// Sequence s, kv heads h0..h1-1, its queries i0..i1-1 (of q_len): their query heads, in groups
+// of up to 3 per kv head (the most whose sums fit the registers), against the keys up to each
+// query's position, a block of pages at a time with an online softmax (one per block). Each pass
+// over a block reads its pages in memory order (page, then kv head), so the hardware prefetcher
+// follows whole pages, not one head's rows of each.
 template <int64_t kD, typename C>
-static void Task(const Step<C>& st, int64_t s, int64_t h, int64_t i0, int64_t i1) {
+static void Task(const Step<C>& st, int64_t s, int64_t h0, int64_t h1, int64_t i0, int64_t i1) {
   const int64_t G = st.G, BS = st.BS, D = kD > 0 ? kD : st.D, nq = i1 - i0;
+  const int64_t H = (h1 - h0) * G, ld = kBlockPages * BS;  // query heads of the task
   const int64_t len = std::min<int64_t>(st.lens[s], st.B * BS);
   const int64_t first = st.cu[s], q_len = st.cu[s + 1] - first;
   const int64_t p0 = len - q_len + i0, p1 = len - q_len + i1 - 1;  // first, last query position
@@ -213,50 +196,69 @@ static void Task(const Step<C>& st, int64_t s, int64_t h, int64_t i0, int64_t i1
   };
   const int64_t groups = (G + 2) / 3;
   thread_local std::vector<float> buf;
-  buf.assign(nq * G * (D + 2) + 3 * kBlockPages * BS, 0.f);
-  float *acc = buf.data(), *m = acc + nq * G * D, *sum = m + nq * G, *scores = sum + nq * G;
-  std::fill(m, m + nq * G, -INFINITY);
+  buf.assign(nq * H * (D + 2) + H * ld, 0.f);
+  float *acc = buf.data(), *m = acc + nq * H * D, *sum = m + nq * H, *sc = sum + nq * H;
+  std::fill(m, m + nq * H, -INFINITY);
   const int32_t* table = st.tables + s * st.B;
-  Block<C> blk;
+  const int64_t page = st.Hkv * BS * D;  // values per page (all kv heads)
+  // For each kv head and group in order: call f(kv head, first query head g, group size n).
+  auto each_group = [&](auto&& f) {
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t grp = 0, g = 0, n; grp < groups; ++grp, g += n) {  // sizes as even as can be
+        n = G / groups + (grp < G % groups);
+        f(h, g, n);
+      }
+  };
   for (int64_t b0 = start(std::max<int64_t>(p0, 0)) / BS, last = p1 / BS; b0 <= last;
        b0 += kBlockPages) {
     const int64_t nb = std::min(kBlockPages, last + 1 - b0), base = b0 * BS;
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t off = (table[b0 + b] * st.Hkv + h) * BS * D;
-      blk.k[b] = st.k + off;
-      blk.v[b] = st.v + off;
-    }
-    // Requested up front: one head's rows of a page (BS * D values) are too short a run for
-    // the hardware prefetcher to get going.
-    for (int64_t b = 0; b < nb; ++b)
-      for (int64_t i = 0; i < BS * D; i += 64 / sizeof(C)) {  // a cache line
-        __builtin_prefetch(blk.k[b] + i);
-        __builtin_prefetch(blk.v[b] + i);
-      }
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t pos = p0 + i;
       if (pos < 0) continue;
       const int64_t j0 = std::max(start(pos), base) - base;
       const int64_t j1 = std::min(pos + 1, base + nb * BS) - base;
       if (j0 >= j1) continue;
-      const float* q = st.q + ((first + i0 + i) * st.Hq + h * G) * D;
-      for (int64_t grp = 0, g = 0, n; grp < groups; ++grp, g += n) {  // sizes as even as can be
-        n = G / groups + (grp < G % groups);
-        const int64_t r = i * G + g;  // the group's first state
-        float *mg = m + r, *sg = sum + r, *ag = acc + r * D;
-        switch (n) {
-          case 3: Update<kD, 3>(st, q + g * D, blk, j0, j1, scores, mg, sg, ag); break;
-          case 2: Update<kD, 2>(st, q + g * D, blk, j0, j1, scores, mg, sg, ag); break;
-          default: Update<kD, 1>(st, q + g * D, blk, j0, j1, scores, mg, sg, ag); break;
-        }
+      const float* q = st.q + ((first + i0 + i) * st.Hq + h0 * G) * D;
+      float *mi = m + i * H, *si = sum + i * H, *ai = acc + i * H * D;
+      // One pass over the block's keys, one softmax per head, one pass over its values.
+      for (int64_t pg = j0 / BS; pg * BS < j1; ++pg) {
+        const int64_t r0 = std::max(j0 - pg * BS, int64_t{0}), r1 = std::min(j1 - pg * BS, BS);
+        const C* k = st.k + table[b0 + pg] * page;
+        each_group([&](int64_t h, int64_t g, int64_t n) {
+          const int64_t x = (h - h0) * G + g;  // the group's first query head in the task
+          const float* qg = q + x * D;
+          const C* kh = k + h * BS * D;
+          float* scg = sc + x * ld + pg * BS;
+          switch (n) {
+            case 3: Scores<kD, 3>(qg, kh, r0, r1, D, st.sm_scale, scg, ld); break;
+            case 2: Scores<kD, 2>(qg, kh, r0, r1, D, st.sm_scale, scg, ld); break;
+            default: Scores<kD, 1>(qg, kh, r0, r1, D, st.sm_scale, scg, ld); break;
+          }
+        });
+      }
+      for (int64_t x = 0; x < H; ++x)
+        Softmax(st.soft_cap, sc + x * ld, j0, j1, mi[x], si[x], ai + x * D, D);
+      for (int64_t pg = j0 / BS; pg * BS < j1; ++pg) {
+        const int64_t r0 = std::max(j0 - pg * BS, int64_t{0}), r1 = std::min(j1 - pg * BS, BS);
+        const C* v = st.v + table[b0 + pg] * page;
+        each_group([&](int64_t h, int64_t g, int64_t n) {
+          const int64_t x = (h - h0) * G + g;
+          const float* p = sc + x * ld + pg * BS;
+          const C* vh = v + h * BS * D;
+          switch (n) {
+            case 3: AddRows<kD, 3>(p, ld, vh, r0, r1, D, ai + x * D); break;
+            case 2: AddRows<kD, 2>(p, ld, vh, r0, r1, D, ai + x * D); break;
+            default: AddRows<kD, 1>(p, ld, vh, r0, r1, D, ai + x * D); break;
+          }
+        });
       }
     }
   }
   for (int64_t i = 0; i < nq; ++i) {
     if (p0 + i < 0) continue;
-    float* o = st.out + ((first + i0 + i) * st.Hq + h * G) * D;
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) o[g * D + d] = acc[(i * G + g) * D + d] / sum[i * G + g];
+    float* o = st.out + ((first + i0 + i) * st.Hq + h0 * G) * D;
+    for (int64_t x = 0; x < H; ++x)
+      for (int64_t d = 0; d < D; ++d) o[x * D + d] = acc[(i * H + x) * D + d] / sum[i * H + x];
   }
 }
 
@@ -299,13 +301,18 @@ static void Attend(ffi::ThreadPool& pool, const float* q, const float* k_new,
   for (int64_t s = 0; s < n; ++s)
     for (int64_t i = 0, q_len = cu[s + 1] - cu[s]; i < q_len; i += kQueriesPerTask)
       chunks.push_back({s, i, std::min(i + kQueriesPerTask, q_len)});
-  ParallelFor(pool, static_cast<int64_t>(chunks.size()) * Hkv, [&](int64_t task) {
-    const Chunk& c = chunks[task / Hkv];
-    const int64_t h = task % Hkv;
+  // Tasks cover all kv heads of a chunk (a page is read in one sweep) unless that leaves too
+  // few to share: then the heads are split into ranges.
+  const int64_t min_tasks = 4 * pool.num_threads();
+  const int64_t n_chunks = std::max<int64_t>(static_cast<int64_t>(chunks.size()), 1);
+  const int64_t split = std::min(Hkv, (min_tasks + n_chunks - 1) / n_chunks);
+  ParallelFor(pool, static_cast<int64_t>(chunks.size()) * split, [&](int64_t task) {
+    const Chunk& c = chunks[task / split];
+    const int64_t part = task % split, h0 = Hkv * part / split, h1 = Hkv * (part + 1) / split;
     switch (D) {
-      case 64: return Task<64>(st, c.s, h, c.i0, c.i1);
-      case 128: return Task<128>(st, c.s, h, c.i0, c.i1);
-      default: return Task<0>(st, c.s, h, c.i0, c.i1);
+      case 64: return Task<64>(st, c.s, h0, h1, c.i0, c.i1);
+      case 128: return Task<128>(st, c.s, h0, h1, c.i0, c.i1);
+      default: return Task<0>(st, c.s, h0, h1, c.i0, c.i1);
     }
   });
 }
