@@ -43,33 +43,31 @@ static inline uint16_t ToBF16(float x) {
   std::memcpy(&u, &x, sizeof u);
   return (u & 0x7FFFFFFF) > 0x7F800000 ? (u >> 16) | 0x40 : (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
 }
-// f32 -> bf16 of 8 values (nearest even, NaN kept), and x rounded to bf16 but kept as f32.
-// The AVX512_BF16 instruction also flushes subnormals (below 1.2e-38) to zero.
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// f32 -> bf16 of 8 values, as ToBF16 (subnormals kept): signed compares, native in AVX2.
 static inline void Store8(v8 x, uint16_t* p) {
-  _mm_storeu_si128((__m128i*)p, (__m128i)_mm256_cvtneps_pbh((__m256)x));
-}
-static inline v8 RoundBF16(v8 x) {
-  return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32((__m128i)_mm256_cvtneps_pbh((__m256)x)), 16);
-}
-#else
-static inline v8i RoundedBits(v8 x) {  // in the upper halves; signed compares (native in AVX2)
   v8i u;
   std::memcpy(&u, &x, sizeof u);
-  return ((u & 0x7FFFFFFF) > 0x7F800000 ? u | 0x400000 : u + 0x7FFF + ((u >> 16) & 1)) & ~0xFFFF;
-}
-static inline void Store8(v8 x, uint16_t* p) {
-  const v8u16 h = __builtin_convertvector((v8u)RoundedBits(x) >> 16, v8u16);
+  const v8i r = (u & 0x7FFFFFFF) > 0x7F800000 ? u | 0x400000 : u + 0x7FFF + ((u >> 16) & 1);
+  const v8u16 h = __builtin_convertvector((v8u)r >> 16, v8u16);
   std::memcpy(p, &h, sizeof h);
 }
+static inline void Store8(v8 x, float* p) { std::memcpy(p, &x, sizeof x); }
+
+// x rounded to bf16 (nearest even), kept as f32; the AVX512_BF16 instruction also flushes
+// subnormals (below 1.2e-38) to zero.
 static inline v8 RoundBF16(v8 x) {
-  const v8i r = RoundedBits(x);
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32((__m128i)_mm256_cvtneps_pbh((__m256)x)), 16);
+#else
+  v8i u;
+  std::memcpy(&u, &x, sizeof u);
+  const v8i r = ((u & 0x7FFFFFFF) > 0x7F800000 ? u | 0x400000 : u + 0x7FFF + ((u >> 16) & 1)) &
+                ~0xFFFF;
   v8 y;
   std::memcpy(&y, &r, sizeof y);
   return y;
-}
 #endif
-static inline void Store8(v8 x, float* p) { std::memcpy(p, &x, sizeof x); }
+}
 
 // exp(x) of 8 floats x <= 0 (Cephes' expf polynomial, ~1e-7 relative): libm's expf is scalar.
 static inline v8 Exp8(v8 x) {

@@ -267,20 +267,30 @@ constexpr int64_t kQueriesPerTask = 16;
 
 // This step's k/v rows [T, Hkv, D] into the layer's pages [NB, Hkv, BS, D] at their slots;
 // padding (slot < 0) and slots past the cache are dropped, as the reference's scatter does.
+// Eight values at a time, tokens split over the pool (a 2048-token prompt step writes 1M
+// values: 2.5-5 ms one value at a time on one thread).
 template <typename C>
-static void WriteKV(const float* k, const float* v, const int32_t* slots, int64_t T,
-                    int64_t NB, int64_t Hkv, int64_t BS, int64_t D, C* kc, C* vc) {
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t slot = slots[t];
-    if (slot < 0 || slot >= NB * BS) continue;
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t dst = ((slot / BS * Hkv + h) * BS + slot % BS) * D, src = (t * Hkv + h) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        Store(k[src + d], kc + dst + d);
-        Store(v[src + d], vc + dst + d);
+static void WriteKV(ffi::ThreadPool& pool, const float* k, const float* v, const int32_t* slots,
+                    int64_t T, int64_t NB, int64_t Hkv, int64_t BS, int64_t D, C* kc, C* vc) {
+  constexpr int64_t kTokensPerTask = 64;
+  ParallelFor(pool, (T + kTokensPerTask - 1) / kTokensPerTask, [&](int64_t task) {
+    for (int64_t t = task * kTokensPerTask; t < std::min(T, (task + 1) * kTokensPerTask); ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0 || slot >= NB * BS) continue;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t dst = ((slot / BS * Hkv + h) * BS + slot % BS) * D, src = (t * Hkv + h) * D;
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {
+          Store8(Load8(k + src + d), kc + dst + d);
+          Store8(Load8(v + src + d), vc + dst + d);
+        }
+        for (; d < D; ++d) {
+          Store(k[src + d], kc + dst + d);
+          Store(v[src + d], vc + dst + d);
+        }
       }
     }
-  }
+  });
 }
 
 // Writes this step's K/V into layer l of the caches (C: float or bf16 bits), then attends.
@@ -292,7 +302,7 @@ static void Attend(ffi::ThreadPool& pool, const float* q, const float* k_new,
                    int64_t B, int64_t D, int32_t window, float sm_scale, float soft_cap) {
   const int64_t page = Hkv * BS * D;  // values per page of one layer
   C *kc = k_cache + l * NB * page, *vc = v_cache + l * NB * page;
-  WriteKV(k_new, v_new, slots, T, NB, Hkv, BS, D, kc, vc);
+  WriteKV(pool, k_new, v_new, slots, T, NB, Hkv, BS, D, kc, vc);
   const Step<C> st{q, kc, vc, lens, tables, cu, out, Hq, Hkv, Hq / Hkv, BS, B, D, window,
                    sm_scale, soft_cap};
   std::memset(out, 0, sizeof(float) * T * Hq * D);
