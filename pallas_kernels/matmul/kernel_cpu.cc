@@ -130,6 +130,23 @@ static void KnStream(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K
 constexpr int64_t kTile = 64, kMr = 6, kMc = 48, kKc = 256;
 typedef float v8 __attribute__((vector_size(32)));
 
+// f(r, std::integral_constant<int, R>{}) for rows [r, r + R) of [0, rows), R = kMr but the
+// last: the row count of a register block (f32 and bf16 alike) as a template argument.
+template <typename F>
+static inline void ForRowBlocks(int64_t rows, const F& f) {
+  static_assert(kMr == 6, "the cases below");
+  for (int64_t r = 0; r < rows; r += kMr) {
+    switch (std::min(kMr, rows - r)) {
+      case 6: f(r, std::integral_constant<int, 6>{}); break;
+      case 5: f(r, std::integral_constant<int, 5>{}); break;
+      case 4: f(r, std::integral_constant<int, 4>{}); break;
+      case 3: f(r, std::integral_constant<int, 3>{}); break;
+      case 2: f(r, std::integral_constant<int, 2>{}); break;
+      default: f(r, std::integral_constant<int, 1>{}); break;
+    }
+  }
+}
+
 // out(r, i) = sum_k a[r * lda + k] * b[k * kNr + i] for r < R, i < cols, k < K (b: one strip);
 // stored to (or, with add, added to) y[r * ldy + i].
 template <int R>
@@ -198,35 +215,17 @@ static void BlockRows(const float* x, int64_t rows, int64_t K, const float* tile
     for (; s + 2 * kNr <= cols; s += 2 * kNr) {
       const float* b = tile + s * K + k0 * kNr;
       const float* b1 = b + kNr * K;  // the next strip
-      for (int64_t r = 0; r < rows; r += kMr) {
-        const float* xr = x + r * K + k0;
-        float* yr = y + r * ldy + s;
-        switch (std::min(kMr, rows - r)) {
-          case 6: Micro2<6>(xr, K, kc, b, b1, yr, ldy, add); break;
-          case 5: Micro2<5>(xr, K, kc, b, b1, yr, ldy, add); break;
-          case 4: Micro2<4>(xr, K, kc, b, b1, yr, ldy, add); break;
-          case 3: Micro2<3>(xr, K, kc, b, b1, yr, ldy, add); break;
-          case 2: Micro2<2>(xr, K, kc, b, b1, yr, ldy, add); break;
-          default: Micro2<1>(xr, K, kc, b, b1, yr, ldy, add); break;
-        }
-      }
+      ForRowBlocks(rows, [&](int64_t r, auto R) {
+        Micro2<R>(x + r * K + k0, K, kc, b, b1, y + r * ldy + s, ldy, add);
+      });
     }
 #endif
     for (; s < cols; s += kNr) {
       const float* b = tile + s * K + k0 * kNr;  // strip s / kNr, row k0
       const int64_t c = std::min(kNr, cols - s);
-      for (int64_t r = 0; r < rows; r += kMr) {
-        const float* xr = x + r * K + k0;
-        float* yr = y + r * ldy + s;
-        switch (std::min(kMr, rows - r)) {
-          case 6: Micro<6>(xr, K, kc, b, yr, ldy, c, add); break;
-          case 5: Micro<5>(xr, K, kc, b, yr, ldy, c, add); break;
-          case 4: Micro<4>(xr, K, kc, b, yr, ldy, c, add); break;
-          case 3: Micro<3>(xr, K, kc, b, yr, ldy, c, add); break;
-          case 2: Micro<2>(xr, K, kc, b, yr, ldy, c, add); break;
-          default: Micro<1>(xr, K, kc, b, yr, ldy, c, add); break;
-        }
-      }
+      ForRowBlocks(rows, [&](int64_t r, auto R) {
+        Micro<R>(x + r * K + k0, K, kc, b, y + r * ldy + s, ldy, c, add);
+      });
     }
   }
 }
@@ -291,7 +290,7 @@ static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, in
 // bf16 x against bf16 W, many rows: vdpbf16ps adds the products of a pair of bf16 (k, k + 1) to
 // each f32 lane. The products are exact and the sums f32, as in the f32 path. The strips' pairs
 // are its operand as they are; x is read as pairs in place.
-constexpr int64_t kDpMr = 6, kDpPc = 1024;  // rows per block; k-pairs per chunk
+constexpr int64_t kDpPc = 1024;  // k-pairs per chunk (rows per block: kMr)
 
 // y[r, 0:cols] (=, or with add +=) sum over pairs p < P of x pairs a[r * lda + 2p ..] times the
 // S paired strips b (ldb apart), for r < R.
@@ -325,18 +324,9 @@ static void DpMicro(const uint16_t* a, int64_t lda, int64_t P, const uint32_t* b
 template <int S>
 static void DpRows(const uint16_t* a, int64_t lda, int64_t rows, int64_t P, const uint32_t* b,
                    int64_t ldb, float* y, int64_t ldy, int64_t cols, bool add) {
-  for (int64_t r = 0; r < rows; r += kDpMr) {
-    const uint16_t* ar = a + r * lda;
-    float* yr = y + r * ldy;
-    switch (std::min(kDpMr, rows - r)) {
-      case 6: DpMicro<6, S>(ar, lda, P, b, ldb, yr, ldy, cols, add); break;
-      case 5: DpMicro<5, S>(ar, lda, P, b, ldb, yr, ldy, cols, add); break;
-      case 4: DpMicro<4, S>(ar, lda, P, b, ldb, yr, ldy, cols, add); break;
-      case 3: DpMicro<3, S>(ar, lda, P, b, ldb, yr, ldy, cols, add); break;
-      case 2: DpMicro<2, S>(ar, lda, P, b, ldb, yr, ldy, cols, add); break;
-      default: DpMicro<1, S>(ar, lda, P, b, ldb, yr, ldy, cols, add); break;
-    }
-  }
+  ForRowBlocks(rows, [&](int64_t r, auto R) {
+    DpMicro<R, S>(a + r * lda, lda, P, b, ldb, y + r * ldy, ldy, cols, add);
+  });
 }
 
 // x bf16 [M, lda] (K values, zero-padded to even lda) against bf16 packed strips, as `Gemm`.
