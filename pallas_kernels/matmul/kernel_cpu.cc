@@ -130,6 +130,30 @@ static void KnStream(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K
 constexpr int64_t kTile = 64, kMr = 6, kMc = 48, kKc = 256;
 typedef float v8 __attribute__((vector_size(32)));
 
+// A region to fetch into L2 a few cache lines at a time, spread over the micro-kernel calls of a
+// task: the next tile's weights. With few rows (decode), a tile's first pass over its weights
+// otherwise waits on memory: an f32 [64, 768] x [768, 4096] took 2.10 ms without, 1.94-2.00 with
+// (bf16: within noise, 0.95-0.97 ms).
+struct Prefetch {
+  const char* p = nullptr;
+  int64_t lines = 0, per_call = 0;
+
+  // Spreads the region over `calls` calls of `iters` iterations (one line per iteration).
+  void Spread(int64_t calls, int64_t iters) {
+    per_call = std::min(iters, (lines + calls - 1) / std::max<int64_t>(calls, 1));
+  }
+  // The lines for the next call.
+  Prefetch Take() {
+    const Prefetch t{p, std::min(lines, per_call), 0};
+    p += 64 * t.lines;
+    lines -= t.lines;
+    return t;
+  }
+  inline void At(int64_t i) const {
+    if (i < lines) __builtin_prefetch(p + 64 * i, 0, 2);
+  }
+};
+
 // f(r, std::integral_constant<int, R>{}) for rows [r, r + R) of [0, rows), R = kMr but the
 // last: the row count of a register block (f32 and bf16 alike) as a template argument.
 template <typename F>
@@ -151,9 +175,10 @@ static inline void ForRowBlocks(int64_t rows, const F& f) {
 // stored to (or, with add, added to) y[r * ldy + i].
 template <int R>
 static void Micro(const float* a, int64_t lda, int64_t K, const float* b, float* y, int64_t ldy,
-                  int64_t cols, bool add) {
+                  int64_t cols, bool add, const Prefetch& pf) {
   v8 acc[R][2] = {};
   for (int64_t k = 0; k < K; ++k) {
+    pf.At(k);
     v8 w0, w1;
     std::memcpy(&w0, b + k * kNr, sizeof w0);
     std::memcpy(&w1, b + k * kNr + 8, sizeof w1);
@@ -181,10 +206,11 @@ static void Micro(const float* a, int64_t lda, int64_t K, const float* b, float*
 // instructions per product of the 256-bit block).
 template <int R>
 static void Micro2(const float* a, int64_t lda, int64_t K, const float* b0, const float* b1,
-                   float* y, int64_t ldy, bool add) {
+                   float* y, int64_t ldy, bool add, const Prefetch& pf) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    pf.At(k);
     const __m512 w0 = _mm512_loadu_ps(b0 + k * kNr), w1 = _mm512_loadu_ps(b1 + k * kNr);
     for (int r = 0; r < R; ++r) {
       const __m512 av = _mm512_set1_ps(a[r * lda + k]);
@@ -206,7 +232,14 @@ static void Micro2(const float* a, int64_t lda, int64_t K, const float* b0, cons
 // then, as in BLIS, each strip of the chunk (kKc x kNr, contiguous: 16 KB) stays in L1 while
 // every 6-row block of x runs against it.
 static void BlockRows(const float* x, int64_t rows, int64_t K, const float* tile, int64_t cols,
-                      float* y, int64_t ldy) {
+                      float* y, int64_t ldy, Prefetch& pf) {
+  const int64_t strips = (cols + kNr - 1) / kNr;
+#ifdef __AVX512F__
+  const int64_t calls = strips / 2 + strips % 2;  // per K chunk and row block
+#else
+  const int64_t calls = strips;
+#endif
+  pf.Spread((K + kKc - 1) / kKc * calls * ((rows + kMr - 1) / kMr), std::min(K, kKc));
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
     const int64_t kc = std::min(kKc, K - k0);
     const bool add = k0 > 0;
@@ -216,7 +249,7 @@ static void BlockRows(const float* x, int64_t rows, int64_t K, const float* tile
       const float* b = tile + s * K + k0 * kNr;
       const float* b1 = b + kNr * K;  // the next strip
       ForRowBlocks(rows, [&](int64_t r, auto R) {
-        Micro2<R>(x + r * K + k0, K, kc, b, b1, y + r * ldy + s, ldy, add);
+        Micro2<R>(x + r * K + k0, K, kc, b, b1, y + r * ldy + s, ldy, add, pf.Take());
       });
     }
 #endif
@@ -224,7 +257,7 @@ static void BlockRows(const float* x, int64_t rows, int64_t K, const float* tile
       const float* b = tile + s * K + k0 * kNr;  // strip s / kNr, row k0
       const int64_t c = std::min(kNr, cols - s);
       ForRowBlocks(rows, [&](int64_t r, auto R) {
-        Micro<R>(x + r * K + k0, K, kc, b, y + r * ldy + s, ldy, c, add);
+        Micro<R>(x + r * K + k0, K, kc, b, y + r * ldy + s, ldy, c, add, pf.Take());
       });
     }
   }
@@ -250,25 +283,33 @@ static void Unpack(const uint16_t* src, int64_t K, int64_t n, float* dst) {
 
 // Tasks: tiles of 2-4 strips, each against all rows, kMc at a time: their K-chunk (48 KB) and
 // their y (added to once per chunk) stay in L2 (at 2048 rows, running all rows per chunk was 14%
-// slower than XLA's dot). tile(c0, cols) readies a task's weights and returns rows(m0, m), which
-// runs rows [m0, m0 + m) against them.
+// slower than XLA's dot). tile(c0, cols) readies a task's weights and returns rows(m0, m, pf),
+// which runs rows [m0, m0 + m) against them, prefetching pf (the first rows only: the thread's
+// next tile; w holds col_bytes per column).
 template <typename Tile>
-static void ForTiles(ffi::ThreadPool& pool, int64_t M, int64_t N, const Tile& tile) {
+static void ForTiles(ffi::ThreadPool& pool, int64_t M, int64_t N, const void* w,
+                     int64_t col_bytes, const Tile& tile) {
   // Tiles half as wide when few 64-column ones would not share evenly between the threads
   // (9 tiles on 2 threads: one does 5; 10-15% at N = 576 and 960, 64 rows).
   const int64_t tiles = (N + kTile - 1) / kTile, threads = pool.num_threads();
   const int64_t tw = tiles % threads && tiles < 8 * threads ? kTile / 2 : kTile;
-  ParallelFor(pool, (N + tw - 1) / tw, [&](int64_t t) {
+  const int64_t padded = (N + kNr - 1) / kNr * kNr;  // columns stored
+  ParallelForAhead(pool, (N + tw - 1) / tw, [&](int64_t t, int64_t next) {
     const int64_t c0 = t * tw;
+    Prefetch pf;
+    if (next >= 0) {
+      pf.p = static_cast<const char*>(w) + next * tw * col_bytes;
+      pf.lines = std::min(tw, padded - next * tw) * col_bytes / 64;
+    }
     const auto rows = tile(c0, std::min(tw, N - c0));
-    for (int64_t m0 = 0; m0 < M; m0 += kMc) rows(m0, std::min(kMc, M - m0));
+    for (int64_t m0 = 0; m0 < M; m0 += kMc) rows(m0, std::min(kMc, M - m0), m0 ? Prefetch{} : pf);
   });
 }
 
 template <typename T>
 static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
                  const T* w, float* y) {
-  ForTiles(pool, M, N, [&](int64_t c0, int64_t cols) {
+  ForTiles(pool, M, N, w, StripRowsOf<T>(K) * sizeof(T), [&](int64_t c0, int64_t cols) {
     const T* strips = w + c0 * StripRowsOf<T>(K);  // strip c0 / kNr
     const float* tile;
     if constexpr (std::is_same_v<T, float>) {
@@ -279,8 +320,8 @@ static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, in
       Unpack(strips, K, (cols + kNr - 1) / kNr, converted.data());
       tile = converted.data();
     }
-    return [=](int64_t m0, int64_t m) {
-      BlockRows(x + m0 * K, m, K, tile, cols, y + m0 * N + c0, N);
+    return [=](int64_t m0, int64_t m, Prefetch pf) {
+      BlockRows(x + m0 * K, m, K, tile, cols, y + m0 * N + c0, N, pf);
     };
   });
 }
@@ -296,11 +337,12 @@ constexpr int64_t kDpPc = 1024;  // k-pairs per chunk (rows per block: kMr)
 // S paired strips b (ldb apart), for r < R.
 template <int R, int S>
 static void DpMicro(const uint16_t* a, int64_t lda, int64_t P, const uint32_t* b, int64_t ldb,
-                    float* y, int64_t ldy, int64_t cols, bool add) {
+                    float* y, int64_t ldy, int64_t cols, bool add, const Prefetch& pf) {
   __m512 acc[R][S];
   for (int r = 0; r < R; ++r)
     for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
   for (int64_t p = 0; p < P; ++p) {
+    pf.At(p);
     __m512bh w[S];
     for (int s = 0; s < S; ++s) w[s] = (__m512bh)_mm512_loadu_si512(b + s * ldb + p * kNr);
     for (int r = 0; r < R; ++r) {
@@ -323,9 +365,9 @@ static void DpMicro(const uint16_t* a, int64_t lda, int64_t P, const uint32_t* b
 
 template <int S>
 static void DpRows(const uint16_t* a, int64_t lda, int64_t rows, int64_t P, const uint32_t* b,
-                   int64_t ldb, float* y, int64_t ldy, int64_t cols, bool add) {
+                   int64_t ldb, float* y, int64_t ldy, int64_t cols, bool add, Prefetch& pf) {
   ForRowBlocks(rows, [&](int64_t r, auto R) {
-    DpMicro<R, S>(a + r * lda, lda, P, b, ldb, y + r * ldy, ldy, cols, add);
+    DpMicro<R, S>(a + r * lda, lda, P, b, ldb, y + r * ldy, ldy, cols, add, pf.Take());
   });
 }
 
@@ -333,12 +375,15 @@ static void DpRows(const uint16_t* a, int64_t lda, int64_t rows, int64_t P, cons
 static void DpGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64_t M, int64_t K,
                    int64_t N, const uint16_t* w, float* y) {
   const int64_t P = lda / 2;
-  ForTiles(pool, M, N, [&](int64_t c0, int64_t cols) {
+  ForTiles(pool, M, N, w, 2 * P * sizeof(uint16_t), [&](int64_t c0, int64_t cols) {
     const int64_t strips = (cols + kNr - 1) / kNr;
     const uint32_t* tile = reinterpret_cast<const uint32_t*>(w + c0 * 2 * P);  // strip c0 / kNr
     // K in chunks of kDpPc pairs (1024: at most 128 KB of 4 strips, in L2; blocking for L1 was
     // 10-20% slower), each chunk of up to 4 strips against every 6-row block of x in turn.
-    return [=](int64_t m0, int64_t m) {
+    return [=](int64_t m0, int64_t m, Prefetch pf) {
+      // strip groups below: 4 -> one of 4, 3 -> 2 + 1, 2 -> one of 2, 1 -> one of 1
+      const int64_t chunks = (P + kDpPc - 1) / kDpPc, groups = strips / 4 + (strips % 4 + 1) / 2;
+      pf.Spread(chunks * groups * ((m + kMr - 1) / kMr), std::min(P, kDpPc));
       for (int64_t p0 = 0; p0 < P; p0 += kDpPc) {
         const int64_t pc = std::min(kDpPc, P - p0);
         for (int64_t s = 0, g; s < strips; s += g) {
@@ -347,9 +392,9 @@ static void DpGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64_
           const int64_t c = std::min(g * kNr, cols - s * kNr);
           const uint16_t* a = x + m0 * lda + 2 * p0;
           float* ys = y + m0 * N + c0 + s * kNr;
-          if (g == 4) DpRows<4>(a, lda, m, pc, b, P * kNr, ys, N, c, p0 > 0);
-          else if (g == 2) DpRows<2>(a, lda, m, pc, b, P * kNr, ys, N, c, p0 > 0);
-          else DpRows<1>(a, lda, m, pc, b, P * kNr, ys, N, c, p0 > 0);
+          if (g == 4) DpRows<4>(a, lda, m, pc, b, P * kNr, ys, N, c, p0 > 0, pf);
+          else if (g == 2) DpRows<2>(a, lda, m, pc, b, P * kNr, ys, N, c, p0 > 0, pf);
+          else DpRows<1>(a, lda, m, pc, b, P * kNr, ys, N, c, p0 > 0, pf);
         }
       }
     };
