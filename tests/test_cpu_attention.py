@@ -107,7 +107,8 @@ def test_kernel_few_sequences_split_heads(hq, hkv, num_seqs):
 
 
 def test_kernel_traced_window_and_bfloat16_queries():
-    """Gemma's per-layer window arrives traced (inside the layer scan); bf16 q comes back bf16."""
+    """Gemma's per-layer window arrives traced (inside the layer scan); bf16 q comes back bf16,
+    rounded by the kernel."""
     q, k, v, kc, vc, slots, kv_lens, tables, cu, ns = _case(5, num_seqs=6, pad_seqs=0, hq=6,
                                                             hkv=2, d=32, bs=8, max_len=50,
                                                             ragged=True)
@@ -124,3 +125,9 @@ def test_kernel_traced_window_and_bfloat16_queries():
         n = int(cu[-1])
         np.testing.assert_allclose(np.asarray(got, np.float32)[:n], np.asarray(want)[:n],
                                    atol=2e-2, rtol=0)
+        # rounded in the kernel: exactly the f32 result's rounding, padding rows zero
+        f32 = kernel_cpu.ragged_paged_attention(
+            qb.astype(jnp.float32), kb, vb, kc, vc, 1, slots, kv_lens, tables, cu, ns,
+            sm_scale=0.2, sliding_window=jnp.int32(w))[0]
+        np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                      np.asarray(f32.astype(jnp.bfloat16), np.float32))

@@ -50,6 +50,27 @@ def test_kernel_matches_reference(m, k, n, dtype, x_dtype):
                                    atol=1e-5 * np.sqrt(k))
 
 
+# Streaming (m <= 4) and register-blocked rows, part tiles and a second block of rows (m = 70).
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("m,k,n", [(1, 768, 1280), (3, 37, 1030), (13, 64, 130), (70, 600, 150),
+                                   (64, 96, 200)])
+@pytest.mark.parametrize("dtype", ["float32", "bits"])
+def test_bf16_result_is_the_f32_result_rounded(m, k, n, dtype, x_dtype):
+    """out_dtype=bfloat16 rounds the very sums of the float32 result, as astype would."""
+    rng = np.random.default_rng(m + k + n)
+    w = jnp.asarray(rng.standard_normal((2, k, n), np.float32))
+    if dtype == "bits":
+        w = jax.lax.bitcast_convert_type(w.astype(jnp.bfloat16), jnp.uint16)
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32), x_dtype)
+    packed = kernel_cpu.pack(w)
+    f = jax.jit(lambda x, w, out_dtype: kernel_cpu.matmul(x, w, 1, n=n, out_dtype=out_dtype),
+                static_argnums=2)
+    got, f32 = f(x, packed, jnp.bfloat16), f(x, packed, jnp.float32)
+    assert got.dtype == jnp.bfloat16 and got.shape == (m, n)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                  np.asarray(f32.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bits"])
 def test_packed_rows_are_the_rows_of_the_packed_transpose(dtype):
     """An embedding packed as LM head ([V, E] -> pack of [1, E, V]) is looked up in place."""
@@ -69,6 +90,8 @@ def test_kernel_refuses_a_layer_out_of_range():
         jax.block_until_ready(kernel_cpu.matmul(jnp.ones((1, 8)), w, 2, n=8))
     with pytest.raises(ValueError, match="need n in"):
         kernel_cpu.matmul(jnp.ones((1, 8)), w, 0, n=17)
+    with pytest.raises(ValueError, match="out_dtype"):
+        kernel_cpu.matmul(jnp.ones((1, 8)), w, 0, n=8, out_dtype=jnp.float16)
 
 
 @pytest.mark.parametrize("tokens", [4, 64, 128])  # streaming, register-blocked, three row blocks

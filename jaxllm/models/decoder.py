@@ -124,8 +124,9 @@ class Decoder(nnx.Module):
             packed = {k: weights.pop(k) for k in _PROJECTIONS}
             widths = _projection_widths(cfg)
 
-            def native(name, x, layer):
-                return matmul_cpu.matmul(x, packed[name], layer, n=widths[name])
+            def native(name, x, out_dtype=jnp.float32, *, layer):
+                return matmul_cpu.matmul(x, packed[name], layer, n=widths[name],
+                                         out_dtype=out_dtype)
 
         def body(carry, xs):
             h, cache = carry
@@ -224,13 +225,14 @@ def _dot(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 def _layer(cfg: ModelConfig, backend: str, w: dict, h: jax.Array, cache: KVCache, layer,
            md: AttentionMetadata, cos, sin, window, native=None) -> tuple[jax.Array, KVCache]:
-    """One layer; `native(name, x2d)`, if given, runs the four projections instead of XLA."""
+    """One layer; `native(name, x2d, out_dtype)`, if given, runs the four projections instead of
+    XLA (rounding to the model's dtype itself where nothing is added first)."""
     T, dt = h.shape[0], h.dtype
     K, G, D = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
 
     x = rms_norm(h, w["attn_norm"], cfg)
     qkv = (_dot("te,ekgd->tkgd", x, w["qkv"]) if native is None
-           else native("qkv", x).reshape(T, K, G + 2, D))
+           else native("qkv", x, jnp.float32 if cfg.qkv_bias else dt).reshape(T, K, G + 2, D))
     if cfg.qkv_bias:
         qkv = qkv + w["qkv_bias"]
     qkv = qkv.astype(dt)
@@ -243,7 +245,8 @@ def _layer(cfg: ModelConfig, backend: str, w: dict, h: jax.Array, cache: KVCache
     # As 2-D operands: contracting (k, g, d) as separate axes makes XLA:CPU transpose the
     # weight every step.
     o = o.reshape(T, K * G * D)
-    a = _dot("tn,ne->te", o, w["o"].reshape(K * G * D, -1)) if native is None else native("o", o)
+    a = (_dot("tn,ne->te", o, w["o"].reshape(K * G * D, -1)) if native is None
+         else native("o", o, jnp.float32 if cfg.o_bias else dt))
     if cfg.o_bias:
         a = a + w["o_bias"]
     a = a.astype(dt)
@@ -260,7 +263,7 @@ def _layer(cfg: ModelConfig, backend: str, w: dict, h: jax.Array, cache: KVCache
     else:
         gate_up = gate_up.astype(dt)
         m = ACTIVATIONS[cfg.activation](gate_up[:, 0]) * gate_up[:, 1]
-    m = (_dot("tf,fe->te", m, w["down"]) if native is None else native("down", m)).astype(dt)
+    m = (_dot("tf,fe->te", m, w["down"]) if native is None else native("down", m, dt)).astype(dt)
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_mlp_norm"], cfg)
     return h + m, cache

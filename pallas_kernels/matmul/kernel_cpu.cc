@@ -1,6 +1,6 @@
 // Matmul over stacked per-layer weights for XLA:CPU, called through the XLA FFI:
-// y [M, N] f32 = x [M, K] @ W[layer], W bf16 (as bf16 or its uint16 bits) or f32, read in place;
-// x f32, or bf16 with bf16 W.
+// y [M, N] = x [M, K] @ W[layer], W bf16 (as bf16 or its uint16 bits) or f32, read in place;
+// x f32, or bf16 with bf16 W; y f32, or bf16 (the f32 sums rounded to nearest even).
 //
 // Why not XLA's dot: a layer scan slices (copies) each layer's weights before its dot, and XLA:CPU
 // runs bf16 weights slower than f32 ones on AVX2 (3x at M = 1, ~1.4x at M = 64). Here bf16 is
@@ -20,15 +20,9 @@
 #include <vector>
 
 #include "cpu_parallel.h"
+#include "cpu_vec.h"
 
 namespace ffi = xla::ffi;
-
-static inline float Bf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 constexpr int64_t kNr = 16;  // strip width: columns of a packed strip and of a register block
 
@@ -40,7 +34,7 @@ static inline int64_t StripRowsOf(int64_t K) {
 // W[k, j] of a packed strip s, as f32.
 static inline float At(const float* s, int64_t k, int64_t j) { return s[k * kNr + j]; }
 static inline float At(const uint16_t* s, int64_t k, int64_t j) {
-  return Bf16(s[(k - k % 2) * kNr + 2 * j + k % 2]);
+  return ToF32(s[(k - k % 2) * kNr + 2 * j + k % 2]);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -128,7 +122,6 @@ static void KnStream(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K
 // against two strips with AVX-512), in f32 (bf16 strips converted a tile of 2-4 strips at a
 // time).
 constexpr int64_t kTile = 64, kMr = 6, kMc = 48, kKc = 256;
-typedef float v8 __attribute__((vector_size(32)));
 
 // A region to fetch into L2 a few cache lines at a time, spread over the micro-kernel calls of a
 // task: the next tile's weights. With few rows (decode), a tile's first pass over its weights
@@ -306,9 +299,40 @@ static void ForTiles(ffi::ThreadPool& pool, int64_t M, int64_t N, const void* w,
   });
 }
 
+// f32 rows [rows, cols] (ld apart) -> bf16 bits rounded to nearest even (ldd apart).
+static void RoundRows(const float* src, int64_t ld, int64_t rows, int64_t cols, uint16_t* dst,
+                      int64_t ldd) {
+  for (int64_t r = 0; r < rows; ++r, src += ld, dst += ldd) {
+    int64_t c = 0;
+    for (; c + 8 <= cols; c += 8) Store8(Load8(src + c), dst + c);
+    for (; c < cols; ++c) dst[c] = ToBF16(src[c]);
+  }
+}
+
+// The result y [M, N]: f32, written in place, or bf16, which a tile's rows reach through a
+// thread's f32 scratch, rounded while it is in cache (a 64-row qkv projection's f32 result took
+// XLA 70 us to convert).
+struct Out {
+  float* y;
+  uint16_t* yb;  // the bf16 result, or null
+  int64_t N;
+
+  // Where to write f32 rows [m0, m0 + kMc) of the tile at column c0: (pointer, row stride).
+  std::pair<float*, int64_t> Rows(int64_t m0, int64_t c0) const {
+    if (yb == nullptr) return {y + m0 * N + c0, N};
+    thread_local std::vector<float> scratch(kMc * kTile);
+    return {scratch.data(), kTile};
+  }
+  // After the tile's rows [m0, m0 + m) are complete in `rows`.
+  void Finish(std::pair<float*, int64_t> rows, int64_t m0, int64_t m, int64_t c0,
+              int64_t cols) const {
+    if (yb != nullptr) RoundRows(rows.first, rows.second, m, cols, yb + m0 * N + c0, N);
+  }
+};
+
 template <typename T>
 static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
-                 const T* w, float* y) {
+                 const T* w, const Out& out) {
   ForTiles(pool, M, N, w, StripRowsOf<T>(K) * sizeof(T), [&](int64_t c0, int64_t cols) {
     const T* strips = w + c0 * StripRowsOf<T>(K);  // strip c0 / kNr
     const float* tile;
@@ -321,7 +345,9 @@ static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, in
       tile = converted.data();
     }
     return [=](int64_t m0, int64_t m, Prefetch pf) {
-      BlockRows(x + m0 * K, m, K, tile, cols, y + m0 * N + c0, N, pf);
+      const auto ys = out.Rows(m0, c0);
+      BlockRows(x + m0 * K, m, K, tile, cols, ys.first, ys.second, pf);
+      out.Finish(ys, m0, m, c0, cols);
     };
   });
 }
@@ -373,7 +399,7 @@ static void DpRows(const uint16_t* a, int64_t lda, int64_t rows, int64_t P, cons
 
 // x bf16 [M, lda] (K values, zero-padded to even lda) against bf16 packed strips, as `Gemm`.
 static void DpGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64_t M, int64_t K,
-                   int64_t N, const uint16_t* w, float* y) {
+                   int64_t N, const uint16_t* w, const Out& out) {
   const int64_t P = lda / 2;
   ForTiles(pool, M, N, w, 2 * P * sizeof(uint16_t), [&](int64_t c0, int64_t cols) {
     const int64_t strips = (cols + kNr - 1) / kNr;
@@ -381,6 +407,7 @@ static void DpGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64_
     // K in chunks of kDpPc pairs (1024: at most 128 KB of 4 strips, in L2; blocking for L1 was
     // 10-20% slower), each chunk of up to 4 strips against every 6-row block of x in turn.
     return [=](int64_t m0, int64_t m, Prefetch pf) {
+      const auto [yt, ldy] = out.Rows(m0, c0);
       // strip groups below: 4 -> one of 4, 3 -> 2 + 1, 2 -> one of 2, 1 -> one of 1
       const int64_t chunks = (P + kDpPc - 1) / kDpPc, groups = strips / 4 + (strips % 4 + 1) / 2;
       pf.Spread(chunks * groups * ((m + kMr - 1) / kMr), std::min(P, kDpPc));
@@ -391,12 +418,13 @@ static void DpGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64_
           const uint32_t* b = tile + (s * P + p0) * kNr;
           const int64_t c = std::min(g * kNr, cols - s * kNr);
           const uint16_t* a = x + m0 * lda + 2 * p0;
-          float* ys = y + m0 * N + c0 + s * kNr;
-          if (g == 4) DpRows<4>(a, lda, m, pc, b, P * kNr, ys, N, c, p0 > 0, pf);
-          else if (g == 2) DpRows<2>(a, lda, m, pc, b, P * kNr, ys, N, c, p0 > 0, pf);
-          else DpRows<1>(a, lda, m, pc, b, P * kNr, ys, N, c, p0 > 0, pf);
+          float* ys = yt + s * kNr;
+          if (g == 4) DpRows<4>(a, lda, m, pc, b, P * kNr, ys, ldy, c, p0 > 0, pf);
+          else if (g == 2) DpRows<2>(a, lda, m, pc, b, P * kNr, ys, ldy, c, p0 > 0, pf);
+          else DpRows<1>(a, lda, m, pc, b, P * kNr, ys, ldy, c, p0 > 0, pf);
         }
       }
+      out.Finish({yt, ldy}, m0, m, c0, cols);
     };
   });
 }
@@ -406,7 +434,7 @@ static void DpGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64_
 constexpr int64_t kFewRows = 4;
 
 static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                             ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+                             ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto yd = y->dimensions();
@@ -425,10 +453,17 @@ static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
   const bool bf16_x = x.element_type() == ffi::BF16;
   if (!bf16_x && x.element_type() != ffi::F32)
     return ffi::Error::InvalidArgument("matmul: x must be f32 or bf16");
-  float* out = y->typed_data();
+  const bool bf16_y = y->element_type() == ffi::BF16;
+  if (!bf16_y && y->element_type() != ffi::F32)
+    return ffi::Error::InvalidArgument("matmul: y must be f32 or bf16");
+  const Out out{bf16_y ? nullptr : y->typed_data<float>(),
+                bf16_y ? static_cast<uint16_t*>(y->untyped_data()) : nullptr, N};
   auto run = [&](const float* xf, const auto* wl) {  // wl: the layer's strips
     if (M > kFewRows) return Gemm(pool, xf, M, K, N, wl, out);
-    KnStream(pool, xf, M, K, N, wl, out);
+    if (!bf16_y) return KnStream(pool, xf, M, K, N, wl, out.y);
+    std::vector<float> yf(M * N);
+    KnStream(pool, xf, M, K, N, wl, yf.data());
+    RoundRows(yf.data(), N, M, N, out.yb, N);
   };
   if (f32_w) {
     if (bf16_x) return ffi::Error::InvalidArgument("matmul: bf16 x needs bf16 weights");
@@ -454,7 +489,7 @@ static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
   }
 #endif
   std::vector<float> xf(M * K);
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = Bf16(xb[i]);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = ToF32(xb[i]);
   run(xf.data(), wl);
   return ffi::Error::Success();
 }
@@ -465,4 +500,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmul, MatmulImpl,
                                   .Arg<ffi::AnyBuffer>()         // x, f32 or bf16
                                   .Arg<ffi::AnyBuffer>()         // w, packed
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
+                                  .Ret<ffi::AnyBuffer>());       // y, f32 or bf16

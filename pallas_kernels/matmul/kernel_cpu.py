@@ -50,19 +50,22 @@ def unpack(w: jax.Array, k: int, n: int) -> jax.Array:
     return w.transpose(0, 2, 1, 3).reshape(L, -1, S * STRIP)[:, :k, :n]
 
 
-def matmul(x: jax.Array, w: jax.Array, layer=0, *, n: int) -> jax.Array:
-    """float32 [M, n] = x [M, K] @ w[layer], w `pack`ed from n columns, in float32, bfloat16 or
-    uint16 (bfloat16 bits). A bfloat16 x against bfloat16 weights stays bfloat16 (the
-    products are exact either way; with AVX512_BF16 the kernel multiplies pairs natively), any
-    other x is taken as float32."""
+def matmul(x: jax.Array, w: jax.Array, layer=0, *, n: int, out_dtype=jnp.float32) -> jax.Array:
+    """[M, n] = x [M, K] @ w[layer], summed in float32, w `pack`ed from n columns, in float32,
+    bfloat16 or uint16 (bfloat16 bits). A bfloat16 x against bfloat16 weights stays bfloat16
+    (the products are exact either way; with AVX512_BF16 the kernel multiplies pairs natively),
+    any other x is taken as float32. out_dtype float32, or bfloat16: the sums rounded as
+    `astype(bfloat16)` would, in the kernel."""
     if not available():
         raise RuntimeError("the CPU matmul kernel could not be built (see the log)")
     if not STRIP * (w.shape[1] - 1) < n <= STRIP * w.shape[1]:
         raise ValueError(f"packed weights of {w.shape[1]} strips need n in "
                          f"({STRIP * (w.shape[1] - 1)}, {STRIP * w.shape[1]}], got {n}")
+    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     if not (x.dtype == jnp.bfloat16 and _paired(w)):
         x = x.astype(jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
     return call(x, w, jnp.asarray(layer, jnp.int32))
 
 

@@ -7,8 +7,9 @@
 //   bf16 (written rounded to nearest even, read converted in registers: half the bytes),
 //   layer [], slot_mapping [T] (block * BS + offset; < 0: padding), kv_lens [S],
 //   block_tables [S, B], cu_q_lens [S + 1], num_seqs [1], window [] (<= 0: none);
-//   attrs sm_scale, soft_cap (0: none); results out [T, Hq, D] and the two caches, which alias
-//   the cache arguments: k/v are written in place. (As XLA ops, the scatter's index arithmetic
+//   attrs sm_scale, soft_cap (0: none); results out [T, Hq, D] (f32, or bf16 rounded to nearest
+//   even: XLA's convert of a bf16 model's f32 out took 33 us a decode layer) and the two caches,
+//   which alias the cache arguments: k/v are written in place. (As XLA ops, the scatter's index arithmetic
 //   and bounds checks were nine small ops per layer, ~0.5 ms of a 30-layer decode token.)
 // Rows of no sequence come out as zeros. Work is split over (sequence, up to kQueriesPerTask
 // queries, all kv heads or a range of them) tasks run on XLA's own intra-op thread pool (a
@@ -33,7 +34,8 @@ struct Step {
   const float* q;  // [T, Hq, D]
   const C *k, *v;  // the layer's pages [NB, Hkv, BS, D]
   const int32_t *lens, *tables, *cu;
-  float* out;
+  float* out;        // [T, Hq, D], or
+  uint16_t* out16;   // bf16 (one of the two is null)
   int64_t Hq, Hkv, G, BS, B, D;
   int32_t window;
   float sm_scale, soft_cap;
@@ -256,9 +258,14 @@ static void Task(const Step<C>& st, int64_t s, int64_t h0, int64_t h1, int64_t i
   }
   for (int64_t i = 0; i < nq; ++i) {
     if (p0 + i < 0) continue;
-    float* o = st.out + ((first + i0 + i) * st.Hq + h0 * G) * D;
-    for (int64_t x = 0; x < H; ++x)
-      for (int64_t d = 0; d < D; ++d) o[x * D + d] = acc[(i * H + x) * D + d] / sum[i * H + x];
+    const int64_t o = ((first + i0 + i) * st.Hq + h0 * G) * D;
+    for (int64_t x = 0; x < H; ++x) {
+      const float s = sum[i * H + x], *a = acc + (i * H + x) * D;
+      if (st.out16 != nullptr)
+        for (int64_t d = 0; d < D; ++d) st.out16[o + x * D + d] = ToBF16(a[d] / s);
+      else
+        for (int64_t d = 0; d < D; ++d) st.out[o + x * D + d] = a[d] / s;
+    }
   }
 }
 
@@ -298,14 +305,18 @@ template <typename C>
 static void Attend(ffi::ThreadPool& pool, const float* q, const float* k_new,
                    const float* v_new, C* k_cache, C* v_cache, int64_t l, const int32_t* slots,
                    const int32_t* lens, const int32_t* tables, const int32_t* cu, int64_t n,
-                   float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t NB, int64_t BS,
-                   int64_t B, int64_t D, int32_t window, float sm_scale, float soft_cap) {
+                   float* out, uint16_t* out16, int64_t T, int64_t Hq, int64_t Hkv, int64_t NB,
+                   int64_t BS, int64_t B, int64_t D, int32_t window, float sm_scale,
+                   float soft_cap) {
   const int64_t page = Hkv * BS * D;  // values per page of one layer
   C *kc = k_cache + l * NB * page, *vc = v_cache + l * NB * page;
   WriteKV(pool, k_new, v_new, slots, T, NB, Hkv, BS, D, kc, vc);
-  const Step<C> st{q, kc, vc, lens, tables, cu, out, Hq, Hkv, Hq / Hkv, BS, B, D, window,
+  const Step<C> st{q, kc, vc, lens, tables, cu, out, out16, Hq, Hkv, Hq / Hkv, BS, B, D, window,
                    sm_scale, soft_cap};
-  std::memset(out, 0, sizeof(float) * T * Hq * D);
+  if (out16 != nullptr)
+    std::memset(out16, 0, sizeof(uint16_t) * T * Hq * D);
+  else
+    std::memset(out, 0, sizeof(float) * T * Hq * D);
   struct Chunk { int64_t s, i0, i1; };
   std::vector<Chunk> chunks;
   for (int64_t s = 0; s < n; ++s)
@@ -335,7 +346,7 @@ static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
                                      ffi::Buffer<ffi::S32> block_tables,
                                      ffi::Buffer<ffi::S32> cu_q_lens,
                                      ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
-                                     ffi::ResultBuffer<ffi::F32> out,
+                                     ffi::Result<ffi::AnyBuffer> out,
                                      ffi::Result<ffi::AnyBuffer> k_out,
                                      ffi::Result<ffi::AnyBuffer> v_out, float sm_scale,
                                      float soft_cap) {
@@ -365,11 +376,16 @@ static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
       return ffi::Error::InvalidArgument("paged attention: cu_q_lens out of order or range");
     }
   }
+  const bool out16 = out->element_type() == ffi::BF16;
+  if (!out16 && out->element_type() != ffi::F32)
+    return ffi::Error::InvalidArgument("paged attention: out must be f32 or bf16");
   // The results alias the caches (XLA copies an argument first if it must keep it).
   auto run = [&](auto* kc, auto* vc) {
     Attend(pool, q.typed_data(), k_new.typed_data(), v_new.typed_data(), kc, vc, l,
            slots.typed_data(), kv_lens.typed_data(), block_tables.typed_data(), cu, n,
-           out->typed_data(), T, Hq, Hkv, NB, BS, B, D, window.typed_data()[0], sm_scale,
+           out16 ? nullptr : out->typed_data<float>(),
+           out16 ? static_cast<uint16_t*>(out->untyped_data()) : nullptr, T, Hq, Hkv, NB, BS, B,
+           D, window.typed_data()[0], sm_scale,
            soft_cap);
   };
   if (dtype == ffi::F32)
@@ -395,7 +411,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::AnyBuffer>()         // out, f32 or bf16
                                   .Ret<ffi::AnyBuffer>()         // k_cache, aliased
                                   .Ret<ffi::AnyBuffer>()         // v_cache, aliased
                                   .Attr<float>("sm_scale")

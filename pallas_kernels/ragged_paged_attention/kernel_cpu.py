@@ -43,8 +43,9 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: ja
         raise RuntimeError("the CPU paged attention kernel could not be built (see the log)")
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    out_dtype = q.dtype if q.dtype in (jnp.float32, jnp.bfloat16) else jnp.float32
     call = jax.ffi.ffi_call(
-        TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        TARGET, (jax.ShapeDtypeStruct(q.shape, out_dtype),
                  jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                  jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
         input_output_aliases={3: 1, 4: 2})
@@ -52,4 +53,4 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: ja
         f32(q), f32(k), f32(v), k_cache, v_cache, jnp.asarray(layer, jnp.int32),
         slot_mapping, kv_lens, block_tables, cu_q_lens, num_seqs, window,
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0))
-    return out.astype(q.dtype), k_cache, v_cache
+    return out.astype(q.dtype), k_cache, v_cache  # rounded in the kernel if bf16
