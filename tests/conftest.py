@@ -173,6 +173,7 @@ class PagedRunner:
         self.cache = empty_kv_cache(*shape, cfg.jnp_dtype, sharding)
         self.kv_lens = np.zeros(num_seqs, np.int32)
         graphdef, self.state = nnx.split(model)
+        self.graphdef = graphdef
         if model.native_matmul:  # the layout the kernel reads, as the engine's runner has it
             from jaxllm.models.decoder import pack_native
             self.state = pack_native(self.state, cfg)

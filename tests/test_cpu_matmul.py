@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from pallas_kernels.matmul import kernel_cpu, reference
 
@@ -71,6 +72,32 @@ def test_bf16_result_is_the_f32_result_rounded(m, k, n, dtype, x_dtype):
                                   np.asarray(f32.astype(jnp.bfloat16).astype(jnp.float32)))
 
 
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 1000), (3, 37, 1030), (13, 64, 130), (70, 96, 2311),
+                                   (64, 96, 200)])
+@pytest.mark.parametrize("dtype", ["float32", "bits"])
+def test_argmax_is_the_first_maximum_of_the_f32_result(m, k, n, dtype, x_dtype):
+    """The greedy LM head: jnp.argmax of the float32 result, also where columns tie (equal
+    weight columns give equal products: the first one wins, across strips and within one)."""
+    rng = np.random.default_rng(m + k + n)
+    w = rng.standard_normal((1, k, n), np.float32)
+    w[..., n - 1] = w[..., 5]  # ties across strips, one in the zero-padded last strip
+    w[..., 7] = w[..., 5]      # and within a strip
+    w = jnp.asarray(w)
+    if dtype == "bits":
+        w = jax.lax.bitcast_convert_type(w.astype(jnp.bfloat16), jnp.uint16)
+    x = rng.standard_normal((m, k), np.float32)
+    x[0] = np.asarray(w if dtype == "float32" else jax.lax.bitcast_convert_type(
+        w, jnp.bfloat16).astype(jnp.float32))[0, :, 5] * 10  # row 0's maximum: column 5
+    x = jnp.asarray(x, x_dtype)
+    packed = kernel_cpu.pack(w)
+    got = jax.jit(lambda x, w: kernel_cpu.argmax(x, w, 0, n=n))(x, packed)
+    f32 = jax.jit(lambda x, w: kernel_cpu.matmul(x, w, 0, n=n))(x, packed)
+    assert got.dtype == jnp.int32 and got.shape == (m,)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(f32, axis=1)))
+    assert int(got[0]) == 5
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bits"])
 def test_packed_rows_are_the_rows_of_the_packed_transpose(dtype):
     """An embedding packed as LM head ([V, E] -> pack of [1, E, V]) is looked up in place."""
@@ -115,6 +142,15 @@ def test_decoder_native_steps_match_xla_dots(dtype, tokens, tiny_llama, load):
         for _ in range(6):
             out.append(r.step([0], [[int(out[-1][-1].argmax())]])[0])
         logits[backend] = np.concatenate(out)
+        if backend == "cpu":  # the greedy LM head: the logits' first maxima, without them
+            hidden = jnp.asarray(np.random.default_rng(0).standard_normal(
+                (tokens, model.cfg.hidden_size), np.float32), model.cfg.jnp_dtype)
+            head = nnx.merge(r.graphdef, r.state)  # packed, as the runner has it
+            np.testing.assert_array_equal(
+                np.asarray(jax.jit(lambda h: head.greedy_head(h))(hidden)),
+                np.asarray(jax.jit(lambda h: head.compute_logits(h))(hidden)).argmax(-1))
+        else:
+            assert model.greedy_head is None  # XLA's dot: sampled from the logits
     want = logits["reference"]
     tol = 1e-4 if dtype == "float32" else 2e-2 * np.abs(want).max()
     np.testing.assert_allclose(logits["cpu"], want, atol=tol, rtol=0)

@@ -411,6 +411,32 @@ def test_sample_rows_ignores_rows_past_num_rows():
     assert _sample_rows._cache_size() == 1
 
 
+def test_sample_rows_greedy_head_replaces_plain_greedy_sampling():
+    """A greedy LM head (rows -> their first maxima) gives the tokens sampling the logits
+    gives, and runs only when every row is greedy with nothing to process or report."""
+    logits = jnp.asarray(rand_logits(15, rows=SR))
+    heads = []
+
+    def head(h):
+        jax.debug.callback(lambda: heads.append(len(h)))
+        return jnp.argmax(h, -1).astype(jnp.int32)
+
+    f = jax.jit(lambda h, n, t: sample_rows(h, n, _logits_are_rows, t, greedy_head=head))
+    sampled = jax.jit(lambda h, n, t: sample_rows(h, n, _logits_are_rows, t))
+    greedy = tensors_sr([req(temperature=0.0, seed=i) for i in range(SR)])
+    for n in (1, 17, SR):
+        got, want = f(logits, np.int32(n), greedy), sampled(logits, np.int32(n), greedy)
+        np.testing.assert_array_equal(np.asarray(got.token_ids)[:n],
+                                      np.asarray(want.token_ids)[:n])
+    jax.effects_barrier()
+    assert heads, "the greedy head did not run"
+    heads.clear()
+    reported = tensors_sr([req(temperature=0.0, logprobs=1, seed=i) for i in range(SR)])
+    jax.block_until_ready(f(logits, np.int32(5), reported))
+    jax.effects_barrier()
+    assert not heads, "logprobs need the logits"
+
+
 def expected_chunks(n):
     """sample_rows' schedule: the smallest of LOGIT_ROWS covering the rows left, else the
     largest, clamped to end at SR."""

@@ -262,13 +262,16 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
 
 
 def sample_rows(rows: jax.Array, num_rows: jax.Array, compute_logits,
-                t: SamplingTensors, logit_rows: tuple[int, ...] = LOGIT_ROWS) -> SamplerOutput:
+                t: SamplingTensors, logit_rows: tuple[int, ...] = LOGIT_ROWS,
+                greedy_head=None) -> SamplerOutput:
     """Sample the first num_rows (dynamic) of rows [S, E], t built with pad_to=S: one program
     for every batch size, and work that scales with num_rows, not S. Each loop step runs
     compute_logits ([c, E] -> f32 [c, V]) on the next c rows, c the smallest of logit_rows
     that covers the rows left (else the largest), then samples them _ROWS at a time; [S, V]
     logits never exist. Rows >= num_rows come out as don't-care values. The runner drops
-    chunk sizes that run slowly (see ModelRunner.logit_rows)."""
+    chunk sizes that run slowly (see ModelRunner.logit_rows). greedy_head ([c, E] -> int32
+    [c], the first maximum of compute_logits), if given, replaces logits and sampling when
+    every row is plainly greedy."""
     S, num_rows = rows.shape[0], jnp.asarray(num_rows, jnp.int32)
     sizes = sorted({min(c, S) for c in logit_rows})
     # Each chunk size samples its own logits: a [max c, V] buffer carried through the loop
@@ -276,10 +279,19 @@ def sample_rows(rows: jax.Array, num_rows: jax.Array, compute_logits,
     # Slices are clamped to stay in bounds, so a chunk or a group may overlap finished rows:
     # those are neither sampled for real nor written.
 
+    plain_greedy = (greedy_head is not None and t.all_greedy and not t.needs_processing
+                    and t.num_logprobs is None)
+
     def chunk(c, done, out):
         first = jnp.minimum(done, S - c)  # logits [c, V] of the batch rows [first, first + c)
-        logits = compute_logits(lax.dynamic_slice_in_dim(rows, first, c)).astype(jnp.float32)
+        x = lax.dynamic_slice_in_dim(rows, first, c)
         end = jnp.minimum(first + c, num_rows)
+        if plain_greedy:
+            batch_rows = first + jnp.arange(c)
+            old = lax.dynamic_slice_in_dim(out.token_ids, first, c)
+            new = jnp.where((batch_rows >= done) & (batch_rows < end), greedy_head(x), old)
+            return end, SamplerOutput(lax.dynamic_update_slice_in_dim(out.token_ids, new, first, 0))
+        logits = compute_logits(x).astype(jnp.float32)
         R = min(_ROWS, c)
 
         def group(j, out):

@@ -151,6 +151,17 @@ class Decoder(nnx.Module):
         return (self.attention_backend == "cpu" and matmul_cpu.available()
                 and activation_cpu.available())
 
+    @property
+    def greedy_head(self):
+        """hidden [N, E] -> int32 [N], the first maximum of compute_logits(hidden) without the
+        logits: the native matmul keeps each 16 columns' maximum while they are in cache (64
+        rows of a 32000 vocabulary: 8 MB written, then sliced and reduced in 0.9 ms). None
+        for XLA's dot, and with soft-capping (its tanh can make ties of distinct logits)."""
+        if not self.native_matmul or self.cfg.final_logit_softcap is not None:
+            return None
+        w = self.embed[...] if self.lm_head is None else self.lm_head[...]
+        return partial(matmul_cpu.argmax, w=w, n=self.cfg.vocab_size)
+
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, E] -> float32 logits [N, V], final soft-capping applied."""
         w = self.embed[...] if self.lm_head is None else self.lm_head[...]

@@ -182,7 +182,7 @@ class ModelRunner:
     def _sample_fn(self, state, rows, num_rows, tensors):
         model = nnx.merge(self.graphdef, state)
         return sample_rows(rows, num_rows, model.compute_logits, tensors,
-                           logit_rows=self.logit_rows)
+                           logit_rows=self.logit_rows, greedy_head=model.greedy_head)
 
     def _prompt_logprobs_fn(self, state, hidden, row_idx, target_ids, num_rows):
         model = nnx.merge(self.graphdef, state)

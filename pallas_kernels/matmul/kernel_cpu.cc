@@ -14,6 +14,7 @@
 // sums); more rows run the register-blocked `Gemm`, on f32 strips (bf16 ones converted a tile at
 // a time), or `DpGemm`, the bf16 dot product on the strips as they are.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -309,17 +310,43 @@ static void RoundRows(const float* src, int64_t ld, int64_t rows, int64_t cols, 
   }
 }
 
-// The result y [M, N]: f32, written in place, or bf16, which a tile's rows reach through a
-// thread's f32 scratch, rounded while it is in cache (a 64-row qkv projection's f32 result took
-// XLA 70 us to convert).
+// Per row and strip of 16 columns: the maximum of f32 rows [rows, cols] (ld apart; columns
+// from c0, a multiple of 16) and its first column, into best / col [rows, S] (ldb apart). With a
+// NaN in a strip, its column is unspecified.
+static void StripMax(const float* src, int64_t ld, int64_t rows, int64_t c0, int64_t cols,
+                     float* best, int32_t* col, int64_t ldb) {
+  for (int64_t r = 0; r < rows; ++r, src += ld, best += ldb, col += ldb)
+    for (int64_t c = 0; c < cols; c += kNr) {
+      const int64_t n = std::min(kNr, cols - c), s = (c0 + c) / kNr;
+      int64_t at = 0;
+#ifdef __AVX512F__
+      const __mmask16 valid = (1u << n) - 1;  // missing columns read as -inf
+      const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, src + c);
+      const float m = _mm512_reduce_max_ps(v);
+      const __mmask16 eq = _mm512_cmp_ps_mask(v, _mm512_set1_ps(m), _CMP_EQ_OQ);
+      at = eq ? __builtin_ctz(eq) : 0;
+#else
+      for (int64_t j = 1; j < n; ++j) at = src[c + j] > src[c + at] ? j : at;
+#endif
+      best[s] = src[c + at];
+      col[s] = static_cast<int32_t>(c0 + c + at);
+    }
+}
+
+// The result of x @ W: y [M, N] f32, written in place; or bf16, or, for a greedy LM head, each
+// row's maximum and its column per strip (best / col [M, S]). Those a tile's rows reach through
+// a thread's f32 scratch, read back while it is in cache (a 64-row qkv projection's f32 result
+// took XLA 70 us to convert; 64 rows of 32000 logits took 0.9 ms to slice and reduce).
 struct Out {
-  float* y;
-  uint16_t* yb;  // the bf16 result, or null
-  int64_t N;
+  float* y = nullptr;
+  uint16_t* yb = nullptr;  // the bf16 result
+  float* best = nullptr;   // the per-strip maxima
+  int32_t* col = nullptr;
+  int64_t N = 0, S = 0;
 
   // Where to write f32 rows [m0, m0 + kMc) of the tile at column c0: (pointer, row stride).
   std::pair<float*, int64_t> Rows(int64_t m0, int64_t c0) const {
-    if (yb == nullptr) return {y + m0 * N + c0, N};
+    if (y != nullptr) return {y + m0 * N + c0, N};
     thread_local std::vector<float> scratch(kMc * kTile);
     return {scratch.data(), kTile};
   }
@@ -327,6 +354,8 @@ struct Out {
   void Finish(std::pair<float*, int64_t> rows, int64_t m0, int64_t m, int64_t c0,
               int64_t cols) const {
     if (yb != nullptr) RoundRows(rows.first, rows.second, m, cols, yb + m0 * N + c0, N);
+    if (best != nullptr)
+      StripMax(rows.first, rows.second, m, c0, cols, best + m0 * S, col + m0 * S, S);
   }
 };
 
@@ -433,14 +462,13 @@ static void DpGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64_
 // Up to kFewRows rows stream the weights; more run the register-blocked Gemm.
 constexpr int64_t kFewRows = 4;
 
-static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                             ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y) {
+// x [M, K] @ W[layer] (N columns) into out; checks the operands first.
+static ffi::Error Matmul(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                         ffi::Buffer<ffi::S32> layer, int64_t N, const Out& out) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  auto yd = y->dimensions();
-  if (xd.size() != 2 || yd.size() != 2 || wd.size() != 4)
-    return ffi::Error::InvalidArgument("matmul: ranks");
-  const int64_t M = xd[0], K = xd[1], L = wd[0], S = wd[1], N = yd[1];
+  if (xd.size() != 2 || wd.size() != 4) return ffi::Error::InvalidArgument("matmul: ranks");
+  const int64_t M = xd[0], K = xd[1], L = wd[0], S = wd[1];
   const bool f32_w = w.element_type() == ffi::F32;
   if (!f32_w && w.element_type() != ffi::BF16 && w.element_type() != ffi::U16)
     return ffi::Error::InvalidArgument("matmul: weights must be f32, bf16 or uint16 bf16 bits");
@@ -453,17 +481,12 @@ static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
   const bool bf16_x = x.element_type() == ffi::BF16;
   if (!bf16_x && x.element_type() != ffi::F32)
     return ffi::Error::InvalidArgument("matmul: x must be f32 or bf16");
-  const bool bf16_y = y->element_type() == ffi::BF16;
-  if (!bf16_y && y->element_type() != ffi::F32)
-    return ffi::Error::InvalidArgument("matmul: y must be f32 or bf16");
-  const Out out{bf16_y ? nullptr : y->typed_data<float>(),
-                bf16_y ? static_cast<uint16_t*>(y->untyped_data()) : nullptr, N};
   auto run = [&](const float* xf, const auto* wl) {  // wl: the layer's strips
     if (M > kFewRows) return Gemm(pool, xf, M, K, N, wl, out);
-    if (!bf16_y) return KnStream(pool, xf, M, K, N, wl, out.y);
+    if (out.y != nullptr) return KnStream(pool, xf, M, K, N, wl, out.y);
     std::vector<float> yf(M * N);
     KnStream(pool, xf, M, K, N, wl, yf.data());
-    RoundRows(yf.data(), N, M, N, out.yb, N);
+    out.Finish({yf.data(), N}, 0, M, 0, N);
   };
   if (f32_w) {
     if (bf16_x) return ffi::Error::InvalidArgument("matmul: bf16 x needs bf16 weights");
@@ -494,6 +517,36 @@ static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                             ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y) {
+  if (y->dimensions().size() != 2) return ffi::Error::InvalidArgument("matmul: ranks");
+  const int64_t N = y->dimensions()[1];
+  Out out;
+  out.N = N;
+  if (y->element_type() == ffi::BF16)
+    out.yb = static_cast<uint16_t*>(y->untyped_data());
+  else if (y->element_type() == ffi::F32)
+    out.y = y->typed_data<float>();
+  else
+    return ffi::Error::InvalidArgument("matmul: y must be f32 or bf16");
+  return Matmul(pool, x, w, layer, N, out);
+}
+
+// Greedy LM head: per row and strip of x @ W[layer] (n columns), the maximum and its first
+// column; the [M, n] products are never written.
+static ffi::Error MatmulArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                   ffi::Buffer<ffi::S32> layer,
+                                   ffi::ResultBuffer<ffi::F32> best,
+                                   ffi::ResultBuffer<ffi::S32> col, int64_t n) {
+  Out out;
+  out.best = best->typed_data(), out.col = col->typed_data();
+  out.N = n, out.S = (n + kNr - 1) / kNr;
+  if (best->dimensions().size() != 2 || best->dimensions()[1] != out.S ||
+      col->element_count() != best->element_count())
+    return ffi::Error::InvalidArgument("matmul argmax: results must be [M, strips]");
+  return Matmul(pool, x, w, layer, n, out);
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmul, MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -501,3 +554,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmul, MatmulImpl,
                                   .Arg<ffi::AnyBuffer>()         // w, packed
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::AnyBuffer>());       // y, f32 or bf16
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulArgmax, MatmulArgmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x, f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()          // w, packed
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // per-strip maxima [M, S]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // and their columns
+                                  .Attr<int64_t>("n"));
