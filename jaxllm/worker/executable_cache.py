@@ -30,6 +30,9 @@ logger = logging.getLogger("jaxllm")
 
 _JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # recorded in the compiling thread
 _compiling = threading.local()
+# One load at a time: two threads deserializing XLA:CPU executables at once (the step's thread
+# and the background compiles) crashed the process (a segfault in persistent_load).
+_load_lock = threading.Lock()
 
 
 def _on_jax_event(event: str, **_) -> None:
@@ -124,9 +127,10 @@ class ExecutableCache:
         try:
             with open(path, "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
-            return serialize_executable.deserialize_and_load(
-                payload, in_tree, out_tree, backend=self.devices[0].client,
-                execution_devices=self.devices)
+            with _load_lock:
+                return serialize_executable.deserialize_and_load(
+                    payload, in_tree, out_tree, backend=self.devices[0].client,
+                    execution_devices=self.devices)
         except Exception as e:  # a truncated or incompatible file: compile instead
             logger.warning("ignoring cached executable %s: %s", path, e)
             return None
