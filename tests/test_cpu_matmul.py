@@ -51,10 +51,11 @@ def test_kernel_matches_reference(m, k, n, dtype, x_dtype):
                                    atol=1e-5 * np.sqrt(k))
 
 
-# Streaming (m <= 4) and register-blocked rows, part tiles and a second block of rows (m = 70).
+# Streaming (m <= 4) and register-blocked rows, part tiles, a second block of rows (m = 70),
+# K in several chunks summed in the scratch (k = 600: f32 256-row chunks; 2100: bf16 1024 pairs).
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("m,k,n", [(1, 768, 1280), (3, 37, 1030), (13, 64, 130), (70, 600, 150),
-                                   (64, 96, 200)])
+                                   (64, 96, 200), (6, 2100, 40)])
 @pytest.mark.parametrize("dtype", ["float32", "bits"])
 def test_bf16_result_is_the_f32_result_rounded(m, k, n, dtype, x_dtype):
     """out_dtype=bfloat16 rounds the very sums of the float32 result, as astype would."""
