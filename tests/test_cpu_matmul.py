@@ -126,8 +126,9 @@ def test_kernel_refuses_a_layer_out_of_range():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decoder_native_steps_match_xla_dots(dtype, tokens, tiny_llama, load):
     """On backend 'cpu' every step runs the projections and the LM head (packed by the runner;
-    the tied embedding is looked up in the packed LM head) in the kernel (bf16 weights as bits, as the engine's runner stores them); the logits equal
-    those of the same steps run with XLA's dots (backend 'reference')."""
+    the tied embedding is looked up in the packed LM head) in the kernel (bf16 weights as bits,
+    as the engine's runner stores them); the logits equal those of the same steps run with XLA's
+    dots (backend 'reference')."""
     from conftest import PagedRunner
 
     from jaxllm.models.decoder import weights_as_bits

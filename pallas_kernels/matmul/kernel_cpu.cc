@@ -132,9 +132,11 @@ struct Prefetch {
   const char* p = nullptr;
   int64_t lines = 0, per_call = 0;
 
-  // Spreads the region over `calls` calls of `iters` iterations (one line per iteration).
-  void Spread(int64_t calls, int64_t iters) {
-    per_call = std::min(iters, (lines + calls - 1) / std::max<int64_t>(calls, 1));
+  // Spreads the region over the calls for `rows` rows (one per register block) of `iters`
+  // iterations each, one line per iteration; what is left goes to the calls after them.
+  void Spread(int64_t rows, int64_t iters) {
+    const int64_t calls = (rows + kMr - 1) / kMr;
+    per_call = std::min(iters, (lines + calls - 1) / calls);
   }
   // The lines for the next call.
   Prefetch Take() {
@@ -227,13 +229,7 @@ static void Micro2(const float* a, int64_t lda, int64_t K, const float* b0, cons
 // every 6-row block of x runs against it.
 static void BlockRows(const float* x, int64_t rows, int64_t K, const float* tile, int64_t cols,
                       float* y, int64_t ldy, Prefetch& pf) {
-  const int64_t strips = (cols + kNr - 1) / kNr;
-#ifdef __AVX512F__
-  const int64_t calls = strips / 2 + strips % 2;  // per K chunk and row block
-#else
-  const int64_t calls = strips;
-#endif
-  pf.Spread((K + kKc - 1) / kKc * calls * ((rows + kMr - 1) / kMr), std::min(K, kKc));
+  pf.Spread(rows, std::min(K, kKc));
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
     const int64_t kc = std::min(kKc, K - k0);
     const bool add = k0 > 0;
@@ -267,7 +263,8 @@ static void Unpack(const uint16_t* src, int64_t K, int64_t n, float* dst) {
       __m256 lo[2], hi[2];
       Rows(src, k, lo, hi);
       for (int t = 0; t < 2; ++t)
-        _mm256_storeu_ps(dst + (k + t) * kNr, lo[t]), _mm256_storeu_ps(dst + (k + t) * kNr + 8, hi[t]);
+        _mm256_storeu_ps(dst + (k + t) * kNr, lo[t]),
+            _mm256_storeu_ps(dst + (k + t) * kNr + 8, hi[t]);
     }
 #endif
     for (; k < K; ++k)
@@ -437,9 +434,7 @@ static void DpGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64_
     // 10-20% slower), each chunk of up to 4 strips against every 6-row block of x in turn.
     return [=](int64_t m0, int64_t m, Prefetch pf) {
       const auto [yt, ldy] = out.Rows(m0, c0);
-      // strip groups below: 4 -> one of 4, 3 -> 2 + 1, 2 -> one of 2, 1 -> one of 1
-      const int64_t chunks = (P + kDpPc - 1) / kDpPc, groups = strips / 4 + (strips % 4 + 1) / 2;
-      pf.Spread(chunks * groups * ((m + kMr - 1) / kMr), std::min(P, kDpPc));
+      pf.Spread(m, std::min(P, kDpPc));
       for (int64_t p0 = 0; p0 < P; p0 += kDpPc) {
         const int64_t pc = std::min(kDpPc, P - p0);
         for (int64_t s = 0, g; s < strips; s += g) {
@@ -462,13 +457,15 @@ static void DpGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64_
 // Up to kFewRows rows stream the weights; more run the register-blocked Gemm.
 constexpr int64_t kFewRows = 4;
 
-// x [M, K] @ W[layer] (N columns) into out; checks the operands first.
+// x [M, K] @ W[layer] (N columns) into out, which has out_rows rows; checks the operands first.
 static ffi::Error Matmul(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                         ffi::Buffer<ffi::S32> layer, int64_t N, const Out& out) {
+                         ffi::Buffer<ffi::S32> layer, int64_t N, int64_t out_rows,
+                         const Out& out) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 4) return ffi::Error::InvalidArgument("matmul: ranks");
   const int64_t M = xd[0], K = xd[1], L = wd[0], S = wd[1];
+  if (out_rows != M) return ffi::Error::InvalidArgument("matmul: result rows differ from x rows");
   const bool f32_w = w.element_type() == ffi::F32;
   if (!f32_w && w.element_type() != ffi::BF16 && w.element_type() != ffi::U16)
     return ffi::Error::InvalidArgument("matmul: weights must be f32, bf16 or uint16 bf16 bits");
@@ -529,7 +526,7 @@ static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
     out.y = y->typed_data<float>();
   else
     return ffi::Error::InvalidArgument("matmul: y must be f32 or bf16");
-  return Matmul(pool, x, w, layer, N, out);
+  return Matmul(pool, x, w, layer, N, y->dimensions()[0], out);
 }
 
 // Greedy LM head: per row and strip of x @ W[layer] (n columns), the maximum and its first
@@ -544,7 +541,7 @@ static ffi::Error MatmulArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::
   if (best->dimensions().size() != 2 || best->dimensions()[1] != out.S ||
       col->element_count() != best->element_count())
     return ffi::Error::InvalidArgument("matmul argmax: results must be [M, strips]");
-  return Matmul(pool, x, w, layer, n, out);
+  return Matmul(pool, x, w, layer, n, best->dimensions()[0], out);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmul, MatmulImpl,

@@ -9,8 +9,9 @@
 //   block_tables [S, B], cu_q_lens [S + 1], num_seqs [1], window [] (<= 0: none);
 //   attrs sm_scale, soft_cap (0: none); results out [T, Hq, D] (f32, or bf16 rounded to nearest
 //   even: XLA's convert of a bf16 model's f32 out took 33 us a decode layer) and the two caches,
-//   which alias the cache arguments: k/v are written in place. (As XLA ops, the scatter's index arithmetic
-//   and bounds checks were nine small ops per layer, ~0.5 ms of a 30-layer decode token.)
+//   which alias the cache arguments: k/v are written in place. (As XLA ops, the scatter's index
+//   arithmetic and bounds checks were nine small ops per layer, ~0.5 ms of a 30-layer decode
+//   token.)
 // Rows of no sequence come out as zeros. Work is split over (sequence, up to kQueriesPerTask
 // queries, all kv heads or a range of them) tasks run on XLA's own intra-op thread pool (a
 // separate OpenMP pool would spin against XLA's threads).
