@@ -11,6 +11,9 @@ def __getattr__(name):
     if name == "SamplingParams":
         from jaxllm.sampling_params import SamplingParams
         return SamplingParams
+    if name in ("StructuredOutputsParams", "GuidedDecodingParams"):
+        from jaxllm.structured_output import params
+        return getattr(params, name)
     if name in ("RequestOutput", "CompletionOutput"):
         from jaxllm import outputs
         return getattr(outputs, name)
@@ -20,4 +23,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams",
+           "RequestOutput", "CompletionOutput", "EngineArgs"]

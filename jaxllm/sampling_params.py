@@ -6,6 +6,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from jaxllm.structured_output.params import StructuredOutputsParams
+
 _SAMPLING_EPS = 1e-5
 
 
@@ -36,6 +38,10 @@ class SamplingParams:
     # vLLM's RequestOutputKind: only cumulative outputs (each output holds all text so far) are
     # produced; delta and final-only are refused rather than accepted and ignored.
     output_kind: str = field(default="cumulative", repr=False)
+    # vLLM 0.32's name; `guided_decoding` is vLLM's older spelling of the same constraint
+    # (GuidedDecodingParams is StructuredOutputsParams), accepted and read as an alias.
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_decoding: Optional[StructuredOutputsParams] = field(default=None, repr=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -50,7 +56,22 @@ class SamplingParams:
             except (TypeError, ValueError):
                 raise ValueError(f"logit_bias must map token ids to numbers, got "
                                  f"{self.logit_bias!r}") from None
+        self._merge_guided_decoding()
         self._verify()
+
+    def _merge_guided_decoding(self) -> None:
+        """Both spellings name one field: after construction both read the same value."""
+        so, gd = self.structured_outputs, self.guided_decoding
+        if so is not None and gd is not None and so != gd:
+            raise ValueError("structured_outputs and guided_decoding (its older name) were both "
+                             "given, with different constraints; give only one")
+        value = so if so is not None else gd
+        if isinstance(value, dict):
+            value = StructuredOutputsParams.from_dict(value)
+        if value is not None and not isinstance(value, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams "
+                             f"(GuidedDecodingParams), got {value!r}")
+        self.structured_outputs = self.guided_decoding = value
 
     def _verify(self) -> None:
         def bad(name: str, why: str):

@@ -29,6 +29,7 @@ LAYERS = {
     "jaxllm.sampling_params": 0,
     "jaxllm.sequence": 0,
     "jaxllm.outputs": 0,
+    "jaxllm.structured_output": 0,  # request constraints and the grammar engine (no JAX)
 }
 # (importer, imported) pairs allowed to go upward, each with its reason. Keep it empty.
 ALLOWED: dict[tuple[str, str], str] = {}

@@ -85,3 +85,19 @@ def test_pydantic_model_and_server_default_backend():
 def test_errors_name_the_field(body, words):
     with pytest.raises(ValueError, match=words):
         from_request(body)
+
+
+def test_sampling_params_field_and_its_older_name():
+    """SamplingParams.structured_outputs (vLLM 0.32) and guided_decoding (older vLLM) are one
+    field: either spelling sets both; two different constraints are refused."""
+    from jaxllm import GuidedDecodingParams as G, SamplingParams
+    c = G(regex="a+")
+    for sp in (SamplingParams(structured_outputs=c), SamplingParams(guided_decoding=c)):
+        assert sp.structured_outputs == c and sp.guided_decoding == c
+    assert SamplingParams().structured_outputs is None
+    assert SamplingParams(structured_outputs={"choice": ["x"]}).structured_outputs == \
+        G(choice=["x"])
+    with pytest.raises(ValueError, match="guided_decoding"):
+        SamplingParams(structured_outputs=c, guided_decoding=G(regex="b"))
+    with pytest.raises(ValueError, match="structured_outputs must be"):
+        SamplingParams(structured_outputs="a+")

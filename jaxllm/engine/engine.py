@@ -137,6 +137,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         params = params.clone() if params is not None else SamplingParams()
         params.verify_for_model(self.model_config.vocab_size, self.args.max_logprobs)
+        if params.structured_outputs is not None:
+            raise ValueError("structured_outputs is not implemented in the engine yet")
         extra = len(params.logit_bias or {}) + len(params.stop_token_ids) + len(self.eos_token_ids)
         if extra > EXTRA_PENALTY_IDS:
             raise ValueError(f"logit_bias and stop_token_ids name {extra} tokens; at most "
