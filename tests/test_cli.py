@@ -61,7 +61,9 @@ def test_serve_help_has_vllms_flags(capsys):
                  "--allow-credentials", "--root-path", "--uvicorn-log-level",
                  "--disable-log-requests", "--max-log-len", "--disable-fastapi-docs",
                  "--enable-request-id-headers", "--ssl-keyfile", "--ssl-certfile", "--config",
-                 "--tensor-parallel-size", "--max-model-len"):
+                 "--tensor-parallel-size", "--max-model-len", "--enable-auto-tool-choice",
+                 "--tool-call-parser", "--tool-parser-plugin", "--reasoning-parser",
+                 "--chat-template-content-format", "--exclude-tools-when-tool-choice-none"):
         assert flag in out, flag
 
 

@@ -414,6 +414,13 @@ LONG_PROMPT = "hello " * 200
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages",
      ["image_url"]),
     ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages", []),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "auto"}, 400, "tool_choice",
+     ["--enable-auto-tool-choice", "--tool-call-parser"]),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tool_choice", ["--enable-auto-tool-choice"]),  # tools alone mean "auto", as vLLM
     ("/v1/completions", {"model": NAME}, 400, "prompt", ["required"]),
     ("/v1/nope", {}, 404, None, []),
 ])
