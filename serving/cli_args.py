@@ -114,14 +114,18 @@ def add_chat_output_args(parser: argparse.ArgumentParser) -> None:
                         "template iterates over).")
 
 
-def check_chat_output_args(args: argparse.Namespace) -> None:
-    """vLLM's start-up rules for these flags; a ValueError names the flag."""
+def chat_output_settings(args: argparse.Namespace) -> dict:
+    """The ServingState fields of these flags, after vLLM's start-up rules (a ValueError
+    names the flag)."""
     if args.tool_parser_plugin:
         raise ValueError(f"--tool-parser-plugin {args.tool_parser_plugin!r}: parser plugins "
                          f"are not supported; choose a built-in --tool-call-parser "
                          f"({', '.join(TOOL_CALL_PARSERS)})")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    return {name: getattr(args, name) for name in (
+        "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
+        "exclude_tools_when_tool_choice_none", "chat_template_content_format")}
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:

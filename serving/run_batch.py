@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from jaxllm.config import EngineArgs
 from jaxllm.entrypoints.chat_utils import load_chat_template
+from serving.cli_args import chat_output_settings
 from serving.errors import APIError, describe_validation_errors, error_body
 from serving.protocol import (BatchRequestInput, BatchRequestOutput, BatchResponseData,
                               ChatCompletionRequest, CompletionRequest, random_id)
@@ -37,9 +38,11 @@ def run(args: argparse.Namespace) -> int:
         with open(args.input_file, encoding="utf-8") as f:
             lines = [line for line in f if line.strip()]
         chat_template = load_chat_template(args.chat_template)
+        settings = chat_output_settings(args)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    results = asyncio.run(_run(engine_args, lines, args.response_role, chat_template))
+    results = asyncio.run(_run(engine_args, lines, args.response_role, chat_template,
+                               settings))
     with open(args.output_file, "w", encoding="utf-8") as f:
         for result in results:
             f.write(result.model_dump_json() + "\n")
@@ -49,12 +52,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run(engine_args, lines: list[str], response_role: str, chat_template):
+async def _run(engine_args, lines: list[str], response_role: str, chat_template,
+               settings: dict):
     from jaxllm.engine.async_engine import AsyncLLMEngine  # JAX loads here, not at import
 
     engine = AsyncLLMEngine.from_engine_args(engine_args)
     state = ServingState.from_engine(engine, chat_template=chat_template,
-                                     response_role=response_role, log_requests=False)
+                                     response_role=response_role, log_requests=False,
+                                     **settings)
     try:
         return await run_lines(state, lines)
     finally:

@@ -41,11 +41,12 @@ def test_cli_choices_are_the_registries():
 def test_flag_rules_at_start_up(flags, words):
     from serving.cli.serve import parse_args
     with pytest.raises(ValueError) as e:
-        cli_args.check_chat_output_args(parse_args(flags))
+        cli_args.chat_output_settings(parse_args(flags))
     for word in words:
         assert word in str(e.value)
-    cli_args.check_chat_output_args(parse_args(["--enable-auto-tool-choice",
-                                                "--tool-call-parser", "hermes"]))
+    settings = cli_args.chat_output_settings(parse_args(["--enable-auto-tool-choice",
+                                                         "--tool-call-parser", "hermes"]))
+    assert settings["enable_auto_tool_choice"] and settings["tool_call_parser"] == "hermes"
 
 
 def test_unknown_parser_is_refused_by_argparse(capsys):

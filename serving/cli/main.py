@@ -12,6 +12,7 @@ from typing import Optional
 
 import jaxllm
 from jaxllm.config import ConfigError, EngineArgs
+from serving.cli_args import add_chat_output_args
 
 
 def _register_run_batch(subparsers) -> None:
@@ -26,6 +27,7 @@ def _register_run_batch(subparsers) -> None:
                         help="Role of generated chat messages.")
     parser.add_argument("--chat-template", default=None,
                         help="Chat template file or Jinja string (default: the tokenizer's).")
+    add_chat_output_args(parser)
     EngineArgs.add_cli_args(parser)
 
     def run(args):

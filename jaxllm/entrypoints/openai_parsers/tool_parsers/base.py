@@ -142,6 +142,22 @@ def json_objects(text: str, pos: int, separators: str):
         pos = end
 
 
+def read_calls(s: Scan, text: str, pos: int, separators: str, final: bool,
+               args_keys=("arguments",)) -> Scan:
+    """Adds to `s` the calls written as JSON objects from text[pos:] (see `json_objects`):
+    from the first object that is not a call, or (once final) from a tail that is not JSON,
+    the text is content; an unfinished object is held back while the output may grow."""
+    values, end, rest = json_objects(text, pos, separators)
+    for value, at in values:
+        call = call_from_object(value, args_keys)
+        if call is None:
+            return with_tail(s, text, at)
+        s.calls.append(call)
+    if rest is None or (rest and not final):
+        return s
+    return with_tail(s, text, end)
+
+
 def with_tail(s: Scan, text: str, pos: int) -> Scan:
     """From `pos` on the text is not a call: it is content (all of it if no call came
     before, so that an output without calls is returned exactly)."""

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from jaxllm.entrypoints.openai_parsers.tool_parsers.base import (Scan, ToolParser,
-                                                                 call_from_object, json_objects,
-                                                                 with_tail)
+from jaxllm.entrypoints.openai_parsers.tool_parsers.base import Scan, ToolParser, read_calls
 
 
 class RequiredToolParser(ToolParser):
@@ -25,16 +23,8 @@ class RequiredToolParser(ToolParser):
         body = text.lstrip()
         if not body.startswith("["):
             return Scan(text if final or body else "")
-        values, end, rest = json_objects(text, len(text) - len(body) + 1, ",]")
-        s = Scan("")
-        for value, at in values:
-            call = call_from_object(value, ("parameters",))
-            if call is None:
-                return with_tail(s, text, at)
-            s.calls.append(call)
-        if rest is None or (rest and not final):
-            return s
-        return with_tail(s, text, end)
+        return read_calls(Scan(""), text, len(text) - len(body) + 1, ",]", final,
+                          ("parameters",))
 
 
 class NamedToolParser(ToolParser):

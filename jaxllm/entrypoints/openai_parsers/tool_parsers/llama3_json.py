@@ -9,9 +9,7 @@ and so is the text from the first object that is not a call.
 
 from __future__ import annotations
 
-from jaxllm.entrypoints.openai_parsers.tool_parsers.base import (Scan, ToolParser,
-                                                                 call_from_object, json_objects,
-                                                                 with_tail)
+from jaxllm.entrypoints.openai_parsers.tool_parsers.base import Scan, ToolParser, read_calls
 
 BOT = "<|python_tag|>"
 
@@ -26,13 +24,4 @@ class Llama3JsonToolParser(ToolParser):
         start = len(text) - len(body) + (len(BOT) if body.startswith(BOT) else 0)
         if not text.startswith((BOT, "{"), len(text) - len(body)):
             return Scan(text)
-        values, end, rest = json_objects(text, start, ";")
-        s = Scan("")
-        for value, at in values:
-            call = call_from_object(value, ("parameters", "arguments"))
-            if call is None:
-                return with_tail(s, text, at)
-            s.calls.append(call)
-        if rest is None or (rest and not final):
-            return s
-        return with_tail(s, text, end)
+        return read_calls(Scan(""), text, start, ";", final, ("parameters", "arguments"))

@@ -21,7 +21,7 @@ import string
 
 from jaxllm.entrypoints.openai_parsers.text_utils import safe_prefix
 from jaxllm.entrypoints.openai_parsers.tool_parsers.base import (Scan, ToolParser,
-                                                                 call_from_object, json_objects,
+                                                                 call_from_object, read_calls,
                                                                  with_tail)
 
 BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -42,13 +42,7 @@ class MistralToolParser(ToolParser):
             return Scan(text if final else safe_prefix(text, BOT))
         s, pos = Scan(text[:start]), start + len(BOT)
         if text[pos:].lstrip().startswith("["):
-            values, end, rest = json_objects(text, text.index("[", pos) + 1, ",]")
-            for value, at in values:
-                call = call_from_object(value)
-                if call is None:
-                    return with_tail(s, text, at)
-                s.calls.append(call)
-            return s if rest is None or (rest and not final) else with_tail(s, text, end)
+            return read_calls(s, text, text.index("[", pos) + 1, ",]", final)
         while True:  # name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
             args = text.find(ARGS, pos)
             if args < 0:  # hold a name (and the start of [ARGS]) that is still arriving
