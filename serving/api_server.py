@@ -154,12 +154,14 @@ def bind_socket(host: Optional[str], port: int) -> socket.socket:
 def run_server(args: argparse.Namespace) -> None:
     from jaxllm.config import ConfigError, EngineArgs
     from jaxllm.entrypoints.chat_utils import load_chat_template
+    from serving.cli_args import check_chat_output_args
 
     _setup_logging()
     if args.disable_log_requests:
         logger.warning("--disable-log-requests is deprecated (as in vLLM): requests are not "
                        "logged unless --enable-log-requests is given.")
     try:
+        check_chat_output_args(args)
         engine_args = EngineArgs.from_cli_args(args)
         chat_template = load_chat_template(args.chat_template)
     except (ConfigError, ValueError, OSError) as e:
@@ -177,6 +179,13 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
                          max_waiting_requests=args.max_waiting_requests)
 
 
+def chat_output_settings(args: argparse.Namespace) -> dict:
+    """The ServingState fields of the tool-calling and reasoning flags."""
+    return {name: getattr(args, name) for name in (
+        "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
+        "exclude_tools_when_tool_choice_none", "chat_template_content_format")}
+
+
 async def _serve(args, engine_args, chat_template, sock: socket.socket) -> None:
     import uvicorn
 
@@ -188,7 +197,8 @@ async def _serve(args, engine_args, chat_template, sock: socket.socket) -> None:
                                      chat_template=chat_template,
                                      response_role=args.response_role,
                                      log_requests=args.enable_log_requests,
-                                     max_log_len=args.max_log_len)
+                                     max_log_len=args.max_log_len,
+                                     **chat_output_settings(args))
     try:
         config = uvicorn.Config(build_app(state, args), log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log,

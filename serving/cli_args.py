@@ -80,7 +80,48 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-log-len", type=_count, default=None,
                    help="Most characters (or token ids) of any value in request logs.")
     add_limit_args(parser)
+    add_chat_output_args(parser)
     return parser
+
+
+# vLLM's names; tests/test_chat_tools.py checks them against the parser registries (importing
+# those here would make `jaxllm serve --help` import the package).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def add_chat_output_args(parser: argparse.ArgumentParser) -> None:
+    """Tool calling and reasoning output of /v1/chat/completions, as `vllm serve`."""
+    g = parser.add_argument_group("tool calling and reasoning")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='Let requests use tool_choice "auto" (and tools without tool_choice): '
+                        "the model's tool calls are parsed from its text with "
+                        "--tool-call-parser, which this needs.")
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="The tool-call format of the model (vLLM's names).")
+    g.add_argument("--tool-parser-plugin", default="",
+                   help="Refused when given: jaxllm does not load parser code from files; "
+                        "use a built-in --tool-call-parser.")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help='Leave the tools out of the prompt when tool_choice is "none".')
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="Split the model's reasoning (<think>...</think>) from its answer into "
+                        "the message's `reasoning` field.")
+    g.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
+                   help="How message content reaches the chat template: 'string' (text parts "
+                        "joined), 'openai' (a list of {type, text} parts) or 'auto' (what the "
+                        "template iterates over).")
+
+
+def check_chat_output_args(args: argparse.Namespace) -> None:
+    """vLLM's start-up rules for these flags; a ValueError names the flag."""
+    if args.tool_parser_plugin:
+        raise ValueError(f"--tool-parser-plugin {args.tool_parser_plugin!r}: parser plugins "
+                         f"are not supported; choose a built-in --tool-call-parser "
+                         f"({', '.join(TOOL_CALL_PARSERS)})")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:

@@ -250,6 +250,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Optional[int] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = True
     # vLLM's extras.
     echo: bool = False
     add_generation_prompt: bool = True
@@ -260,9 +261,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tool_choice not in (None, "none"):
-            raise APIError("Tool calling (tool_choice other than 'none') is not supported yet.",
-                           param="tool_choice")
         if self.top_logprobs is not None:
             if self.top_logprobs < 0:
                 raise APIError("top_logprobs must be a non-negative value.",
@@ -302,7 +300,8 @@ class ChatCompletionLogProbs(BaseModel):
 class ChatMessage(BaseModel):
     role: str
     content: Optional[str] = None
-    reasoning_content: Optional[str] = None
+    # vLLM 0.32's name (it dropped `reasoning_content`, the name DeepSeek's API uses).
+    reasoning: Optional[str] = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -328,6 +327,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):  # OpenAI sends the role only in a choice's first delta

@@ -10,6 +10,8 @@ from typing import AsyncIterator, Optional, Union
 
 from jaxllm.entrypoints.chat_utils import normalize_messages, render_chat_prompt
 from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+from serving.chat_output import ChoiceParser, ToolChoice
 from serving.errors import APIError, error_body
 from serving.deadline import call_with_deadline
 from serving.generation import build_params, collect, merge, submit
@@ -25,13 +27,14 @@ from serving.state import ServingState
 logger = logging.getLogger("jaxllm.serving")
 
 
-async def chat_prompt(state: ServingState, req) -> tuple[Prompt, list[dict]]:
+async def chat_prompt(state: ServingState, req, tools: Optional[list] = None
+                      ) -> tuple[Prompt, list[dict]]:
     """The conversation as prompt tokens, and the normalized messages.
 
     A request's own `chat_template` is used (as a Jinja string, never a file path) only when
     the operator trusts them (--trust-request-chat-template, as vLLM). Rendering runs on the
     tokenizer thread within --chat-template-timeout; a template that fails or overruns is a
-    400."""
+    400. `tools` are rendered into the prompt by the template's `tools` argument."""
     tokenizer = state.require_tokenizer()
     limits = state.limits
     if req.chat_template is not None and not limits.trust_request_chat_template:
@@ -43,8 +46,9 @@ async def chat_prompt(state: ServingState, req) -> tuple[Prompt, list[dict]]:
         render = partial(render_chat_prompt, tokenizer, messages,
                          chat_template=req.chat_template or state.chat_template,
                          add_generation_prompt=req.add_generation_prompt,
-                         continue_final_message=req.continue_final_message, tools=req.tools,
-                         chat_template_kwargs=req.chat_template_kwargs)
+                         continue_final_message=req.continue_final_message, tools=tools,
+                         chat_template_kwargs=req.chat_template_kwargs,
+                         content_format=state.chat_template_content_format)
         text = await state.in_tokenizer_thread(call_with_deadline, render,
                                                limits.chat_template_timeout)
     except ValueError as e:
@@ -61,27 +65,54 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     req.check_supported()
     state.warn_ignored_fields(req)
     check_request_limits(state.limits, req)
-    prompt, messages = await chat_prompt(state, req)
-    params = build_params(state, lambda: req.sampling_params(
+    choice = ToolChoice.of(req, state.tool_call_parser, state.enable_auto_tool_choice)
+    exclude = choice.mode == "none" and state.exclude_tools_when_tool_choice_none
+    prompt, messages = await chat_prompt(state, req, None if exclude else req.tools)
+    params = build_params(state, lambda: _with_tool_choice(req.sampling_params(
         max_tokens_for(state, len(prompt.token_ids), req.requested_max_tokens),
-        req.num_logprobs, req.prompt_logprobs, state.generation_defaults))
+        req.num_logprobs, req.prompt_logprobs, state.generation_defaults), choice))
+    parsers = [ChoiceParser(choice, state.tool_call_parser, state.reasoning_parser,
+                            state.tokenizer) for _ in range(req.n)]
     role = state.response_role if req.add_generation_prompt else messages[-1]["role"]
     # vLLM's chat echo: repeat the last message when it is the role being answered.
     echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == role else None
     request_id = f"chatcmpl-{base_id}"
     streams = await submit(state, [prompt], [params], request_id, req.priority)
     if req.stream:
-        return _stream(state, req, model, request_id, role, echo, prompt, streams)
+        return _stream(state, req, model, request_id, role, echo, prompt, streams, parsers)
     (out,) = await collect(streams)
-    choices = [ChatCompletionResponseChoice(
-        index=o.index, message=ChatMessage(role=role, content=(echo or "") + o.text),
-        logprobs=(chat_logprobs(state, o.token_ids, o.logprobs or [], req.top_logprobs or 0)
-                  if req.logprobs else None),
-        finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in out.outputs]
+    choices = [_choice(state, req, role, echo, o, parsers[o.index]) for o in out.outputs]
     return ChatCompletionResponse(
         id=request_id, model=model, choices=choices, usage=_usage(prompt, out),
         prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs)
         if req.prompt_logprobs is not None else None)
+
+
+def _with_tool_choice(params: SamplingParams, choice: ToolChoice) -> SamplingParams:
+    """The request's SamplingParams with what its tool_choice needs: the constraint of
+    required/named; and for auto the special tokens kept in the text, since tool-call markers
+    (<tool_call>, [TOOL_CALLS], <|python_tag|>) are special tokens in their models' vocabularies
+    (vLLM's parsers do the same)."""
+    if choice.constraint is not None:
+        if params.structured_outputs is not None:
+            raise ValueError(f"structured_outputs cannot be combined with tool_choice "
+                             f"{choice.mode!r}, which constrains the output itself")
+        params.structured_outputs = choice.constraint
+    elif choice.mode == "auto":
+        params.skip_special_tokens = False
+    return params
+
+
+def _choice(state: ServingState, req: ChatCompletionRequest, role: str, echo: Optional[str],
+            o, parser: ChoiceParser) -> ChatCompletionResponseChoice:
+    message = parser.whole(o.text)
+    if echo:
+        message["content"] = echo + (message["content"] or "")
+    return ChatCompletionResponseChoice(
+        index=o.index, message=ChatMessage(role=role, **message),
+        logprobs=(chat_logprobs(state, o.token_ids, o.logprobs or [], req.top_logprobs or 0)
+                  if req.logprobs else None),
+        finish_reason=parser.finish_reason(o.finish_reason), stop_reason=o.stop_reason)
 
 
 def _usage(prompt: Prompt, out: Optional[RequestOutput]) -> UsageInfo:
@@ -90,8 +121,8 @@ def _usage(prompt: Prompt, out: Optional[RequestOutput]) -> UsageInfo:
 
 
 async def _stream(state: ServingState, req: ChatCompletionRequest, model: str, request_id: str,
-                  role: str, echo: Optional[str], prompt: Prompt, streams
-                  ) -> AsyncIterator[str]:
+                  role: str, echo: Optional[str], prompt: Prompt, streams,
+                  parsers: list[ChoiceParser]) -> AsyncIterator[str]:
     created = int(time.time())
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
@@ -123,7 +154,10 @@ async def _stream(state: ServingState, req: ChatCompletionRequest, model: str, r
                     if o.index in finished:
                         continue
                     start = sent_tokens.get(o.index, 0)
-                    text = o.text[sent_text.get(o.index, 0):]
+                    fresh = len(o.text) > sent_text.get(o.index, 0)
+                    final = o.finish_reason is not None
+                    delta = (parsers[o.index].delta(o.text, final) if fresh or final
+                             else None) or {}
                     logprobs = None
                     if req.logprobs:
                         logprobs = chat_logprobs(state, o.token_ids[start:],
@@ -132,12 +166,14 @@ async def _stream(state: ServingState, req: ChatCompletionRequest, model: str, r
                     sent_tokens[o.index], sent_text[o.index] = len(o.token_ids), len(o.text)
                     if o.finish_reason is not None:
                         finished.add(o.index)
-                    if not text and o.finish_reason is None and not (logprobs and
-                                                                     logprobs.content):
+                    if not delta and not final and not (logprobs and logprobs.content):
                         continue
+                    if not delta.get("tool_calls") and not delta.get("reasoning"):
+                        delta.setdefault("content", "")  # a plain chunk carries content
                     yield chunk(ChatCompletionResponseStreamChoice(
-                        index=o.index, delta=DeltaMessage(content=text), logprobs=logprobs,
-                        finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                        index=o.index, delta=DeltaMessage(**delta), logprobs=logprobs,
+                        finish_reason=parsers[o.index].finish_reason(o.finish_reason),
+                        stop_reason=o.stop_reason))
         if include_usage:
             yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
                                                    choices=[], usage=_usage(prompt, last)))

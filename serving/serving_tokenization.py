@@ -16,7 +16,7 @@ async def tokenize(state: ServingState, req: TokenizeRequest) -> TokenizeRespons
         if req.add_generation_prompt and req.continue_final_message:
             raise APIError("Cannot set both `continue_final_message` and "
                            "`add_generation_prompt` to true.", param="continue_final_message")
-        prompt, _ = await chat_prompt(state, req)
+        prompt, _ = await chat_prompt(state, req, req.tools)
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         prompt = Prompt(await state.encode(req.prompt, add_special), req.prompt)

@@ -33,6 +33,12 @@ class ServingState:
     generation_defaults: dict = field(default_factory=dict)
     chat_template: Optional[str] = None
     response_role: str = "assistant"
+    # Tool calling and reasoning output (serving/cli_args.py add_chat_output_args).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
+    exclude_tools_when_tool_choice_none: bool = False
+    chat_template_content_format: str = "auto"
     log_requests: bool = False
     max_log_len: Optional[int] = None
     limits: RequestLimits = field(default_factory=RequestLimits)

@@ -91,7 +91,6 @@ def test_unsupported_options_are_refused(fields, param):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"tool_choice": "auto"}, "tool_choice"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"continue_final_message": True}, "continue_final_message"),

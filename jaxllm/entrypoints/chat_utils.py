@@ -6,7 +6,9 @@ ValueErrors whose message the server can return to the client as a 400.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from typing import Any, Iterable, Optional
 
 TEXT_PART_TYPES = ("text", "input_text")
@@ -27,10 +29,26 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
     raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
 
 
-def normalize_messages(messages: Iterable[Any]) -> list[dict]:
-    """Plain dicts with string content: content-part lists are joined (text parts, newline
-    separated, like vLLM's 'string' content format). Image and audio parts are refused, since no
-    model here takes them."""
+# A template that loops over a message's content wants OpenAI's list of parts (vLLM's "auto").
+_LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]"
+                                 r"|\.content)")
+
+
+def content_format_of(template: Optional[str], content_format: str = "auto") -> str:
+    """'string' or 'openai': `content_format` itself, or for 'auto' what `template` expects."""
+    if content_format not in ("auto", "string", "openai"):
+        raise ValueError(f"chat_template_content_format must be auto, string or openai, got "
+                         f"{content_format!r}")
+    if content_format != "auto":
+        return content_format
+    return "openai" if template and _LOOPS_OVER_CONTENT.search(template) else "string"
+
+
+def normalize_messages(messages: Iterable[Any], content_format: str = "string") -> list[dict]:
+    """Plain dicts for the template. Content becomes a string (text parts joined, newline
+    separated: vLLM's 'string' format) or, for 'openai', a list of text parts. Image and audio
+    parts are refused, since no model here takes them. Assistant tool calls get their
+    `arguments` JSON text as an object, which is what chat templates iterate over (as vLLM)."""
     out = []
     for i, message in enumerate(messages):
         if hasattr(message, "model_dump"):
@@ -38,10 +56,34 @@ def normalize_messages(messages: Iterable[Any]) -> list[dict]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"messages[{i}] must be an object with a string 'role'")
         message = dict(message)
-        message["content"] = _content_text(message.get("content"), i)
+        text = _content_text(message.get("content"), i)
+        message["content"] = ([{"type": "text", "text": text}] if content_format == "openai"
+                              else text)
+        if message.get("tool_calls") is not None:
+            message["tool_calls"] = _tool_calls(message["tool_calls"], i)
         out.append(message)
     if not out:
         raise ValueError("messages must not be empty")
+    return out
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict]:
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{i}].tool_calls must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"messages[{i}].tool_calls[{j}] needs a function with a string "
+                             f"'name'")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments is not "
+                                 f"valid JSON") from None
+        out.append({**call, "function": {**fn, "arguments": args}})
     return out
 
 
@@ -69,8 +111,10 @@ def render_chat_prompt(tokenizer, messages: Iterable[Any], *,
                         add_generation_prompt: bool = True,
                         continue_final_message: bool = False,
                         tools: Optional[list[dict]] = None,
-                        chat_template_kwargs: Optional[dict] = None) -> str:
-    """The prompt text for `messages`; tokenize it without adding special tokens again."""
+                        chat_template_kwargs: Optional[dict] = None,
+                        content_format: str = "auto") -> str:
+    """The prompt text for `messages`; tokenize it without adding special tokens again.
+    `content_format` is vLLM's --chat-template-content-format (auto, string or openai)."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer (this engine was started with "
                          "skip_tokenizer_init)")
@@ -83,7 +127,9 @@ def render_chat_prompt(tokenizer, messages: Iterable[Any], *,
     clash = sorted(_RESERVED_KWARGS & set(kwargs))
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
-    conversation = normalize_messages(messages)
+    template = chat_template or tokenizer.chat_template
+    conversation = normalize_messages(messages, content_format_of(
+        template if isinstance(template, str) else None, content_format))
     try:
         return tokenizer.apply_chat_template(
             conversation, tools=tools, chat_template=chat_template,

@@ -65,10 +65,14 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params: Params = None, use_tqdm: bool = True,
-             chat_template: Optional[str] = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False,
+             chat_template: Optional[str] = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: Optional[list[dict]] = None,
              chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations."""
+        """One conversation (a list of messages) or a list of conversations. `tools` (OpenAI
+        function definitions) are rendered by the chat template, as in vLLM; the outputs are
+        the model's text (parse tool calls with a tool parser from
+        jaxllm.entrypoints.openai_parsers)."""
         from jaxllm.entrypoints.chat_utils import render_chat_prompt
 
         tok = self.get_tokenizer()
@@ -78,7 +82,8 @@ class LLM:
             text = render_chat_prompt(tok, conv, chat_template=chat_template,
                                       add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message,
-                                      chat_template_kwargs=chat_template_kwargs)
+                                      tools=tools, chat_template_kwargs=chat_template_kwargs,
+                                      content_format=chat_template_content_format)
             # The template already holds any BOS: do not add special tokens again (as vLLM).
             prompts.append({"prompt": text,
                             "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
