@@ -87,7 +87,7 @@ class LLMEngine:
             block_size=args.block_size)
         self.startup_times = dict(parts.startup_times, total=time.perf_counter() - t0)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
-                                 self.eos_token_ids)
+                                 self.eos_token_ids, args.structured_outputs_config)
         self._requests: dict[str, Request] = {}
         self._seq_owner: dict[str, Request] = {}
         self._inflight = None  # async scheduling: the dispatched step (or burst) not read yet

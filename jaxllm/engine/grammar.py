@@ -14,6 +14,7 @@ less than one decode step of a batch, so a thread hand-off would cost more than 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Optional
@@ -26,9 +27,14 @@ logger = logging.getLogger("jaxllm")
 
 
 class Grammars:
-    """The engine's grammar compiler for its tokenizer, built on first use."""
+    """The engine's grammar compiler for its tokenizer, built on first use. `config` is
+    --structured-outputs-config: its disable_any_whitespace / disable_additional_properties
+    apply to every request (as vLLM's StructuredOutputsConfig)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, config: Optional[dict] = None):
+        self._defaults = {k: True for k in ("disable_any_whitespace",
+                                            "disable_additional_properties")
+                          if (config or {}).get(k)}
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos = tuple(sorted(eos_token_ids))
@@ -39,6 +45,8 @@ class Grammars:
         schema, regex or grammar cannot be compiled."""
         if self._tokenizer is None:
             raise ValueError("structured_outputs need a tokenizer (skip_tokenizer_init is set)")
+        if self._defaults:
+            params = dataclasses.replace(params, **self._defaults)
         t = time.perf_counter()
         compiler = get_compiler(self._tokenizer, self._vocab_size, self._eos)
         misses = compiler.num_compiles
