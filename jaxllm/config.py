@@ -21,6 +21,9 @@ LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf", "sharded_state")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "cpu")
+# --structured-outputs-config keys honoured (vLLM's StructuredOutputsConfig); others refused.
+STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_fallback", "disable_any_whitespace",
+                           "disable_additional_properties")
 
 
 def parse_size(value: Union[str, int, None]) -> Optional[int]:
@@ -136,6 +139,13 @@ class EngineArgs:
     use_tqdm_on_load: bool = _arg("Progress bar while loading weights.", default=True)
     disable_sliding_window: bool = _arg("Treat sliding-window layers as full attention.",
                                         default=False)
+    structured_outputs_config: Optional[dict] = _arg(
+        "JSON object (vLLM's StructuredOutputsConfig): backend (auto, guidance or llguidance: "
+        "the one installed), disable_any_whitespace and disable_additional_properties (the "
+        "defaults of every constrained request), disable_fallback (there is no fallback).",
+        parse=_json, default=None)
+    guided_decoding_backend: Optional[str] = _arg(
+        "Older vLLM name of --structured-outputs-config '{\"backend\": ...}'.", default=None)
 
     # --- derived -----------------------------------------------------------------------------
     def __post_init__(self):
@@ -184,9 +194,31 @@ class EngineArgs:
             bad("quantization", "no quantization method is implemented yet")
         if self.tokenizer_mode != "auto":
             bad("tokenizer_mode", "only 'auto' is implemented")
+        self._validate_structured_outputs()
         if self.trust_remote_code:
             bad("trust_remote_code", "jaxllm never runs a model's own Python code; the models it "
                 "supports need none, so drop the flag")
+
+    def _validate_structured_outputs(self) -> None:
+        from jaxllm.structured_output.params import BACKENDS
+
+        cfg = self.structured_outputs_config or {}
+        unknown = sorted(set(cfg) - set(STRUCTURED_OUTPUTS_KEYS))
+        if unknown:
+            raise ConfigError(f"--structured-outputs-config: {', '.join(unknown)} not supported "
+                              f"(supported: {', '.join(STRUCTURED_OUTPUTS_KEYS)})")
+        for key in STRUCTURED_OUTPUTS_KEYS[1:]:
+            if not isinstance(cfg.get(key, False), bool):
+                raise ConfigError(f"--structured-outputs-config: {key} must be true or false")
+        for flag, backend in (("structured-outputs-config", cfg.get("backend")),
+                              ("guided-decoding-backend", self.guided_decoding_backend)):
+            if backend is not None and backend not in BACKENDS:
+                raise ConfigError(f"--{flag}: backend {backend!r} is not available; choose one "
+                                  f"of {', '.join(BACKENDS)} (llguidance is the one installed)")
+        if (cfg.get("backend") is not None and self.guided_decoding_backend is not None
+                and cfg["backend"] != self.guided_decoding_backend):
+            raise ConfigError("--guided-decoding-backend and --structured-outputs-config's "
+                              "backend disagree; give one")
 
     @property
     def prefix_caching(self) -> bool:

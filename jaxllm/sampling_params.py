@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import copy
+import enum
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from jaxllm.structured_output.params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: what each RequestOutput of a request holds. CUMULATIVE: everything so far;
+    DELTA: only what is new since the request's previous output; FINAL_ONLY: one output, when
+    the request finishes. Names ("delta", "final_only") are accepted as well."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -35,9 +45,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
-    # vLLM's RequestOutputKind: only cumulative outputs (each output holds all text so far) are
-    # produced; delta and final-only are refused rather than accepted and ignored.
-    output_kind: str = field(default="cumulative", repr=False)
+    output_kind: RequestOutputKind = field(default=RequestOutputKind.CUMULATIVE, repr=False)
+    # vLLM's: words whose last token is banned whenever the output so far ends with the tokens
+    # before it (each word tokenized alone and with a leading space; see update_from_tokenizer).
+    bad_words: Optional[list[str]] = None
+    # Keep only the last k prompt tokens (-1: max_model_len), applied by the engine.
+    truncate_prompt_tokens: Optional[int] = None
     # vLLM 0.32's name; `guided_decoding` is vLLM's older spelling of the same constraint
     # (GuidedDecodingParams is StructuredOutputsParams), accepted and read as an alias.
     structured_outputs: Optional[StructuredOutputsParams] = None
@@ -48,6 +61,11 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
+        self._bad_words_token_ids: list[list[int]] = []
+        self.output_kind = _output_kind(self.output_kind)
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
@@ -77,9 +95,11 @@ class SamplingParams:
         def bad(name: str, why: str):
             raise ValueError(f"{name} {why}, got {getattr(self, name)!r}.")
 
-        if self.output_kind != "cumulative":
-            bad("output_kind", "must be 'cumulative' (delta and final-only outputs are not "
-                "implemented yet)")
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            bad("bad_words", "must be a list of non-empty strings")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t == 0 or t < -1):
+            bad("truncate_prompt_tokens", "must be -1 (max_model_len) or at least 1")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be at least 1")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -117,7 +137,8 @@ class SamplingParams:
         """Checks that need the model: token ids in range, logprob counts within the cap."""
         for name, ids in (("logit_bias", list(self.logit_bias or {})),
                           ("allowed_token_ids", self.allowed_token_ids or []),
-                          ("stop_token_ids", self.stop_token_ids)):
+                          ("stop_token_ids", self.stop_token_ids),
+                          ("bad_words", [t for w in self.bad_words_token_ids for t in w])):
             out = [i for i in ids if not 0 <= i < vocab_size]
             if out:
                 raise ValueError(f"{name} has token id(s) {out[:5]} outside the vocabulary "
@@ -128,9 +149,35 @@ class SamplingParams:
                 raise ValueError(f"Requested {name}={value} is more than the maximum "
                                  f"allowed ({max_logprobs}); raise --max-logprobs.")
 
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Tokenize bad_words as vLLM does: each word alone, and with a leading space when that
+        makes a different token sequence of the same length (the word mid-text)."""
+        self._bad_words_token_ids = []
+        for word in self.bad_words:
+            alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            self._bad_words_token_ids.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                self._bad_words_token_ids.append(spaced)
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        return self._bad_words_token_ids
+
     @property
     def greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
+
+
+def _output_kind(value) -> RequestOutputKind:
+    if isinstance(value, str):
+        name = value.upper().replace("-", "_")
+        if name in RequestOutputKind.__members__:
+            return RequestOutputKind[name]
+    elif isinstance(value, int) and value in iter(RequestOutputKind):
+        return RequestOutputKind(value)
+    raise ValueError(f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
+                     f"got {value!r}.")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from jaxllm.sampling_params import SamplingParams
 
@@ -26,6 +26,7 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the request's grammar dead-ended (vLLM's FinishReason.ERROR)
 
     @property
     def finished(self) -> bool:
@@ -34,7 +35,8 @@ class SequenceStatus(enum.IntEnum):
     @property
     def finish_reason(self) -> Optional[str]:
         return {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
-                SequenceStatus.FINISHED_ABORTED: "abort"}.get(self)
+                SequenceStatus.FINISHED_ABORTED: "abort",
+                SequenceStatus.FINISHED_ERROR: "error"}.get(self)
 
 
 @dataclass
@@ -54,6 +56,9 @@ class Sequence:
     num_preemptions: int = 0
     # This sequence computes its request's prompt logprobs (the first of n does).
     computes_prompt_logprobs: bool = False
+    # Its structured-output state (a GrammarMatcher), advanced by the engine with every token
+    # and read by the sampler's host packing for the next token's mask.
+    grammar: Optional[Any] = None
     # Set by the engine for metrics.
     first_token_time: Optional[float] = None
 

@@ -16,14 +16,20 @@ def _ranked(position: LogprobDict) -> list:
                                                     kv[1].rank or 0, -kv[1].logprob))
 
 
+def _token(state: ServingState, token_id: int, decoded: Optional[str], as_ids: bool) -> str:
+    """A token as logprobs show it: its text, or vLLM's "token_id:N" when the request sets
+    return_tokens_as_token_ids (for tokens whose text is not valid UTF-8 alone)."""
+    return f"token_id:{token_id}" if as_ids else state.token_str(token_id, decoded)
+
+
 def completion_logprobs(state: ServingState, token_ids: list[int],
-                        positions: list[Optional[LogprobDict]], text_offset: int = 0
-                        ) -> CompletionLogProbs:
+                        positions: list[Optional[LogprobDict]], text_offset: int = 0,
+                        as_ids: bool = False) -> CompletionLogProbs:
     """Legacy shape: parallel lists; `top_logprobs` holds the chosen token and the top-k."""
     out = CompletionLogProbs()
     for token_id, position in zip(token_ids, positions):
         chosen = position.get(token_id) if position else None
-        token = state.token_str(token_id, chosen.decoded_token if chosen else None)
+        token = _token(state, token_id, chosen.decoded_token if chosen else None, as_ids)
         out.tokens.append(token)
         out.text_offset.append(text_offset)
         text_offset += len(token)
@@ -34,19 +40,19 @@ def completion_logprobs(state: ServingState, token_ids: list[int],
         out.token_logprobs.append(chosen.logprob if chosen else None)
         top: dict[str, float] = {}
         for t, lp in _ranked(position):  # ids that decode alike ('\ufffd') keep the best
-            top.setdefault(state.token_str(t, lp.decoded_token), lp.logprob)
+            top.setdefault(_token(state, t, lp.decoded_token, as_ids), lp.logprob)
         out.top_logprobs.append(top)
     return out
 
 
 def chat_logprobs(state: ServingState, token_ids: list[int], positions: list[LogprobDict],
-                  top_logprobs: int) -> ChatCompletionLogProbs:
+                  top_logprobs: int, as_ids: bool = False) -> ChatCompletionLogProbs:
     """Chat shape: one entry per token, with UTF-8 bytes and the `top_logprobs` best."""
     content = []
     for token_id, position in zip(token_ids, positions):
         chosen = position.get(token_id)
-        token = state.token_str(token_id, chosen.decoded_token if chosen else None)
-        top = [_entry(state.token_str(t, lp.decoded_token), lp.logprob)
+        token = _token(state, token_id, chosen.decoded_token if chosen else None, as_ids)
+        top = [_entry(_token(state, t, lp.decoded_token, as_ids), lp.logprob)
                for t, lp in _ranked(position)[:top_logprobs]]
         content.append(ChatCompletionLogProbsContent(
             **_entry(token, chosen.logprob if chosen else -9999.0).model_dump(),

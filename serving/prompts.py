@@ -50,6 +50,21 @@ def check_token_ids(state: ServingState, token_ids: list[int]) -> None:
                        param="prompt")
 
 
+def truncated(state: ServingState, prompt: Prompt, keep: Optional[int]) -> Prompt:
+    """vLLM's truncate_prompt_tokens: the last `keep` tokens (-1: max_model_len); a cut
+    prompt's text is dropped (echo decodes the tokens kept)."""
+    if keep is None:
+        return prompt
+    if keep > state.max_model_len:
+        raise APIError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                       f"({state.max_model_len}). Please select a smaller truncation size.",
+                       param="truncate_prompt_tokens")
+    keep = state.max_model_len if keep == -1 else keep
+    if len(prompt.token_ids) <= keep:
+        return prompt
+    return Prompt(prompt.token_ids[-keep:], None)
+
+
 def max_tokens_for(state: ServingState, num_prompt_tokens: int, requested: Optional[int]) -> int:
     """vLLM's rule: the request's max_tokens if it fits; if unset, the rest of the context
     (capped by the generation config's max_new_tokens)."""

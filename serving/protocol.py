@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.structured_output import from_request
 from serving.errors import APIError
 
 _INT64 = 2**63
@@ -102,6 +103,18 @@ class SamplingRequest(RequestBody):
     prompt_logprobs: Optional[int] = None
     priority: int = 0
     request_id: Optional[str] = None
+    bad_words: Optional[list[str]] = None
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
+    return_tokens_as_token_ids: Optional[bool] = None
+    # Structured output in every spelling vLLM has had (response_format above, too); at most
+    # one may constrain a request (jaxllm/structured_output/params.py `from_request`).
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
 
     def check_supported(self) -> None:
         """Refuse what the engine cannot do, rather than silently ignoring it."""
@@ -112,9 +125,19 @@ class SamplingRequest(RequestBody):
             raise APIError("Beam search is not supported.", param="use_beam_search")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError("best_of is not supported (only best_of == n).", param="best_of")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError("Structured output (response_format other than 'text') is not "
-                           "supported yet.", param="response_format")
+        if self.truncate_prompt_tokens == 0:
+            raise APIError("truncate_prompt_tokens must be -1 (max_model_len) or at least 1.",
+                           param="truncate_prompt_tokens")
+
+    def structured_output_params(self):
+        """The request's constraint (or None); an APIError naming the field if it is invalid,
+        unsupported or given twice."""
+        body = {name: getattr(self, name) for name in _STRUCTURED_FIELDS}
+        try:
+            return from_request(body)
+        except ValueError as e:
+            field = next((n for n in _STRUCTURED_FIELDS if str(e).startswith(n)), None)
+            raise APIError(str(e), param=field) from None
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int],
                         prompt_logprobs: Optional[int], defaults: dict) -> SamplingParams:
@@ -147,7 +170,15 @@ class SamplingRequest(RequestBody):
             logit_bias=({k: max(-100.0, min(100.0, v)) for k, v in self.logit_bias.items()}
                         if self.logit_bias else None),
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=self.structured_output_params(),
         )
+
+
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                      "guided_choice", "guided_grammar", "guided_decoding_backend",
+                      "guided_whitespace_pattern")
 
 
 def _or(value, default):

@@ -17,7 +17,7 @@ from serving.deadline import call_with_deadline
 from serving.generation import build_params, collect, merge, submit
 from serving.limits import check_request_limits
 from serving.logprobs import chat_logprobs, prompt_logprobs_json
-from serving.prompts import Prompt, check_token_ids, max_tokens_for
+from serving.prompts import Prompt, check_token_ids, max_tokens_for, truncated
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                               ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo)
@@ -68,6 +68,7 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     choice = ToolChoice.of(req, state.tool_call_parser, state.enable_auto_tool_choice)
     exclude = choice.mode == "none" and state.exclude_tools_when_tool_choice_none
     prompt, messages = await chat_prompt(state, req, None if exclude else req.tools)
+    prompt = truncated(state, prompt, req.truncate_prompt_tokens)
     params = build_params(state, lambda: _with_tool_choice(req.sampling_params(
         max_tokens_for(state, len(prompt.token_ids), req.requested_max_tokens),
         req.num_logprobs, req.prompt_logprobs, state.generation_defaults), choice))
@@ -110,7 +111,8 @@ def _choice(state: ServingState, req: ChatCompletionRequest, role: str, echo: Op
         message["content"] = echo + (message["content"] or "")
     return ChatCompletionResponseChoice(
         index=o.index, message=ChatMessage(role=role, **message),
-        logprobs=(chat_logprobs(state, o.token_ids, o.logprobs or [], req.top_logprobs or 0)
+        logprobs=(chat_logprobs(state, o.token_ids, o.logprobs or [], req.top_logprobs or 0,
+                                as_ids=bool(req.return_tokens_as_token_ids))
                   if req.logprobs else None),
         finish_reason=parser.finish_reason(o.finish_reason), stop_reason=o.stop_reason)
 
@@ -162,7 +164,8 @@ async def _stream(state: ServingState, req: ChatCompletionRequest, model: str, r
                     if req.logprobs:
                         logprobs = chat_logprobs(state, o.token_ids[start:],
                                                  list(o.logprobs or [])[start:],
-                                                 req.top_logprobs or 0)
+                                                 req.top_logprobs or 0,
+                                                 as_ids=bool(req.return_tokens_as_token_ids))
                     sent_tokens[o.index], sent_text[o.index] = len(o.token_ids), len(o.text)
                     if o.finish_reason is not None:
                         finished.add(o.index)

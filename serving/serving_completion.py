@@ -12,7 +12,7 @@ from serving.errors import error_body
 from serving.generation import build_params, collect, merge, submit
 from serving.logprobs import completion_logprobs, prompt_logprobs_json
 from serving.limits import check_request_limits
-from serving.prompts import Prompt, max_tokens_for, split_prompts, to_prompts
+from serving.prompts import Prompt, max_tokens_for, split_prompts, to_prompts, truncated
 from serving.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                               CompletionResponseChoice, CompletionResponseStreamChoice,
                               CompletionStreamResponse, UsageInfo)
@@ -29,7 +29,8 @@ async def create_completion(state: ServingState, req: CompletionRequest, base_id
     req.check_supported()
     state.warn_ignored_fields(req)
     check_request_limits(state.limits, req, len(split_prompts(req.prompt)))
-    prompts = await to_prompts(state, req.prompt, req.add_special_tokens)
+    prompts = [truncated(state, p, req.truncate_prompt_tokens)
+               for p in await to_prompts(state, req.prompt, req.add_special_tokens)]
     # As vLLM: echo with logprobs also asks for the prompt's, so the echoed tokens carry them.
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo:
@@ -86,7 +87,8 @@ def _choice(state: ServingState, req: CompletionRequest, i: int, prompt: Prompt,
     text, token_ids, positions = _piece(req, prompt, out, o, 0, 0, first=True)
     logprobs = None
     if req.logprobs is not None:
-        logprobs = completion_logprobs(state, token_ids, positions)
+        logprobs = completion_logprobs(state, token_ids, positions,
+                                       as_ids=bool(req.return_tokens_as_token_ids))
     return CompletionResponseChoice(
         index=i * req.n + o.index, text=text, logprobs=logprobs,
         finish_reason=o.finish_reason, stop_reason=o.stop_reason,
@@ -119,8 +121,9 @@ async def _stream(state: ServingState, req: CompletionRequest, model: str, reque
                         first=key not in sent_tokens)
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = completion_logprobs(state, token_ids, positions,
-                                                       offset.get(key, 0))
+                        logprobs = completion_logprobs(
+                            state, token_ids, positions, offset.get(key, 0),
+                            as_ids=bool(req.return_tokens_as_token_ids))
                     sent_tokens[key], sent_text[key] = len(o.token_ids), len(o.text)
                     offset[key] = offset.get(key, 0) + len(text)
                     if o.finish_reason is not None:

@@ -13,10 +13,10 @@ from serving.limits import Admission, RequestLimits, check_text_length, longest_
 from serving.metrics import ServerMetrics
 
 logger = logging.getLogger("jaxllm.serving")
-# vLLM request fields this server has no implementation of yet (guided_* too).
-UNSUPPORTED_VLLM_FIELDS = {"structured_outputs", "bad_words", "truncate_prompt_tokens",
-                           "return_tokens_as_token_ids", "logits_processors", "vllm_xargs",
-                           "kv_transfer_params", "cache_salt", "mm_processor_kwargs"}
+# vLLM request fields this server has no implementation of yet (and any guided_* field other
+# than the ones serving/protocol.py declares).
+UNSUPPORTED_VLLM_FIELDS = {"logits_processors", "vllm_xargs", "kv_transfer_params", "cache_salt",
+                           "mm_processor_kwargs"}
 
 
 @dataclass

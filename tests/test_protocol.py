@@ -80,7 +80,6 @@ def test_sampling_fields_reach_sampling_params():
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"best_of": 3}, "best_of"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_unsupported_options_are_refused(fields, param):
     for req in (CompletionRequest(prompt="x", **fields),
@@ -406,3 +405,41 @@ def test_cors_settings_are_applied(monkeypatch):
     assert ok.headers["access-control-allow-origin"] == "http://ok.test"
     other = c.options("/v1/models", headers={"Origin": "http://evil.test", **preflight})
     assert "access-control-allow-origin" not in other.headers
+
+
+@pytest.mark.parametrize("fields, kind", [
+    ({"response_format": {"type": "json_object"}}, "json_object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object"}}}}, "json"),
+    ({"guided_json": {"type": "object"}}, "json"),
+    ({"guided_regex": "a+", "guided_decoding_backend": "auto"}, "regex"),
+    ({"guided_choice": ["a", "b"]}, "choice"),
+    ({"guided_grammar": 'root ::= "a"'}, "grammar"),
+    ({"structured_outputs": {"json": {"type": "object"}}}, "json"),
+    ({"response_format": {"type": "text"}}, None),
+])
+def test_structured_output_fields_reach_sampling_params(fields, kind):
+    for req in (CompletionRequest(prompt="x", **fields),
+                ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields)):
+        req.check_supported()
+        so = req.sampling_params(4, None, None, {}).structured_outputs
+        assert (so.kind if so is not None else None) == kind
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"guided_json": "{", "guided_regex": "a"}, None),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"regex": 5}}, "structured_outputs"),
+])
+def test_bad_structured_output_fields_name_the_field(fields, param):
+    req = CompletionRequest(prompt="x", **fields)
+    with pytest.raises(APIError) as e:
+        req.sampling_params(4, None, None, {})
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_bad_words_and_truncation_reach_sampling_params():
+    req = CompletionRequest(prompt="x", bad_words=["no"], truncate_prompt_tokens=3)
+    sp = req.sampling_params(4, None, None, {})
+    assert sp.bad_words == ["no"] and sp.truncate_prompt_tokens == 3

@@ -473,11 +473,13 @@ def test_sample_rows_with_a_projection():
         np.testing.assert_array_equal(tok[:n], target[:n])
 
 
-def test_output_kind_other_than_cumulative_is_refused():
-    """SamplingParams.output_kind is vLLM's; only cumulative outputs exist, so delta and
-    final-only are refused by name, not accepted and ignored."""
-    from jaxllm.sampling_params import SamplingParams
-    assert SamplingParams(output_kind="cumulative").output_kind == "cumulative"
-    for kind in ("delta", "final"):
-        with pytest.raises(ValueError, match="output_kind must be 'cumulative'"):
+def test_output_kind_spellings():
+    """SamplingParams.output_kind is vLLM's RequestOutputKind, also given by name; anything
+    else is refused by name (the engine's outputs per kind: tests/test_structured_engine.py)."""
+    from jaxllm.sampling_params import RequestOutputKind as K, SamplingParams
+    assert SamplingParams().output_kind is K.CUMULATIVE
+    assert SamplingParams(output_kind="delta").output_kind is K.DELTA
+    assert SamplingParams(output_kind=K.FINAL_ONLY).output_kind is K.FINAL_ONLY
+    for kind in ("final", 7):
+        with pytest.raises(ValueError, match="output_kind must be one of"):
             SamplingParams(output_kind=kind)

@@ -14,9 +14,13 @@ import sys
 import tempfile
 import time
 
+import re
+from typing import Literal
+
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, Field
 from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key"
@@ -74,8 +78,12 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
+    # The random model pads JSON with whitespace forever unless told not to (a real model does
+    # not need it); the flag is vLLM's --structured-outputs-config.
     srv = ServerProcess(tiny_llama, *ENGINE_FLAGS, "--served-model-name", NAME, "--api-key",
-                        API_KEY, "--enable-request-id-headers", "--trust-request-chat-template")
+                        API_KEY, "--enable-request-id-headers", "--trust-request-chat-template",
+                        "--structured-outputs-config",
+                        '{"backend": "auto", "disable_any_whitespace": true}')
     yield srv
     srv.stop()
 
@@ -523,3 +531,70 @@ def test_metrics(client, http):
     jaxllm_names = [k for k in after if k.startswith("jaxllm:")]
     assert {k: after["vllm:" + k[7:]] for k in jaxllm_names} == {k: after[k] for k in
                                                                   jaxllm_names}  # vLLM's too
+
+
+# --- structured output, bad_words, truncation, token ids ---------------------------------------
+
+class Pick(BaseModel):
+    colour: Literal["red", "green", "blue"]
+    size: int = Field(ge=1, le=9)
+    ok: bool
+
+
+def test_chat_completions_parse_returns_the_pydantic_object(client):
+    """The openai client's `parse(response_format=Model)` (a strict json_schema request)."""
+    r = client.chat.completions.parse(model=NAME, messages=[{"role": "user", "content": "Pick"}],
+                                      response_format=Pick, max_tokens=40, temperature=1.0,
+                                      seed=1)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(r.choices[0].message.parsed, Pick)
+
+
+@pytest.mark.parametrize("extra, check", [
+    ({"guided_regex": r"\d{3}-\d{4}"}, lambda t: re.fullmatch(r"\d{3}-\d{4}", t)),
+    ({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
+    ({"structured_outputs": {"choice": ["x y", "z"]}}, lambda t: t in ("x y", "z")),
+    ({"guided_grammar": 'root ::= "(" [a-c]+ ")"'}, lambda t: re.fullmatch(r"\([a-c]+\)", t)),
+    ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
+    ({"guided_json": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+     lambda t: all(isinstance(v, bool) for v in json.loads(t))),
+])
+def test_structured_output_spellings(client, extra, check):
+    for stream in (False, True):
+        kw = dict(model=NAME, max_tokens=40, temperature=1.0, seed=5, extra_body=extra)
+        if stream:
+            chunks = client.chat.completions.create(
+                messages=[{"role": "user", "content": "Go"}], stream=True, **kw)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            text = client.completions.create(prompt="Go", **kw).choices[0].text
+        assert check(text), (extra, text)
+
+
+def test_uncompilable_schema_is_a_400_naming_the_problem(client):
+    with pytest.raises(openai.BadRequestError, match="regex"):
+        client.completions.create(model=NAME, prompt="x", extra_body={"guided_regex": "(a"})
+
+
+def test_bad_words_truncation_and_token_ids(client, http):
+    kw = dict(model=NAME, prompt="The quick brown fox", max_tokens=6, **GREEDY)
+    base = client.completions.create(logprobs=0, **kw, **LONG).choices[0].logprobs.tokens
+    i, word = next((i, t) for i, t in enumerate(base) if t.strip())  # greedy: deterministic
+    banned = client.completions.create(logprobs=0, **kw, extra_body={
+        "ignore_eos": True, "bad_words": [word]}).choices[0].logprobs.tokens
+    assert banned[:i] == base[:i] and banned[i] != base[i]  # the same until the bad word
+    assert word not in banned
+    ids = http.post("/tokenize", json={"prompt": "The quick brown fox"}).json()["tokens"]
+    cut = client.completions.create(**kw, extra_body={"ignore_eos": True,
+                                                     "truncate_prompt_tokens": 2})
+    ref = client.completions.create(model=NAME, prompt=ids[-2:], max_tokens=6, **GREEDY, **LONG)
+    assert cut.usage.prompt_tokens == 2 and cut.choices[0].text == ref.choices[0].text
+    as_ids = client.completions.create(logprobs=1, **kw, extra_body={
+        "ignore_eos": True, "return_tokens_as_token_ids": True})
+    lp = as_ids.choices[0].logprobs
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in lp.tokens)
+    assert all(re.fullmatch(r"token_id:\d+", t) for top in lp.top_logprobs for t in top)
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, logprobs=True,
+        top_logprobs=2, **GREEDY, extra_body={"return_tokens_as_token_ids": True})
+    assert all(c.token.startswith("token_id:") for c in chat.choices[0].logprobs.content)

@@ -108,8 +108,8 @@ def test_request_logs_hide_prompts_and_are_bounded(caplog):
 
 def test_unsupported_vllm_fields_are_refused_and_unknown_ones_logged_briefly(caplog):
     with pytest.raises(APIError) as e:
-        ServingState.warn_ignored_fields(CompletionRequest(prompt="x", guided_regex="a+"))
-    assert e.value.param == "guided_regex"
+        ServingState.warn_ignored_fields(CompletionRequest(prompt="x", guided_rgx="a+"))
+    assert e.value.param == "guided_rgx"
     with caplog.at_level(logging.WARNING, logger="jaxllm.serving"):
         ServingState.warn_ignored_fields(CompletionRequest(
             prompt="x", **{f"f{i}": 1 for i in range(500)}))

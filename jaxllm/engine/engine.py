@@ -16,11 +16,12 @@ import numpy as np
 
 from jaxllm.config import EngineArgs
 from jaxllm.engine.detokenizer import IncrementalDetokenizer, decode_logprob_token
+from jaxllm.engine.grammar import Grammars, advance
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.layers.sampling_tensors import EXTRA_PENALTY_IDS, SamplingTensors, needs_processing
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxllm.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger("jaxllm")
@@ -35,6 +36,7 @@ class _SeqState:
     detok: Optional[IncrementalDetokenizer]
     logprobs: Optional[list] = None
     cumulative_logprob: float = 0.0
+    sent: tuple[int, int] = (0, 0)  # text chars, tokens given out (DELTA outputs)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Request:
     seqs: list[_SeqState] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: Optional[list] = None  # per prompt token; filled as positions are computed
+    prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
 
 
 def _last(inflight):
@@ -55,9 +58,11 @@ def _last(inflight):
 
 
 def _reads_output_history(sp: SamplingParams) -> bool:
-    """Penalties count the output tokens, so they need every one of them on the host."""
+    """Penalties count the output tokens, bad words match their ends, and a grammar's matcher
+    must have taken them all before the next mask: these need every output token on the host."""
     return (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0
-            or sp.presence_penalty != 0.0)
+            or sp.presence_penalty != 0.0 or bool(sp.bad_words)
+            or sp.structured_outputs is not None)
 
 
 class LLMEngine:
@@ -81,6 +86,8 @@ class LLMEngine:
             enable_chunked_prefill=args.chunked_prefill, policy=args.scheduling_policy,
             block_size=args.block_size)
         self.startup_times = dict(parts.startup_times, total=time.perf_counter() - t0)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
+                                 self.eos_token_ids, args.structured_outputs_config)
         self._requests: dict[str, Request] = {}
         self._seq_owner: dict[str, Request] = {}
         self._inflight = None  # async scheduling: the dispatched step (or burst) not read yet
@@ -100,8 +107,10 @@ class LLMEngine:
         return self.tokenizer
 
     # --- requests ----------------------------------------------------------------------------
-    def process_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
-        """Text and token ids of a prompt given as text, token ids, or a vLLM prompt dict."""
+    def process_prompt(self, prompt: PromptType, truncate_prompt_tokens: Optional[int] = None
+                       ) -> tuple[Optional[str], list[int]]:
+        """Text and token ids of a prompt given as text, token ids, or a vLLM prompt dict;
+        truncate_prompt_tokens=k keeps its last k tokens (-1: max_model_len), as vLLM."""
         text, ids = None, None
         if isinstance(prompt, dict):
             ids = prompt.get("prompt_token_ids")
@@ -118,13 +127,17 @@ class LLMEngine:
                                  "pass prompt_token_ids")
             ids = self.tokenizer.encode(text)
         ids = [int(i) for i in ids]
+        limit = self.model_config.max_model_len
+        keep = limit if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if keep is not None and len(ids) > keep:
+            ids = ids[-keep:]
+            text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
         vocab = self.model_config.vocab_size
         if not ids:
             raise ValueError("The prompt cannot be empty.")
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ValueError(f"Token id {bad[0]} is out of vocabulary (size {vocab}).")
-        limit = self.model_config.max_model_len
         if len(ids) > limit:
             raise ValueError(f"The prompt (length {len(ids)}) is longer than the maximum model "
                              f"length of {limit}. Make it shorter, or raise --max-model-len.")
@@ -136,14 +149,18 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         params = params.clone() if params is not None else SamplingParams()
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer (skip_tokenizer_init is set)")
+            params.update_from_tokenizer(self.tokenizer)
         params.verify_for_model(self.model_config.vocab_size, self.args.max_logprobs)
-        if params.structured_outputs is not None:
-            raise ValueError("structured_outputs is not implemented in the engine yet")
+        grammar = (self.grammars.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         extra = len(params.logit_bias or {}) + len(params.stop_token_ids) + len(self.eos_token_ids)
         if extra > EXTRA_PENALTY_IDS:
             raise ValueError(f"logit_bias and stop_token_ids name {extra} tokens; at most "
                              f"{EXTRA_PENALTY_IDS} are supported.")
-        text, ids = self.process_prompt(prompt)
+        text, ids = self.process_prompt(prompt, params.truncate_prompt_tokens)
         if params.max_tokens is None:
             params.max_tokens = self.model_config.max_model_len - len(ids)
         if self.args.scheduling_policy != "priority" and priority != 0:
@@ -160,7 +177,8 @@ class LLMEngine:
             seq_id = request_id if params.n == 1 else f"{i}_{request_id}"
             seq = Sequence(seq_id, list(ids), params, eos_token_ids=self.eos_token_ids,
                            arrival_time=now, priority=priority, seed=seed,
-                           computes_prompt_logprobs=i == 0 and params.prompt_logprobs is not None)
+                           computes_prompt_logprobs=i == 0 and params.prompt_logprobs is not None,
+                           grammar=grammar.matcher() if grammar is not None else None)
             detok = None
             if self.tokenizer is not None and params.detokenize:
                 detok = IncrementalDetokenizer(
@@ -302,6 +320,7 @@ class LLMEngine:
             self.total_generation_tokens += 1
             state = next(c for c in req.seqs if c.seq is seq)
             self._record_token(state, sampled[seq.seq_id])
+            self._advance_grammar(state, sampled[seq.seq_id].token)
             req.metrics.setdefault("first_token_time", now)
             touched[req.request_id] = req
         outputs = []
@@ -313,8 +332,21 @@ class LLMEngine:
                 for c in req.seqs:
                     self._seq_owner.pop(c.seq.seq_id, None)
                 self.total_prompt_tokens += len(req.prompt_token_ids)
-            outputs.append(self._make_output(req, done))
+            if done or req.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(req, done))
         return outputs
+
+    def _advance_grammar(self, state: _SeqState, token: int) -> None:
+        """The grammar takes the token; a complete grammar ends the sequence ("stop"), a dead
+        end ends it with "error" and the matcher's message as stop_reason."""
+        end = advance(state.seq, token)
+        if end is None:
+            return
+        status, reason = end
+        state.seq.stop_reason = reason
+        self.scheduler.finish_seqs([state.seq.seq_id], status)
+        if state.detok is not None:
+            state.detok.flush()
 
     def _record_token(self, state: _SeqState, s) -> None:
         seq = state.seq
@@ -342,19 +374,26 @@ class LLMEngine:
         return out
 
     def _make_output(self, req: Request, finished: bool) -> RequestOutput:
+        """Everything so far (CUMULATIVE, FINAL_ONLY), or what is new since the request's last
+        output (DELTA: text, token ids and logprobs from where the last one stopped)."""
+        delta = req.params.output_kind == RequestOutputKind.DELTA
         outs = []
         for i, c in enumerate(req.seqs):
             seq = c.seq
+            text = c.detok.released_text if c.detok is not None else ""
+            tokens = seq.resolved_output_token_ids
+            chars, num = c.sent if delta else (0, 0)
+            c.sent = (len(text), len(tokens))
             outs.append(CompletionOutput(
-                index=i, text=c.detok.released_text if c.detok is not None else "",
-                token_ids=seq.resolved_output_token_ids,
+                index=i, text=text[chars:], token_ids=tokens[num:],
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                logprobs=list(c.logprobs[num:]) if c.logprobs is not None else None,
                 finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
         # Complete (and no longer written) once the sequence computing them has sampled; with
         # n > 1 another sequence may sample first.
         prompt_logprobs = (req.prompt_logprobs if req.seqs[0].seq.resolved_output_token_ids
-                           else None)
+                           and not (delta and req.prompt_logprobs_sent) else None)
+        req.prompt_logprobs_sent |= prompt_logprobs is not None
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids, prompt_logprobs=prompt_logprobs, outputs=outs,

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from jaxllm.config import DEFAULT_MODEL, EngineArgs
 from jaxllm.engine.engine import LLMEngine, PromptType
 from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 Params = Union[SamplingParams, Sequence[SamplingParams], None]
 
@@ -52,6 +52,10 @@ class LLM:
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
+                # As vLLM's LLM: the result is each request's final output, whatever the
+                # output_kind, so the engine builds no intermediate ones.
+                p = (p if p is not None else SamplingParams()).clone()
+                p.output_kind = RequestOutputKind.FINAL_ONLY
                 rid = str(next(self._ids))
                 self.llm_engine.add_request(rid, prompt, p, priority[i] if priority else 0)
                 ids.append(rid)

@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sequence import Sequence
+from jaxllm.structured_output.backend import fill_banned_bits
 
 _SAMPLING_EPS = 1e-5
 # Room in the sampler's per-row token table beyond the context: logit_bias, stop and EOS ids.
@@ -133,7 +134,8 @@ def _min_tokens_stop_ids(r: Sequence) -> set[int]:
 def needs_processing(r: Sequence) -> bool:
     sp = r.sampling_params
     return bool(sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty
-                or sp.logit_bias or sp.allowed_token_ids is not None or _min_tokens_stop_ids(r))
+                or sp.logit_bias or sp.allowed_token_ids is not None or _min_tokens_stop_ids(r)
+                or sp.bad_words_token_ids or r.grammar is not None)
 
 
 def _unique(a: np.ndarray):
@@ -180,17 +182,34 @@ def _penalty_table(seqs, processing, S, width, V):
 
 
 def _banned_bits(seqs, S, words):
+    """Each row's banned tokens: the grammar's mask (written first, whole rows), then tokens
+    outside allowed_token_ids and the bad words' last tokens OR-ed in."""
     bits = _host_zeros((S, words), np.uint32)
     if words == 0:
         return bits
+    fill_banned_bits([(r.grammar, i) for i, r in enumerate(seqs) if r.grammar is not None], bits)
     for i, r in enumerate(seqs):
         allowed = r.sampling_params.allowed_token_ids
         if allowed is not None:
-            a = np.asarray(allowed, np.int64)
-            words_allowed = np.zeros(words, np.uint32)
-            np.bitwise_or.at(words_allowed, a >> 5, np.uint32(1) << (a & 31).astype(np.uint32))
-            bits[i] = ~words_allowed
+            bits[i] |= ~_token_bits(allowed, words)
+        banned = _bad_word_tokens(r)
+        if banned:
+            bits[i] |= _token_bits(banned, words)
     return bits
+
+
+def _token_bits(ids, words):
+    a = np.asarray(ids, np.int64)
+    out = np.zeros(words, np.uint32)
+    np.bitwise_or.at(out, a >> 5, np.uint32(1) << (a & 31).astype(np.uint32))
+    return out
+
+
+def _bad_word_tokens(r: Sequence) -> list[int]:
+    """vLLM's bad words: the last token of each bad word whose other tokens end the output."""
+    out = r.output_token_ids
+    return [w[-1] for w in r.sampling_params.bad_words_token_ids
+            if len(w) <= len(out) + 1 and (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1])]
 
 
 def _host_zeros(shape, dtype):

@@ -107,6 +107,7 @@ class GrammarCompiler:
                                                          eos_token=eos)
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
+        self.num_compiles = 0  # cache misses
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         key = _cache_key(params)
@@ -115,6 +116,7 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
             return hit
         compiled = CompiledGrammar(self._template(params), self)
+        self.num_compiles += 1
         self._cache[key] = compiled
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
