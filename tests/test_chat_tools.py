@@ -172,17 +172,35 @@ def constrained(client, **kw):
         raise
 
 
-@pytest.mark.parametrize("parallel", [True, False])
-def test_required_returns_valid_calls(client, parallel):
-    kw = dict(tool_choice="required", parallel_tool_calls=parallel, max_tokens=120)
-    full = constrained(client, **kw)
-    choice = full.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    assert 1 <= len(choice.message.tool_calls) <= (8 if parallel else 1)
+def valid_calls(calls) -> None:
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    for call in choice.message.tool_calls:
+    assert calls
+    for call in calls:
         assert call.id.startswith("chatcmpl-tool-") and call.type == "function"
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_required_returns_one_valid_call(client):
+    kw = dict(tool_choice="required", parallel_tool_calls=False, max_tokens=200)
+    full = constrained(client, **kw)
+    choice = full.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    assert len(choice.message.tool_calls) == 1
+    valid_calls(choice.message.tool_calls)
+    check_same(full, assemble(constrained(client, stream=True, **kw)))
+
+
+def test_required_parallel_calls_are_valid(client):
+    """The random model may add calls until max_tokens cuts one off: every complete call
+    still fits its schema, and the cut one comes back as content."""
+    kw = dict(tool_choice="required", max_tokens=300)
+    full = constrained(client, **kw)
+    choice = full.choices[0]
+    valid_calls(choice.message.tool_calls)
+    if choice.finish_reason == "length":
+        assert choice.message.content.startswith('{"name":')
+    else:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
     check_same(full, assemble(constrained(client, stream=True, **kw)))
 
 
@@ -192,7 +210,7 @@ def test_named_function_returns_its_arguments(client):
     full = constrained(client, **kw)
     (call,) = full.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and full.choices[0].finish_reason == "stop"
-    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    valid_calls([call])
     check_same(full, assemble(constrained(client, stream=True, **kw)))
 
 
@@ -204,7 +222,7 @@ def test_auto_parses_a_hermes_call_after_reasoning(client):
     """The regex leaves the model one output, a hermes call after reasoning, so this is the
     `auto` path end to end: reasoning split, then the call parsed, streamed or not."""
     regex = "".join("\\" + ch if ch in "{}[]().*+?^$|\\" else ch for ch in HERMES_CALL)
-    kw = dict(tool_choice="auto", max_tokens=100,
+    kw = dict(tool_choice="auto", max_tokens=300,
               extra_body={"structured_outputs": {"regex": regex}})
     full = constrained(client, **kw)
     message = full.choices[0].message

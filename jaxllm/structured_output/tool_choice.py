@@ -8,7 +8,8 @@ so the arguments always parse and validate, whatever the model and its tool-call
 
 `tool_choice_params` builds the constraint, `calls_from_output` turns the constrained output
 into (name, arguments JSON) pairs. "none" and "auto" need no constraint ("auto" is the tool
-parser's job).
+parser's job). The JSON is compact (no optional whitespace): calls are read by programs, and a
+model left free to write whitespace can spend its whole token budget on it.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ def tool_choice_params(tools: Optional[list], tool_choice: Any,
         schema = {"type": "array", "minItems": 1, "items": items}
         if not parallel_tool_calls:
             schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     name = _named(tool_choice)
     if name not in functions:
         raise ValueError(f"tool_choice names function {name!r}, which is not in tools "
                          f"({sorted(functions)})")
-    return StructuredOutputsParams(json=functions[name])
+    return StructuredOutputsParams(json=functions[name], disable_any_whitespace=True)
 
 
 def calls_from_output(text: str, tool_choice: Any) -> list[tuple[str, str]]:
