@@ -69,7 +69,8 @@ class ChoiceParser:
     """One choice's parsers (they keep the stream state), built per choice."""
 
     def __init__(self, choice: ToolChoice, tool_parser: Optional[str],
-                 reasoning_parser: Optional[str], tokenizer: Any = None):
+                 reasoning_parser: Optional[str], tokenizer: Any = None,
+                 constrained: bool = False):
         self.choice = choice
         if choice.mode == "auto":
             self.tools: ToolParser = get_tool_parser(tool_parser)(tokenizer)
@@ -79,10 +80,14 @@ class ChoiceParser:
             self.tools = NamedToolParser(choice.function, tokenizer)
         else:
             self.tools = _NoTools(tokenizer)
-        # A constrained output is JSON from its first token (the grammar does not wait for the
-        # reasoning to end), so there is no reasoning to split off.
+        # The grammar of a constrained output (structured output, tool_choice required/named)
+        # applies from the first token, not after the reasoning: such an output has reasoning
+        # only where it writes <think>...</think> itself, which is qwen3's reading
+        # (deepseek_r1's would call a JSON answer reasoning, as it never sees </think>).
+        if reasoning_parser and constrained:
+            reasoning_parser = "qwen3"
         self.reasoning = (get_reasoning_parser(reasoning_parser)(tokenizer)
-                          if reasoning_parser and choice.constraint is None else None)
+                          if reasoning_parser else None)
         self._reasoning_sent = ""
         self.called = False
 

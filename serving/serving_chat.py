@@ -73,7 +73,8 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
         max_tokens_for(state, len(prompt.token_ids), req.requested_max_tokens),
         req.num_logprobs, req.prompt_logprobs, state.generation_defaults), choice))
     parsers = [ChoiceParser(choice, state.tool_call_parser, state.reasoning_parser,
-                            state.tokenizer) for _ in range(req.n)]
+                            state.tokenizer, params.structured_outputs is not None)
+               for _ in range(req.n)]
     role = state.response_role if req.add_generation_prompt else messages[-1]["role"]
     # vLLM's chat echo: repeat the last message when it is the role being answered.
     echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == role else None

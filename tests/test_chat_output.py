@@ -140,7 +140,8 @@ RECORDED = [
 def test_recorded_outputs_whole_and_streamed(case):
     choice, tool_parser, reasoning_parser, text, reasoning, content, names = RECORDED[case]
     mode = ToolChoice.of(request(choice), tool_parser, True)
-    whole = ChoiceParser(mode, tool_parser, reasoning_parser).whole(text)
+    constrained = mode.constraint is not None
+    whole = ChoiceParser(mode, tool_parser, reasoning_parser, None, constrained).whole(text)
     assert whole["reasoning"] == reasoning
     assert whole["content"] == content
     assert [c["function"]["name"] for c in whole["tool_calls"]] == names
@@ -149,7 +150,8 @@ def test_recorded_outputs_whole_and_streamed(case):
                       if t["function"]["name"] == call["function"]["name"])
         jsonschema.validate(json.loads(call["function"]["arguments"]), params)
     for seed in range(30):
-        same(whole, stream(ChoiceParser(mode, tool_parser, reasoning_parser), text, seed))
+        same(whole, stream(ChoiceParser(mode, tool_parser, reasoning_parser, None,
+                                        constrained), text, seed))
 
 
 def test_named_stream_sends_the_name_first_then_argument_fragments():
@@ -177,3 +179,16 @@ def test_finish_reason_and_parallel_tool_calls():
     required = ChoiceParser(ToolChoice.of(request("required"), None, False), None, None)
     required.whole('[{"name": "get_time", "parameters": {}}')  # cut off after one call
     assert required.finish_reason("length") == "length"
+
+
+def test_constrained_output_has_reasoning_only_between_think_tags():
+    """deepseek_r1 reads an output without </think> as all reasoning; a constrained output
+    (grammar from the first token) is read by the explicit tags instead, so a JSON answer
+    stays content."""
+    none = ToolChoice()
+    assert ChoiceParser(none, None, "deepseek_r1").whole('{"a": 1}')["reasoning"] == '{"a": 1}'
+    free = ChoiceParser(none, None, "deepseek_r1", None, constrained=True)
+    assert free.whole('{"a": 1}') == {"reasoning": None, "content": '{"a": 1}',
+                                      "tool_calls": []}
+    tagged = ChoiceParser(none, None, "deepseek_r1", None, constrained=True)
+    assert tagged.whole("<think>hm</think>{}")["reasoning"] == "hm"
