@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from contextlib import aclosing
@@ -97,11 +98,13 @@ def _with_tool_choice(params: SamplingParams, choice: ToolChoice) -> SamplingPar
     (vLLM's parsers do the same)."""
     if choice.constraint is not None:
         if params.structured_outputs is not None:
-            raise ValueError(f"structured_outputs cannot be combined with tool_choice "
-                             f"{choice.mode!r}, which constrains the output itself")
-        params.structured_outputs = choice.constraint
-    elif choice.mode == "auto":
-        params.skip_special_tokens = False
+            raise ValueError(f"structured_outputs (or response_format, guided_*) cannot be "
+                             f"combined with tool_choice {choice.mode!r}, which constrains "
+                             f"the output itself")
+        return dataclasses.replace(params, structured_outputs=choice.constraint,
+                                   guided_decoding=None)
+    if choice.mode == "auto":
+        return dataclasses.replace(params, skip_special_tokens=False)
     return params
 
 

@@ -250,6 +250,15 @@ def test_bad_tool_choice_is_a_400_naming_it(http, body, words):
         assert word in error["message"]
 
 
+def test_a_second_constraint_is_refused(http):
+    r = http.post("/v1/chat/completions", json={
+        "model": NAME, "messages": HISTORY, "tools": TOOLS, "tool_choice": "required",
+        "response_format": {"type": "json_object"}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "structured_outputs"
+    assert "tool_choice 'required'" in r.json()["error"]["message"]
+
+
 def test_llm_chat_renders_tools(long_llama, template_file):
     from jaxllm import LLM, SamplingParams
 
