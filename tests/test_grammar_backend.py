@@ -229,3 +229,31 @@ def test_tool_choice_required_walks_give_valid_calls(compiler, tok, texts):
             assert calls and (parallel or len(calls) == 1)
             for name, arguments in calls:
                 jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+def test_a_model_with_fewer_logits_than_the_tokenizer_gets_masks_of_its_width(tok):
+    """A model whose logits stop before the tokenizer's last token (the 124M bench model:
+    32000 logits, SmolLM2's 49152-token tokenizer): the masks are cut to the model's width,
+    and agree with the full-width ones on the tokens it has."""
+    from jaxllm.structured_output.backend import GrammarCompiler
+    full, cut = GrammarCompiler(tok), GrammarCompiler(tok, vocab_size=1000)
+    params = P(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    wide = np.zeros((2, -(-full.vocab_size // 32)), np.uint32)
+    narrow = np.zeros((2, -(-1000 // 32)), np.uint32)
+    fill_banned_bits([(full.matcher(params), 1)], wide)
+    fill_banned_bits([(cut.matcher(params), 1)], narrow)
+    np.testing.assert_array_equal(narrow[1], wide[1, :narrow.shape[1]])
+    assert (narrow[0] == 0).all() and (wide[1] != 0).any()
+
+
+def test_a_grammar_no_token_can_start_is_refused_at_compile(tok):
+    """With this schema llguidance allows only one first token (`{"`, id 39428 in SmolLM2's
+    vocabulary); a model with 32000 logits cannot sample it. Compiling probes the first mask,
+    so this is a GrammarError (a 400), not a request that dead-ends at once."""
+    from jaxllm.structured_output.backend import GrammarCompiler
+    schema = {"type": "object", "properties": {"values": {"type": "array", "items": {
+        "type": "integer"}, "minItems": 1000}}, "required": ["values"]}
+    params = P(json=schema, disable_any_whitespace=True)
+    assert GrammarCompiler(tok).compile(params) is not None  # the full vocabulary has it
+    with pytest.raises(GrammarError, match="no token of the model's vocabulary"):
+        GrammarCompiler(tok, vocab_size=32000).compile(params)

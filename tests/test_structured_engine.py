@@ -18,10 +18,14 @@ FREE = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = ["The capital of France", "Hello world, how", "Once upon a time", "What is 2 + 2?"]
 
 
+def tiny(path, **kw):
+    return LLM(path, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, block_size=4,
+               use_tqdm_on_load=False, seed=0, disable_log_stats=True, **kw)
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(tiny_llama, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
-               block_size=4, use_tqdm_on_load=False, seed=0, disable_log_stats=True)
+    return tiny(tiny_llama)
 
 
 def texts(outs):
@@ -55,6 +59,22 @@ def test_free_requests_unchanged_by_constrained_neighbours(llm):
                          [sp for _ in PROMPTS for sp in (FREE, guided)], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed[::2]] == alone
     assert all(re.fullmatch("[a-z ]{1,30}", o.outputs[0].text) for o in mixed[1::2])
+
+
+@pytest.mark.parametrize("steps", [1, pytest.param(4, marks=pytest.mark.slow)])  # compiles
+def test_async_and_multi_step_engines_mix_grammar_and_free_requests(llm, tiny_llama, steps):
+    """With async scheduling (and 4-step bursts), free requests batched with constrained ones
+    (which run their steps one at a time, read before the next) get the tokens of the plain
+    engine, and the constrained ones still match."""
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, FREE, use_tqdm=False)]
+    fast = tiny(tiny_llama, async_scheduling=True, num_scheduler_steps=steps)
+    fast.llm_engine.wait_for_background_compiles()
+    guided = SamplingParams(temperature=0.0, max_tokens=6, structured_outputs=SO(regex="[a-z]+"))
+    mixed = fast.generate(PROMPTS + PROMPTS[:2], [FREE] * 4 + [guided] * 2, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:4]] == expected
+    assert all(re.fullmatch("[a-z]+", o.outputs[0].text) for o in mixed[4:])
+    alone = fast.generate(PROMPTS, FREE, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in alone] == expected
 
 
 def test_a_dead_end_finishes_with_error(llm):

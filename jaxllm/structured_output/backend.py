@@ -101,9 +101,12 @@ class GrammarCompiler:
                  eos_token_ids: Optional[Sequence[int]] = None, cache_size: int = 256):
         import llguidance.hf
 
-        self.vocab_size = int(vocab_size or len(tokenizer))
+        self.vocab_size = int(vocab_size or len(tokenizer))  # the model's logits
+        # llguidance needs every token of the tokenizer; a model may have fewer logits (its
+        # masks are then cut to the model's width: tokens past it cannot be sampled anyway).
+        self.mask_vocab_size = max(self.vocab_size, len(tokenizer))
         eos = list(eos_token_ids) if eos_token_ids else tokenizer.eos_token_id
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.mask_vocab_size,
                                                          eos_token=eos)
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
@@ -116,6 +119,7 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
             return hit
         compiled = CompiledGrammar(self._template(params), self)
+        _check_first_mask(compiled, params.kind)
         self.num_compiles += 1
         self._cache[key] = compiled
         if len(self._cache) > self._cache_size:
@@ -147,7 +151,7 @@ class GrammarCompiler:
             raise GrammarError(f"invalid {kind}: {e}") from None
         template = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if template.is_error():
-            raise GrammarError(f"invalid {kind}: {template.get_error().strip()}")
+            raise GrammarError(f"invalid {kind}: {template.get_error().strip()[:500]}")
         return template
 
 
@@ -169,14 +173,36 @@ def fill_banned_bits(rows: Sequence[tuple[GrammarMatcher, int]], bits: np.ndarra
     if bits.dtype != np.uint32 or bits.ndim != 2 or not bits.flags["C_CONTIGUOUS"]:
         raise ValueError("bits must be a C-contiguous uint32 [S, words] array")
     words = bits.shape[1]
+    compilers = {m.compiled.compiler for m, _ in rows}
     for m, row in rows:
         if -(-m.compiled.compiler.vocab_size // 32) != words or not 0 <= row < bits.shape[0]:
             raise ValueError(f"row {row} of a {bits.shape} bitmask does not fit a grammar over "
                              f"{m.compiled.compiler.vocab_size} tokens")
-    _executor().unsafe_compute_mask_ptr([(m._m, row) for m, row in rows], bits.ctypes.data,
-                                        words * 4, bits.shape[0])
     index = np.fromiter((row for _, row in rows), np.int64, len(rows))
-    bits[index] = ~bits[index]
+    mask_words = max(-(-c.mask_vocab_size // 32) for c in compilers)
+    if mask_words == words:  # in place
+        _executor().unsafe_compute_mask_ptr([(m._m, row) for m, row in rows], bits.ctypes.data,
+                                            words * 4, bits.shape[0])
+        bits[index] = ~bits[index]
+        return
+    wide = np.zeros((len(rows), mask_words), np.uint32)  # the tokenizer is wider than the model
+    _executor().unsafe_compute_mask_ptr([(m._m, i) for i, (m, _) in enumerate(rows)],
+                                        wide.ctypes.data, mask_words * 4, len(rows))
+    bits[index] = ~wide[:, :words]
+
+
+def _check_first_mask(compiled: CompiledGrammar, kind: str) -> None:
+    """Compute the first mask as the engine will (~1 ms): a grammar that allows no token at
+    the start is refused here (a 400) rather than ending its request at once with "error".
+    Seen with a model narrower than its tokenizer: `{"values":[` forced by a schema may be
+    allowed only as tokens past the model's logits."""
+    probe = compiled.matcher()
+    V = compiled.compiler.vocab_size
+    bits = np.zeros((1, -(-V // 32)), np.uint32)
+    fill_banned_bits([(probe, 0)], bits)
+    if probe.is_error() or np.unpackbits(bits.view(np.uint8), bitorder="little")[:V].all():
+        why = probe.error or "no token of the model's vocabulary can start it"
+        raise GrammarError(f"invalid {kind}: {why.strip()[:500]}")
 
 
 @functools.lru_cache(maxsize=1)
