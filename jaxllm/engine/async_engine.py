@@ -31,7 +31,8 @@ from typing import AsyncIterator, Optional
 from jaxllm.config import EngineArgs
 from jaxllm.engine.engine import LLMEngine, PromptType
 from jaxllm.engine.errors import EngineDeadError
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import PoolingRequestOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxllm")
@@ -112,6 +113,18 @@ class AsyncLLMEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams,
+                     request_id: str) -> PoolingRequestOutput:
+        """The pooled output of one prompt, computed on the engine thread between steps."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop failed: {self._error!r}")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(("encode", request_id, prompt, pooling_params, loop, done))
+        if self._error is not None:
+            self._fail_pending()
+        return await done
+
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
@@ -136,6 +149,14 @@ class AsyncLLMEngine:
             except Exception as e:  # invalid request: report to its caller, keep serving
                 error = e
             loop.call_soon_threadsafe(_settle, fut, error)
+        elif cmd[0] == "encode":
+            _, rid, prompt, params, loop, fut = cmd
+            result = error = None
+            try:
+                result = self.engine.encode(rid, prompt, params)
+            except ValueError as e:  # invalid request: report to its caller, keep serving
+                error = e
+            loop.call_soon_threadsafe(_settle, fut, error, result)
         elif cmd[0] == "abort":
             self.engine.abort_request(cmd[1])
 
@@ -174,15 +195,15 @@ class AsyncLLMEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                loop, fut = cmd[5], cmd[6]
+            if cmd[0] in ("add", "encode"):
+                loop, fut = cmd[-2], cmd[-1]
                 loop.call_soon_threadsafe(_settle, fut, error)
 
 
-def _settle(fut: asyncio.Future, error: Optional[BaseException]) -> None:
+def _settle(fut: asyncio.Future, error: Optional[BaseException], result=None) -> None:
     if fut.done():
         return
     if error is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(error)
