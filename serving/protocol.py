@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -89,6 +89,9 @@ class SamplingRequest(RequestBody):
     # vLLM's extras.
     best_of: Optional[int] = None
     use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search only
+    # Whether this endpoint answers use_beam_search (serving/beam_search.py).
+    beam_search_supported: ClassVar[bool] = False
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
@@ -108,10 +111,13 @@ class SamplingRequest(RequestBody):
         if self.stream_options is not None and not self.stream:
             raise APIError("Stream options can only be defined when `stream=True`.",
                            param="stream_options")
-        if self.use_beam_search:
-            raise APIError("Beam search is not supported.", param="use_beam_search")
+        if self.use_beam_search and not self.beam_search_supported:
+            raise APIError("Beam search is only supported on /v1/completions.",
+                           param="use_beam_search")
         if self.best_of is not None and self.best_of != self.n:
-            raise APIError("best_of is not supported (only best_of == n).", param="best_of")
+            raise APIError("best_of is not supported (vLLM removed it: ask for n completions "
+                           "with logprobs and pick by their cumulative logprob); only "
+                           "best_of == n is accepted.", param="best_of")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise APIError("Structured output (response_format other than 'text') is not "
                            "supported yet.", param="response_format")
@@ -157,6 +163,7 @@ def _or(value, default):
 # --- /v1/completions ---------------------------------------------------------------------------
 
 class CompletionRequest(SamplingRequest):
+    beam_search_supported: ClassVar[bool] = True
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool = False
     logprobs: Optional[int] = None

@@ -8,6 +8,7 @@ from contextlib import aclosing
 from typing import AsyncIterator, Union
 
 from jaxllm.outputs import CompletionOutput, RequestOutput
+from serving.beam_search import beam_search_completion
 from serving.errors import error_body
 from serving.generation import build_params, collect, merge, submit
 from serving.logprobs import completion_logprobs, prompt_logprobs_json
@@ -30,6 +31,8 @@ async def create_completion(state: ServingState, req: CompletionRequest, base_id
     state.warn_ignored_fields(req)
     check_request_limits(state.limits, req, len(split_prompts(req.prompt)))
     prompts = await to_prompts(state, req.prompt, req.add_special_tokens)
+    if req.use_beam_search:
+        return await beam_search_completion(state, req, model, prompts, f"cmpl-{base_id}")
     # As vLLM: echo with logprobs also asks for the prompt's, so the echoed tokens carry them.
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo:

@@ -150,7 +150,11 @@ CASES = [
     *both({"return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
     *both({"guided_json": {"type": "object"}}, 400, "guided_json"),
     *both({"structured_outputs": {"choice": ["a"]}}, 400, "structured_outputs"),
-    *both({"use_beam_search": True}, 400, "use_beam_search"),
+    (CHAT, chat(use_beam_search=True), 400, "use_beam_search"),
+    (C, comp(use_beam_search=True, stream=True), 400, "stream"),
+    (C, comp(use_beam_search=True, logprobs=2), 400, "logprobs"),
+    (C, comp(use_beam_search=True, n=11), 400, "n"),  # 2 x 11 logprobs > --max-logprobs
+    *both({"best_of": 3}, 400, "best_of"),
     (C, comp(suffix="x"), 400, "suffix"),
     (C, comp(max_tokens=0), 400, "max_tokens"),  # only echo may ask for no tokens
     # malformed bodies

@@ -44,6 +44,7 @@ class AsyncLLMEngine:
         self.engine_args = engine.args
         self.model_config = engine.model_config
         self.generation_defaults = engine.generation_defaults
+        self.eos_token_ids = engine.eos_token_ids
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stats = engine.stats()

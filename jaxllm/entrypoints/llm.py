@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from jaxllm.config import DEFAULT_MODEL, EngineArgs
 from jaxllm.engine.engine import LLMEngine, PromptType
+from jaxllm.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from jaxllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
@@ -77,6 +78,22 @@ class LLM:
             prompts.append({"prompt": text,
                             "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
+                    params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: the beam_width best continuations of each prompt (text,
+        token ids or a prompt dict), best first (see jaxllm/entrypoints/beam_search.py)."""
+        engine = self.llm_engine
+        ids = [engine.process_prompt(p)[1] for p in _as_list(prompts)]
+        search = BeamSearch(ids, params, engine.eos_token_ids,
+                            engine.model_config.max_model_len, engine.args.max_logprobs)
+        steps = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
+        while not search.done:
+            outs = self.generate(search.pending(), search.sampling_params, use_tqdm=False)
+            search.advance([o.outputs[0].logprobs[0] for o in outs])
+            steps.update(1)
+        steps.close()
+        return search.outputs(engine.tokenizer)
 
     def encode(self, prompts: Union[PromptType, Sequence[PromptType]],
                pooling_params: Optional[PoolingParams] = None, use_tqdm: bool = True,
