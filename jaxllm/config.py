@@ -128,6 +128,9 @@ class EngineArgs:
                                     "many steps run as one program; tokens then arrive this "
                                     "many at a time.", default=1)
     enforce_eager: bool = _arg("Do not pad to buckets or compile them at start-up.", default=False)
+    optimization_level: int = _arg("vLLM's -O: 0 = --enforce-eager; 1, 2 (default) and 3 all "
+                                   "compile every bucket at start-up (XLA's one optimization "
+                                   "level).", choices=(0, 1, 2, 3), default=2)
     attention_backend: str = _arg("Attention implementation: auto = Pallas on TPU/GPU; on CPU "
                                   "'cpu' (native kernel, built with the system C++ "
                                   "compiler, plus the pure-JAX reference) on one device, else "
@@ -168,6 +171,8 @@ class EngineArgs:
                     setattr(self, f.name, parse(value))
                 except ValueError as e:
                     raise ConfigError(f"--{_flag(f.name)}: {e}") from None
+        if self.optimization_level == 0:
+            self.enforce_eager = True
         if isinstance(self.served_model_name, str):
             self.served_model_name = [self.served_model_name]
         self.validate()
@@ -180,7 +185,7 @@ class EngineArgs:
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
             if choices and value not in choices:
-                bad(f.name, f"must be one of {', '.join(choices)}")
+                bad(f.name, f"must be one of {', '.join(map(str, choices))}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
                      "block_size", "max_num_seqs", "max_logprobs", "num_scheduler_steps"):
             if getattr(self, name) < (0 if name == "max_logprobs" else 1):
@@ -305,7 +310,9 @@ class EngineArgs:
 
 # vLLM's short spellings.
 _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",),
-                "data_parallel_size": ("-dp",), "quantization": ("-q",)}
+                "data_parallel_size": ("-dp",), "quantization": ("-q",),
+                "optimization_level": ("-O",), "enable_expert_parallel": ("-ep",),
+                "gpu_memory_utilization": ("--device-memory-utilization",)}
 
 
 def _flag(name: str) -> str:

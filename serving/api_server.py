@@ -166,12 +166,14 @@ def bind_socket(host: Optional[str], port: int) -> socket.socket:
 def run_server(args: argparse.Namespace) -> None:
     from jaxllm.config import ConfigError, EngineArgs
     from jaxllm.entrypoints.chat_utils import load_chat_template
+    from serving.vllm_flags import check_vllm_flags
 
     _setup_logging()
     if args.disable_log_requests:
         logger.warning("--disable-log-requests is deprecated (as in vLLM): requests are not "
                        "logged unless --enable-log-requests is given.")
     try:
+        check_vllm_flags(args)
         engine_args = EngineArgs.from_cli_args(args)
         chat_template = load_chat_template(args.chat_template)
     except (ConfigError, ValueError, OSError) as e:
