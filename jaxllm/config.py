@@ -25,7 +25,7 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "cpu")
 RUNNERS = ("auto", "generate", "pooling")
-CONVERTS = ("auto", "none", "embed", "classify", "reward")
+CONVERTS = ("auto", "none", "embed", "classify")
 TASKS = ("auto", "generate", "embed", "embedding")
 
 
@@ -152,13 +152,14 @@ class EngineArgs:
                        "sentence-transformers folder (modules.json), else generate.",
                        choices=RUNNERS, default="auto")
     convert: str = _arg("How to adapt the model to the pooling runner: embed pools its final "
-                        "hidden states (auto = embed under --runner pooling); classify and "
-                        "reward are refused (no classification head is implemented).",
+                        "hidden states (auto = embed under --runner pooling); classify is "
+                        "refused (no classification head is implemented).",
                         choices=CONVERTS, default="auto")
     task: str = _arg("Deprecated in vLLM for --runner/--convert: generate, or embed/embedding "
                      "(= --runner pooling --convert embed).", choices=TASKS, default="auto")
     pooler_config: Optional[dict] = _arg("JSON overriding the model's pooling: pooling_type "
-                                         "(LAST, MEAN, CLS, ALL) and normalize.",
+                                         "(LAST, MEAN, CLS, ALL) and use_activation "
+                                         "(normalize).",
                                          parse=_json, default=None)
 
     # --- derived -----------------------------------------------------------------------------
@@ -210,8 +211,8 @@ class EngineArgs:
             bad("quantization", "no quantization method is implemented yet")
         if self.tokenizer_mode != "auto":
             bad("tokenizer_mode", "only 'auto' is implemented")
-        if self.convert in ("classify", "reward"):
-            bad("convert", "only embed is implemented (no classification or reward head)")
+        if self.convert == "classify":
+            bad("convert", "only embed is implemented (no classification head)")
         if self.task != "auto":
             self._apply_task()
         if self.runner == "generate" and self.convert == "embed":

@@ -2,6 +2,8 @@
 
 Fields vLLM has and jaxllm cannot honour are refused by name rather than ignored: `dimensions`
 (Matryoshka truncation; no supported model is trained for it) and `truncate_prompt_tokens`.
+As in vLLM 0.32, `use_activation` is what older versions called `normalize` (for embeddings,
+the activation is the L2 normalization).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ POOLING_TASKS = ("embed", "token_embed")
 
 @dataclass
 class PoolingParams:
-    normalize: Optional[bool] = None  # None: as the model's pooler says
+    use_activation: Optional[bool] = None  # None: as the model's pooler says
     dimensions: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = None
     task: Optional[str] = None        # None: embed
@@ -29,5 +31,5 @@ class PoolingParams:
         if self.task is not None and self.task not in POOLING_TASKS:
             raise ValueError(f"task={self.task!r} is not supported (supported: "
                              f"{', '.join(POOLING_TASKS)})")
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise ValueError("normalize must be a boolean")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError("use_activation must be a boolean")

@@ -442,10 +442,12 @@ class EmbeddingRequest(RequestBody):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     user: Optional[str] = None
-    # vLLM's extras.
+    # vLLM's extras (its `normalize` is now `use_activation`; the old name is refused).
     add_special_tokens: bool = True
-    normalize: Optional[bool] = None
+    use_activation: Optional[bool] = None
     truncate_prompt_tokens: Optional[int] = None
+    embed_dtype: Literal["float32"] = "float32"
+    endianness: Literal["native", "little"] = "native"
 
 
 class PoolingRequest(EmbeddingRequest):

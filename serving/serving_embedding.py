@@ -29,8 +29,11 @@ def _inputs(req: EmbeddingRequest) -> list[Union[str, list[int]]]:
 
 
 def _params(req: EmbeddingRequest) -> PoolingParams:
+    if "normalize" in (req.model_extra or {}):
+        raise APIError("Parameter `normalize` was removed (as in vLLM); use `use_activation` "
+                       "instead.", param="normalize")
     try:
-        return PoolingParams(normalize=req.normalize, dimensions=req.dimensions,
+        return PoolingParams(use_activation=req.use_activation, dimensions=req.dimensions,
                              truncate_prompt_tokens=req.truncate_prompt_tokens,
                              task=getattr(req, "task", None))
     except ValueError as e:

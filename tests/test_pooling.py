@@ -63,12 +63,12 @@ def test_embed_matches_transformers_last_token_normalized(pooling_llm, hf_hidden
 
 
 def test_encode_token_embed_and_unnormalized(pooling_llm, hf_hidden):
-    outs = pooling_llm.encode(_prompts(), PoolingParams(normalize=False), use_tqdm=False,
+    outs = pooling_llm.encode(_prompts(), PoolingParams(use_activation=False), use_tqdm=False,
                               pooling_task="token_embed")
     for out, ref in zip(outs, hf_hidden):
         assert out.outputs.data.shape == ref.shape
         np.testing.assert_allclose(out.outputs.data, ref, atol=ATOL)
-    raw = pooling_llm.encode(_prompts()[:1], PoolingParams(normalize=False), use_tqdm=False)
+    raw = pooling_llm.encode(_prompts()[:1], PoolingParams(use_activation=False), use_tqdm=False)
     np.testing.assert_allclose(raw[0].outputs.data, hf_hidden[0][-1], atol=ATOL)
 
 
@@ -87,7 +87,9 @@ def test_sentence_transformers_mean_pooling(tiny_llama, tmp_path):
     with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
         json.dump({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}, f)
     assert read_pooler_config(path) == PoolerConfig("MEAN", True)
-    assert read_pooler_config(path, {"normalize": False}) == PoolerConfig("MEAN", False)
+    assert read_pooler_config(path, {"use_activation": False}) == PoolerConfig("MEAN", False)
+    assert read_pooler_config(path, {"normalize": False, "seq_pooling_type": "last"}) == \
+        PoolerConfig("LAST", False)
     llm = _pooling_llm(path, runner="auto")
     prompts = _prompts()[2:]
     for out, ref in zip(llm.embed(prompts, use_tqdm=False), _hf_hidden(path, prompts)):
@@ -165,7 +167,7 @@ def test_embeddings_endpoint_matches_transformers(embed_server, hf_hidden):
     text = client.embeddings.create(model="emb", input=["hello world", "hi"])
     assert len(text.data) == 2 and len(text.data[0].embedding) == len(resp.data[0].embedding)
     pooled = httpx.post(embed_server.url + "/pooling", json={
-        "input": prompts[2], "task": "token_embed", "normalize": False}).json()
+        "input": prompts[2], "task": "token_embed", "use_activation": False}).json()
     assert pooled["object"] == "list" and pooled["data"][0]["object"] == "pooling"
     np.testing.assert_allclose(pooled["data"][0]["data"], hf_hidden[2], atol=ATOL)
 
@@ -176,6 +178,8 @@ def test_embeddings_endpoint_matches_transformers(embed_server, hf_hidden):
     ({"input": ""}, "input"), ({"input": []}, "input"),
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
     ({"input": [10**9]}, "input"),
+    ({"input": "hi", "normalize": False}, "normalize"),
+    ({"input": "hi", "embed_dtype": "float16"}, "embed_dtype"),
 ])
 def test_embeddings_refusals(embed_server, body, param):
     import httpx

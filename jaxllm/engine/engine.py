@@ -193,7 +193,7 @@ class LLMEngine:
         text, ids = self.process_prompt(prompt)
         cfg = self.pooler_config
         ptype = "ALL" if params.task == "token_embed" else cfg.pooling_type
-        normalize = cfg.normalize if params.normalize is None else params.normalize
+        normalize = cfg.normalize if params.use_activation is None else params.use_activation
         data = pool(self.pooler.hidden_states(ids), ptype, normalize)
         self.total_prompt_tokens += len(ids)
         return PoolingRequestOutput(request_id, PoolingOutput(data), ids, True, text)

@@ -102,7 +102,7 @@ class LLM:
         pooling_task picks embed (one vector) or token_embed (one per token)."""
         params = pooling_params or PoolingParams()
         if pooling_task is not None:
-            params = PoolingParams(normalize=params.normalize, task=pooling_task)
+            params = PoolingParams(use_activation=params.use_activation, task=pooling_task)
         prompts = _as_list(prompts)
         return [self.llm_engine.encode(str(next(self._ids)), p, params)
                 for p in tqdm(prompts, desc="Processed prompts", unit="req",

@@ -33,6 +33,11 @@ _ST_MODES = (("pooling_mode_cls_token", "CLS"), ("pooling_mode_mean_tokens", "ME
              ("pooling_mode_lasttoken", "LAST"))
 
 
+# --pooler-config keys (vLLM 0.32's, and older ones) -> PoolerConfig fields.
+_POOLER_KEYS = {"pooling_type": "pooling_type", "seq_pooling_type": "pooling_type",
+                "use_activation": "normalize", "normalize": "normalize"}
+
+
 @dataclass(frozen=True)
 class PoolerConfig:
     pooling_type: str = "LAST"
@@ -41,7 +46,8 @@ class PoolerConfig:
 
 def read_pooler_config(path: str, override: Optional[dict] = None) -> PoolerConfig:
     """The model folder's pooling (sentence-transformers files, else vLLM's default), with
-    --pooler-config's keys (pooling_type, normalize) on top."""
+    --pooler-config's keys on top: pooling_type (or seq_pooling_type) and use_activation (for
+    embeddings, normalize: the key older vLLM versions used)."""
     cfg = PoolerConfig()
     modules = os.path.join(path, "modules.json") if os.path.isdir(path) else ""
     if modules and os.path.exists(modules):
@@ -60,18 +66,18 @@ def read_pooler_config(path: str, override: Optional[dict] = None) -> PoolerConf
                                   f"supported (supported: cls_token, mean_tokens, lasttoken)")
             ptype = modes[0]
         cfg = PoolerConfig(ptype, any(k.endswith(".Normalize") for k in kinds))
-    override = dict(override or {})
+    override = {_POOLER_KEYS.get(k, k): v for k, v in (override or {}).items()}
     unknown = sorted(set(override) - {"pooling_type", "normalize"})
     if unknown:
         raise ConfigError(f"--pooler-config: unsupported key(s) {', '.join(unknown)} "
-                          f"(supported: pooling_type, normalize)")
+                          f"(supported: {', '.join(_POOLER_KEYS)})")
     if "pooling_type" in override:
         override["pooling_type"] = str(override["pooling_type"]).upper()
         if override["pooling_type"] not in POOLING_TYPES:
             raise ConfigError(f"--pooler-config: pooling_type must be one of "
                               f"{', '.join(POOLING_TYPES)}")
     if "normalize" in override and not isinstance(override["normalize"], bool):
-        raise ConfigError("--pooler-config: normalize must be true or false")
+        raise ConfigError("--pooler-config: use_activation (normalize) must be true or false")
     return replace(cfg, **override)
 
 
