@@ -93,9 +93,15 @@ _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error"
         "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
 
 
+_POST_ERRORS = {"404": "The model does not exist", "413": "Request body too large",
+                "503": "Overloaded (Retry-After) or the engine is not running"}
+_OPEN_ROUTES = ("/health", "/ping", "/metrics")  # answered without the API key
+
+
 def document_errors(app: FastAPI) -> None:
     """Make /openapi.json say what the server answers: refused bodies are 400 (not FastAPI's
-    422) and every error has the OpenAI shape; /health and /ping may answer 503."""
+    422) and every error has the OpenAI shape; /health and /ping answer 200 with no body or
+    503; /metrics is Prometheus text."""
     generate = app.openapi
 
     def openapi() -> dict:
@@ -106,12 +112,22 @@ def document_errors(app: FastAPI) -> None:
             error = {"content": {"application/json": {
                 "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
             for path, operations in schema.get("paths", {}).items():
-                for operation in operations.values():
+                for method, operation in operations.items():
                     responses = operation["responses"]
                     if responses.pop("422", None) is not None:
                         responses["400"] = {"description": "Invalid request", **error}
+                    if method == "post":  # a body, with a model name, for the engine
+                        for code, why in _POST_ERRORS.items():
+                            responses[code] = {"description": why, **error}
+                    if path not in _OPEN_ROUTES:
+                        responses["401"] = {"description": "Missing or wrong API key (when "
+                                                           "the server has one)", **error}
                     if path in ("/health", "/ping"):
+                        responses["200"] = {"description": "Healthy (no body)"}
                         responses["503"] = {"description": "Engine not healthy", **error}
+                    if path == "/metrics":
+                        responses["200"] = {"description": "Prometheus metrics", "content": {
+                            "text/plain": {"schema": {"type": "string"}}}}
             for unused in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(unused, None)
         return schema
