@@ -212,14 +212,17 @@ async def _serve(args, engine_args, chat_template, sock: socket.socket) -> None:
                                 h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
                                 timeout_keep_alive=int(os.environ.get(
                                     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", 5)),
-                                timeout_graceful_shutdown=args.shutdown_timeout)
+                                # ours (cancel_after_shutdown_timeout) answers first
+                                timeout_graceful_shutdown=args.shutdown_timeout + 5)
         server = Server(config)
         scheme = "https" if args.ssl_certfile else "http"
         url = f"{scheme}://{args.host or '0.0.0.0'}:{sock.getsockname()[1]}"  # --port 0 too
         docs = "" if args.disable_fastapi_docs else f"; docs at {url}/docs"
         background = [asyncio.ensure_future(_announce(
             server, f"{url} (model: {', '.join(state.served_model_names)}{docs})")),
-            asyncio.ensure_future(server.watch_engine(engine))]
+            asyncio.ensure_future(server.watch_engine(engine)),
+            asyncio.ensure_future(server.cancel_after_shutdown_timeout(
+                engine, args.shutdown_timeout))]
         await server.serve(sockets=[sock])
         for task in background:
             task.cancel()

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxllm.engine.errors import EngineDeadError
+from jaxllm.engine.errors import EngineDeadError, RequestCancelledError
 
 logger = logging.getLogger("jaxllm.serving")
 
@@ -32,6 +32,11 @@ def error_type(status: int) -> str:
     """vLLM's error types: 'BadRequestError', 'NotFoundError', 'InternalServerError'..."""
     phrase = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
     return phrase if phrase.endswith("Error") else phrase + "Error"
+
+
+def stream_error_status(exc: BaseException) -> int:
+    """The code of an error reported inside a started stream."""
+    return 503 if isinstance(exc, RequestCancelledError) else 500
 
 
 def error_body(message: str, status: int = 400, param: Optional[str] = None) -> dict:
@@ -80,6 +85,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError):
         return error_response(f"{exc}; the server is shutting down.", 500)
+
+    @app.exception_handler(RequestCancelledError)
+    async def _cancelled(_: Request, exc: RequestCancelledError):
+        return error_response(str(exc), 503)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):

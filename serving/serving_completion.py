@@ -9,7 +9,7 @@ from typing import AsyncIterator, Union
 
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from serving.beam_search import beam_search_completion
-from serving.errors import error_body
+from serving.errors import error_body, stream_error_status
 from serving.generation import build_params, collect, merge, submit
 from serving.logprobs import completion_logprobs, prompt_logprobs_json
 from serving.limits import check_request_limits
@@ -144,7 +144,7 @@ async def _stream(state: ServingState, req: CompletionRequest, model: str, reque
                                                choices=[], usage=usage))
     except Exception as e:  # the response has started: report in-band, as vLLM does
         logger.exception("Error while streaming %s", request_id)
-        yield sse(error_body(str(e), 500))
+        yield sse(error_body(str(e), stream_error_status(e)))
     yield DONE
 
 
