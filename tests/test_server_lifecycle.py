@@ -32,6 +32,7 @@ class FakeEngine:
         self.model_config = SimpleNamespace()
         self.generation_defaults = {}
         self.tokenizer = None
+        self.eos_token_ids = frozenset()
         self.requests: dict[str, list[int]] = {}
         self.step_hook = step_hook
 
