@@ -69,6 +69,7 @@ class Soak:
         self.idle_checks: list[dict] = []
         self.paused = asyncio.Event()
         self.in_flight = 0
+        self.server_gone: str = ""
 
     def _error(self, kind: str) -> None:
         self.counts["failed"] += 1
@@ -100,7 +101,7 @@ class Soak:
 
     async def worker(self, client: httpx.AsyncClient, seed: int, deadline: float) -> None:
         rng = random.Random(seed)
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.server_gone:
             if self.paused.is_set():
                 await asyncio.sleep(0.2)
                 continue
@@ -111,8 +112,12 @@ class Soak:
                 self.in_flight -= 1
 
     async def sample_rss(self, pid: int, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            self.rss.append(rss_mib(pid))
+        """RSS every 5 s; stops the soak if the server process is gone (reported as such)."""
+        while time.monotonic() < deadline and not self.server_gone:
+            try:
+                self.rss.append(rss_mib(pid))
+            except OSError:
+                self.server_gone = f"the server process {pid} exited (see dmesg for OOM kills)"
             await asyncio.sleep(5)
 
     async def idle_check(self, client: httpx.AsyncClient, when: str) -> None:
@@ -121,8 +126,12 @@ class Soak:
         while self.in_flight:
             await asyncio.sleep(0.1)
         start, g = time.monotonic(), {}
-        while time.monotonic() - start < 30:
-            g = await gauges(client)
+        while time.monotonic() - start < 30 and not self.server_gone:
+            try:
+                g = await gauges(client)
+            except httpx.HTTPError as e:
+                self.server_gone = self.server_gone or f"/metrics failed: {e!r}"
+                break
             if not any(g.values()):
                 break
             await asyncio.sleep(0.2)
@@ -143,13 +152,14 @@ class Soak:
                      for i in range(a.concurrency)]
             tasks.append(asyncio.ensure_future(self.sample_rss(pid, deadline)))
             next_round = t0 + a.round_minutes * 60
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not self.server_gone:
                 await asyncio.sleep(1)
                 if time.monotonic() >= next_round and time.monotonic() < deadline - 30:
                     await self.idle_check(client, f"{(time.monotonic() - t0) / 60:.1f} min")
                     next_round += a.round_minutes * 60
             await asyncio.gather(*tasks)
-            await self.idle_check(client, "end")
+            if not self.server_gone:
+                await self.idle_check(client, "end")
             elapsed = time.monotonic() - t0
         lat = sorted(self.latencies)
         pct = (lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))], 2) if lat else None)
@@ -159,7 +169,8 @@ class Soak:
                 "latency_p50_s": pct(0.50), "latency_p99_s": pct(0.99),
                 "rss_mib_start": round(rss_start, 1),
                 "rss_mib_peak": round(max(self.rss, default=rss_start), 1),
-                "rss_mib_end": round(rss_mib(pid), 1), "idle_checks": self.idle_checks}
+                "rss_mib_end": round(self.rss[-1], 1) if self.rss else None,
+                "server_gone": self.server_gone or None, "idle_checks": self.idle_checks}
 
 
 def main() -> None:
