@@ -17,6 +17,12 @@ def __getattr__(name):
     if name in ("RequestOutput", "CompletionOutput"):
         from jaxllm import outputs
         return getattr(outputs, name)
+    if name == "PoolingParams":
+        from jaxllm.pooling_params import PoolingParams
+        return PoolingParams
+    if name in ("PoolingRequestOutput", "EmbeddingRequestOutput"):
+        from jaxllm import outputs
+        return getattr(outputs, name)
     if name == "EngineArgs":
         from jaxllm.config import EngineArgs
         return EngineArgs
@@ -24,4 +30,5 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams",
-           "RequestOutput", "CompletionOutput", "EngineArgs"]
+           "RequestOutput", "CompletionOutput", "EngineArgs", "PoolingParams",
+           "PoolingRequestOutput", "EmbeddingRequestOutput"]

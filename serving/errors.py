@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxllm.engine.errors import EngineDeadError
+from jaxllm.engine.errors import EngineDeadError, RequestCancelledError
 
 logger = logging.getLogger("jaxllm.serving")
 
@@ -32,6 +32,11 @@ def error_type(status: int) -> str:
     """vLLM's error types: 'BadRequestError', 'NotFoundError', 'InternalServerError'..."""
     phrase = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
     return phrase if phrase.endswith("Error") else phrase + "Error"
+
+
+def stream_error_status(exc: BaseException) -> int:
+    """The code of an error reported inside a started stream."""
+    return 503 if isinstance(exc, RequestCancelledError) else 500
 
 
 def error_body(message: str, status: int = 400, param: Optional[str] = None) -> dict:
@@ -81,6 +86,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _engine_dead(_: Request, exc: EngineDeadError):
         return error_response(f"{exc}; the server is shutting down.", 500)
 
+    @app.exception_handler(RequestCancelledError)
+    async def _cancelled(_: Request, exc: RequestCancelledError):
+        return error_response(str(exc), 503)
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         logger.exception("Internal error while serving %s", request.url.path)
@@ -93,9 +102,15 @@ _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error"
         "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
 
 
+_POST_ERRORS = {"404": "The model does not exist", "413": "Request body too large",
+                "503": "Overloaded (Retry-After) or the engine is not running"}
+_OPEN_ROUTES = ("/health", "/ping", "/metrics")  # answered without the API key
+
+
 def document_errors(app: FastAPI) -> None:
     """Make /openapi.json say what the server answers: refused bodies are 400 (not FastAPI's
-    422) and every error has the OpenAI shape; /health and /ping may answer 503."""
+    422) and every error has the OpenAI shape; /health and /ping answer 200 with no body or
+    503; /metrics is Prometheus text."""
     generate = app.openapi
 
     def openapi() -> dict:
@@ -106,12 +121,22 @@ def document_errors(app: FastAPI) -> None:
             error = {"content": {"application/json": {
                 "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
             for path, operations in schema.get("paths", {}).items():
-                for operation in operations.values():
+                for method, operation in operations.items():
                     responses = operation["responses"]
                     if responses.pop("422", None) is not None:
                         responses["400"] = {"description": "Invalid request", **error}
+                    if method == "post":  # a body, with a model name, for the engine
+                        for code, why in _POST_ERRORS.items():
+                            responses[code] = {"description": why, **error}
+                    if path not in _OPEN_ROUTES:
+                        responses["401"] = {"description": "Missing or wrong API key (when "
+                                                           "the server has one)", **error}
                     if path in ("/health", "/ping"):
+                        responses["200"] = {"description": "Healthy (no body)"}
                         responses["503"] = {"description": "Engine not healthy", **error}
+                    if path == "/metrics":
+                        responses["200"] = {"description": "Prometheus metrics", "content": {
+                            "text/plain": {"schema": {"type": "string"}}}}
             for unused in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(unused, None)
         return schema

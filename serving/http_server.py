@@ -1,8 +1,10 @@
 """uvicorn as `jaxllm serve` runs it: slow-client timeouts, graceful signals, engine watchdog.
 
 - SIGTERM/SIGINT stop accepting connections, let in-flight requests finish for up to
-  --shutdown-timeout seconds (then cancel them, which aborts their engine requests) and end the
-  process with exit code 0. (uvicorn re-raises the signal once done, which exits -15.)
+  --shutdown-timeout seconds, then fail the rest with an error (503; in-band for streams) and
+  abort them in the engine, and end the process with exit code 0. (uvicorn re-raises the
+  signal once done, which exits -15; its own cancel, which would cut responses without a
+  word, only backs ours up a few seconds later.)
 - A connection that has not sent a complete request head --http-read-timeout seconds after
   it opened or after its last response is closed (slowloris); a head h11 refuses (malformed,
   or over --h11-max-incomplete-event-size) gets an OpenAI-shaped 400.
@@ -96,6 +98,16 @@ class Server(uvicorn.Server):
             logger.info("Signal %d: draining in-flight requests (at most %g s), then exiting",
                         sig, self.config.timeout_graceful_shutdown)
         self.should_exit = True
+
+    async def cancel_after_shutdown_timeout(self, engine, timeout: float) -> None:
+        """Once a shutdown starts, give in-flight requests `timeout` seconds, then fail them."""
+        while not self.should_exit:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(timeout)
+        n = engine.cancel_all(f"The server is shutting down and the request did not finish "
+                              f"within --shutdown-timeout ({timeout:g} s).")
+        if n:
+            logger.warning("Shutdown timeout: cancelled %d request(s) still in flight", n)
 
     async def watch_engine(self, engine, period: float = 0.5) -> None:
         """Shut the server down once the engine loop has died."""

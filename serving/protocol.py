@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -90,6 +90,9 @@ class SamplingRequest(RequestBody):
     # vLLM's extras.
     best_of: Optional[int] = None
     use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search only
+    # Whether this endpoint answers use_beam_search (serving/beam_search.py).
+    beam_search_supported: ClassVar[bool] = False
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
@@ -121,10 +124,13 @@ class SamplingRequest(RequestBody):
         if self.stream_options is not None and not self.stream:
             raise APIError("Stream options can only be defined when `stream=True`.",
                            param="stream_options")
-        if self.use_beam_search:
-            raise APIError("Beam search is not supported.", param="use_beam_search")
+        if self.use_beam_search and not self.beam_search_supported:
+            raise APIError("Beam search is only supported on /v1/completions.",
+                           param="use_beam_search")
         if self.best_of is not None and self.best_of != self.n:
-            raise APIError("best_of is not supported (only best_of == n).", param="best_of")
+            raise APIError("best_of is not supported (vLLM removed it: ask for n completions "
+                           "with logprobs and pick by their cumulative logprob); only "
+                           "best_of == n is accepted.", param="best_of")
         if self.truncate_prompt_tokens == 0:
             raise APIError("truncate_prompt_tokens must be -1 (max_model_len) or at least 1.",
                            param="truncate_prompt_tokens")
@@ -188,6 +194,7 @@ def _or(value, default):
 # --- /v1/completions ---------------------------------------------------------------------------
 
 class CompletionRequest(SamplingRequest):
+    beam_search_supported: ClassVar[bool] = True
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool = False
     logprobs: Optional[int] = None
@@ -457,3 +464,49 @@ class BatchRequestOutput(BaseModel):
     custom_id: Optional[str]
     response: Optional[BatchResponseData]
     error: Optional[dict[str, Any]]
+
+
+# --- /v1/embeddings and /pooling (a server started with --runner pooling) ---------------------
+
+class EmbeddingRequest(RequestBody):
+    model: Optional[str] = None
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+    # vLLM's extras (its `normalize` is now `use_activation`; the old name is refused).
+    add_special_tokens: bool = True
+    use_activation: Optional[bool] = None
+    truncate_prompt_tokens: Optional[int] = None
+    embed_dtype: Literal["float32"] = "float32"
+    endianness: Literal["native", "little"] = "native"
+
+
+class PoolingRequest(EmbeddingRequest):
+    task: Optional[str] = None  # embed (default) or token_embed
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: str = "embedding"
+    embedding: Union[list[float], str]
+
+
+class EmbeddingResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"embd-{random_id()}")
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: str = "pooling"
+    data: Union[list[float], list[list[float]], str]
+
+
+class PoolingResponse(EmbeddingResponse):
+    id: str = Field(default_factory=lambda: f"pool-{random_id()}")
+    data: list[PoolingData]

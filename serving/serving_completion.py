@@ -8,7 +8,8 @@ from contextlib import aclosing
 from typing import AsyncIterator, Union
 
 from jaxllm.outputs import CompletionOutput, RequestOutput
-from serving.errors import error_body
+from serving.beam_search import beam_search_completion
+from serving.errors import error_body, stream_error_status
 from serving.generation import build_params, collect, merge, submit
 from serving.logprobs import completion_logprobs, prompt_logprobs_json
 from serving.limits import check_request_limits
@@ -31,6 +32,8 @@ async def create_completion(state: ServingState, req: CompletionRequest, base_id
     check_request_limits(state.limits, req, len(split_prompts(req.prompt)))
     prompts = [truncated(state, p, req.truncate_prompt_tokens)
                for p in await to_prompts(state, req.prompt, req.add_special_tokens)]
+    if req.use_beam_search:
+        return await beam_search_completion(state, req, model, prompts, f"cmpl-{base_id}")
     # As vLLM: echo with logprobs also asks for the prompt's, so the echoed tokens carry them.
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo:
@@ -144,7 +147,7 @@ async def _stream(state: ServingState, req: CompletionRequest, model: str, reque
                                                choices=[], usage=usage))
     except Exception as e:  # the response has started: report in-band, as vLLM does
         logger.exception("Error while streaming %s", request_id)
-        yield sse(error_body(str(e), 500))
+        yield sse(error_body(str(e), stream_error_status(e)))
     yield DONE
 
 

@@ -27,6 +27,7 @@ LAYERS = {
     "pallas_kernels": 1,
     "jaxllm.config": 0,        # host types: no JAX, importable from anywhere
     "jaxllm.sampling_params": 0,
+    "jaxllm.pooling_params": 0,
     "jaxllm.sequence": 0,
     "jaxllm.outputs": 0,
     "jaxllm.structured_output": 0,  # request constraints and the grammar engine (no JAX)

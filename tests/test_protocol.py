@@ -78,7 +78,6 @@ def test_sampling_fields_reach_sampling_params():
 
 @pytest.mark.parametrize("fields, param", [
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"use_beam_search": True}, "use_beam_search"),
     ({"best_of": 3}, "best_of"),
 ])
 def test_unsupported_options_are_refused(fields, param):
@@ -87,6 +86,14 @@ def test_unsupported_options_are_refused(fields, param):
         with pytest.raises(APIError) as e:
             req.check_supported()
         assert e.value.status == 400 and e.value.param == param
+
+
+def test_beam_search_is_refused_on_chat_only():
+    CompletionRequest(prompt="x", use_beam_search=True).check_supported()
+    with pytest.raises(APIError) as e:
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                              use_beam_search=True).check_supported()
+    assert e.value.param == "use_beam_search"
 
 
 @pytest.mark.parametrize("fields, param", [

@@ -308,6 +308,30 @@ def test_prompt_logprobs_field(http):
     assert all(len(p) == 1 and next(iter(p.values()))["rank"] >= 1 for p in positions[1:])
 
 
+def test_beam_search_completion_matches_transformers(http, tiny_llama):
+    """use_beam_search with n = beam width: the choices are transformers' num_beams output,
+    best first (no EOS: ignore_eos against min_new_tokens; see tests/test_beam_search.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = [5, 17, 300, 42, 8]
+    r = http.post("/v1/completions", json={
+        "model": NAME, "prompt": prompt, "max_tokens": 4, "n": 2, "use_beam_search": True,
+        "ignore_eos": True, "length_penalty": 0.0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ref = model.generate(torch.tensor([prompt]), num_beams=2, num_return_sequences=2,
+                         max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                         length_penalty=0.0, early_stopping=True)
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    assert [c["text"] for c in body["choices"]] == [tok.decode(s[len(prompt):])
+                                                    for s in ref.tolist()]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["usage"]["completion_tokens"] == 8
+    assert all(c["finish_reason"] == "length" for c in body["choices"])
+
+
 def test_stop_strings(client):
     kw = dict(model=NAME, prompt="The quick brown fox", max_tokens=16, **GREEDY)
     text = client.completions.create(**kw, **LONG).choices[0].text

@@ -147,7 +147,6 @@ CASES = [
     # options this server cannot honour are refused, not ignored
     *both({"logits_processors": ["my.module:Proc"]}, 400, "logits_processors"),
     *both({"guided_foo": 1}, 400, "guided_foo"),
-    *both({"use_beam_search": True}, 400, "use_beam_search"),
     # structured output, bad_words, truncation: malformed, conflicting or uncompilable -> 400
     *both({"bad_words": "x"}, 400, "bad_words"),
     *both({"bad_words": [""]}, 400, "bad_words"),
@@ -168,6 +167,11 @@ CASES = [
     *both({"guided_json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}},
           400, "json"),
     *both({"guided_grammar": "root ::= undefined_rule"}, 400, "grammar"),
+    (CHAT, chat(use_beam_search=True), 400, "use_beam_search"),
+    (C, comp(use_beam_search=True, stream=True), 400, "stream"),
+    (C, comp(use_beam_search=True, logprobs=2), 400, "logprobs"),
+    (C, comp(use_beam_search=True, n=11), 400, "n"),  # 2 x 11 logprobs > --max-logprobs
+    *both({"best_of": 3}, 400, "best_of"),
     (C, comp(suffix="x"), 400, "suffix"),
     (C, comp(max_tokens=0), 400, "max_tokens"),  # only echo may ask for no tokens
     # malformed bodies

@@ -32,6 +32,7 @@ class FakeEngine:
         self.model_config = SimpleNamespace()
         self.generation_defaults = {}
         self.tokenizer = None
+        self.eos_token_ids = frozenset()
         self.requests: dict[str, list[int]] = {}
         self.step_hook = step_hook
 
@@ -209,3 +210,39 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(server):
     assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 100
     with pytest.raises(httpx.TransportError):
         httpx.get(server.url + "/health", timeout=5)
+
+
+def test_sigterm_cancels_what_outlives_the_shutdown_timeout_then_exits_0(tiny_llama,
+                                                                         monkeypatch):
+    """A stream and a plain request still running when --shutdown-timeout runs out end with
+    an error (in-band for the stream, a 503 for the other), and the process exits 0."""
+    monkeypatch.setenv("JAXLLM_TEST_STEP_DELAY", "0.05")  # 200 tokens: ~10 s per request
+    srv = ServerProcess(tiny_llama, *ENGINE_FLAGS, "--served-model-name", NAME,
+                        "--shutdown-timeout", "1")
+    try:
+        started, lines, plain = threading.Event(), [], {}
+        stream = threading.Thread(target=stream_lines, args=(
+            srv, {"prompt": "Cancel me", "max_tokens": 120}, started, lines))
+
+        def post():
+            plain["r"] = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+                "model": NAME, "prompt": "Me too", "max_tokens": 120, "ignore_eos": True})
+
+        other = threading.Thread(target=post)
+        stream.start()
+        other.start()
+        assert started.wait(30)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        stream.join(30)
+        other.join(30)
+        assert srv.proc.wait(30) == 0
+        assert time.monotonic() - t0 < 15  # 1 s of grace, not the requests' ~6 s
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2][6:])["error"]
+        assert error["code"] == 503 and "--shutdown-timeout" in error["message"]
+        r = plain["r"]
+        assert r.status_code == 503 and "--shutdown-timeout" in r.json()["error"]["message"]
+    finally:
+        srv.stop()

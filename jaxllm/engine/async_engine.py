@@ -15,7 +15,8 @@ A step that raises is fatal, as in vLLM: its requests (and every other in flight
 with EngineDeadError, the loop stops, `health()` reports why, and the server exits non-zero for
 its supervisor to restart it. Recovering in place would need the scheduler and KV cache rolled
 back to a state no half-finished step has touched; a fresh process is the simpler certainty.
-For tests, $JAXLLM_TEST_FAIL_STEP=K makes the K-th step raise.
+For tests, $JAXLLM_TEST_FAIL_STEP=K makes the K-th step raise, and $JAXLLM_TEST_STEP_DELAY=S
+makes every step S seconds slower (requests that outlive a shutdown timeout on a tiny model).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from typing import AsyncIterator, Optional
 
 from jaxllm.config import EngineArgs
 from jaxllm.engine.engine import LLMEngine, PromptType
-from jaxllm.engine.errors import EngineDeadError
-from jaxllm.outputs import RequestOutput
+from jaxllm.engine.errors import EngineDeadError, RequestCancelledError
+from jaxllm.outputs import PoolingRequestOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxllm")
@@ -43,13 +45,15 @@ class AsyncLLMEngine:
         self.engine_args = engine.args
         self.model_config = engine.model_config
         self.generation_defaults = engine.generation_defaults
+        self.eos_token_ids = engine.eos_token_ids
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stats = engine.stats()
         self._error: Optional[BaseException] = None
         self._heartbeat = time.monotonic()  # the loop's last pass (idle passes every 0.5 s)
         self._steps = 0
-        self._fail_at_step = int(os.environ.get("JAXLLM_TEST_FAIL_STEP", 0))  # test-only hook
+        self._fail_at_step = int(os.environ.get("JAXLLM_TEST_FAIL_STEP", 0))  # test-only hooks
+        self._step_delay = float(os.environ.get("JAXLLM_TEST_STEP_DELAY", 0))
         self._stop = threading.Event()
         engine.wait_for_background_compiles()
         self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
@@ -112,6 +116,25 @@ class AsyncLLMEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams,
+                     request_id: str) -> PoolingRequestOutput:
+        """The pooled output of one prompt, computed on the engine thread between steps."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop failed: {self._error!r}")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(("encode", request_id, prompt, pooling_params, loop, done))
+        if self._error is not None:
+            self._fail_pending()
+        return await done
+
+    def cancel_all(self, reason: str) -> int:
+        """Fail every request in flight with RequestCancelledError(reason) and abort it in
+        the engine (the shutdown timeout ran out); returns how many there were."""
+        rids = list(self._streams)
+        self._commands.put(("cancel", rids, reason))
+        return len(rids)
+
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
@@ -136,7 +159,19 @@ class AsyncLLMEngine:
             except Exception as e:  # invalid request: report to its caller, keep serving
                 error = e
             loop.call_soon_threadsafe(_settle, fut, error)
+        elif cmd[0] == "encode":
+            _, rid, prompt, params, loop, fut = cmd
+            result = error = None
+            try:
+                result = self.engine.encode(rid, prompt, params)
+            except ValueError as e:  # invalid request: report to its caller, keep serving
+                error = e
+            loop.call_soon_threadsafe(_settle, fut, error, result)
         elif cmd[0] == "abort":
+            self.engine.abort_request(cmd[1])
+        elif cmd[0] == "cancel":
+            for rid in cmd[1]:
+                self._send(rid, RequestCancelledError(cmd[2]))
             self.engine.abort_request(cmd[1])
 
     def _loop(self) -> None:
@@ -156,6 +191,7 @@ class AsyncLLMEngine:
                     self._steps += 1
                     if self._steps == self._fail_at_step:
                         raise RuntimeError("injected fault ($JAXLLM_TEST_FAIL_STEP)")
+                    time.sleep(self._step_delay)
                     for out in self.engine.step():
                         self._send(out.request_id, out)
                 self._stats = self.engine.stats()
@@ -174,15 +210,15 @@ class AsyncLLMEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                loop, fut = cmd[5], cmd[6]
+            if cmd[0] in ("add", "encode"):
+                loop, fut = cmd[-2], cmd[-1]
                 loop.call_soon_threadsafe(_settle, fut, error)
 
 
-def _settle(fut: asyncio.Future, error: Optional[BaseException]) -> None:
+def _settle(fut: asyncio.Future, error: Optional[BaseException], result=None) -> None:
     if fut.done():
         return
     if error is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(error)

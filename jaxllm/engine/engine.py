@@ -20,9 +20,12 @@ from jaxllm.engine.grammar import Grammars, advance
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.layers.sampling_tensors import EXTRA_PENALTY_IDS, SamplingTensors, needs_processing
-from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput,
+                            RequestOutput)
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxllm.sequence import Sequence, SequenceStatus
+from jaxllm.worker.pooler import Pooler, pool
 
 logger = logging.getLogger("jaxllm")
 
@@ -76,6 +79,10 @@ class LLMEngine:
         self.eos_token_ids = parts.eos_token_ids
         self.generation_defaults = parts.generation_defaults
         self.runner = parts.runner
+        self.runner_type = parts.runner_type
+        self.pooler_config = parts.pooler_config
+        self.pooler = None if parts.pooler_config is None else Pooler(
+            self.runner.graphdef, self.runner.state, self.runner.kv_cache, args.block_size)
         self.kv_cache_manager = KVCacheManager(
             parts.num_blocks, args.block_size, enable_prefix_caching=args.prefix_caching,
             hash_algo=args.prefix_caching_hash_algo)
@@ -146,6 +153,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType,
                     params: Optional[SamplingParams] = None, priority: int = 0,
                     arrival_time: Optional[float] = None) -> None:
+        if self.pooler is not None:
+            raise ValueError("Text generation is only supported for generative models; this "
+                             "one runs with --runner pooling (embeddings). Start it with "
+                             "--runner generate to generate text.")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         params = params.clone() if params is not None else SamplingParams()
@@ -190,6 +201,22 @@ class LLMEngine:
             self._seq_owner[seq_id] = req
             self.scheduler.add_seq(seq)
         self._requests[request_id] = req
+
+    def encode(self, request_id: str, prompt: PromptType,
+               params: Optional[PoolingParams] = None) -> PoolingRequestOutput:
+        """Pool one prompt now (it takes no step and no place in the KV cache)."""
+        if self.pooler is None:
+            raise ValueError("Embeddings are only supported for pooling models; this one runs "
+                             "with --runner generate. Start it with --runner pooling (or "
+                             "--convert embed) to embed.")
+        params = params or PoolingParams()
+        text, ids = self.process_prompt(prompt)
+        cfg = self.pooler_config
+        ptype = "ALL" if params.task == "token_embed" else cfg.pooling_type
+        normalize = cfg.normalize if params.use_activation is None else params.use_activation
+        data = pool(self.pooler.hidden_states(ids), ptype, normalize)
+        self.total_prompt_tokens += len(ids)
+        return PoolingRequestOutput(request_id, PoolingOutput(data), ids, True, text)
 
     def abort_request(self, request_ids: Union[str, list[str]]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:

@@ -11,7 +11,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ from jaxllm.loader.loader import load_model
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.tokenizer import get_tokenizer, load_generation_config
 from jaxllm.worker.model_runner import ModelRunner
+from jaxllm.worker.pooler import PoolerConfig, read_pooler_config
 
 logger = logging.getLogger("jaxllm")
 
@@ -41,6 +42,8 @@ class EngineParts:
     runner: ModelRunner
     num_blocks: int
     startup_times: dict
+    runner_type: str = "generate"  # or "pooling" (--runner resolved)
+    pooler_config: Optional[PoolerConfig] = None
 
 
 def executable_cache_dir() -> str | None:
@@ -128,7 +131,13 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         eos = {tokenizer.eos_token_id}
     times["tokenizer"] = time.perf_counter() - t
     dtype = kv_cache_dtype(args, mc.jnp_dtype, model.attention_backend)
-    num_blocks = num_kv_blocks(args, mc, dtype)
+    runner_type = args.runner_type(path)
+    pooler_config = (read_pooler_config(path, args.pooler_config) if runner_type == "pooling"
+                     else None)
+    # Pooling runs each prompt with a scratch cache of its own (jaxllm/worker/pooler.py): the
+    # step's cache only needs the minimum, and its programs no warm-up.
+    num_blocks = (math.ceil(mc.max_model_len / args.block_size) if pooler_config
+                  else num_kv_blocks(args, mc, dtype))
     max_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     if not args.chunked_prefill:
         max_tokens = max(max_tokens, mc.max_model_len)  # a whole prompt must fit one step
@@ -144,7 +153,9 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d", num_blocks,
                 args.block_size, jnp.dtype(dtype).name, mc.max_model_len)
     t = time.perf_counter()
-    runner.warmup()
+    if pooler_config is None:
+        runner.warmup()
     times["compile"] = time.perf_counter() - t
     defaults = {k: v for k, v in gen.items() if k != "eos_token_id"}
-    return EngineParts(mc, tokenizer, frozenset(eos), defaults, runner, num_blocks, times)
+    return EngineParts(mc, tokenizer, frozenset(eos), defaults, runner, num_blocks, times,
+                       runner_type, pooler_config)

@@ -10,7 +10,9 @@ from tqdm.auto import tqdm
 
 from jaxllm.config import DEFAULT_MODEL, EngineArgs
 from jaxllm.engine.engine import LLMEngine, PromptType
-from jaxllm.outputs import RequestOutput
+from jaxllm.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from jaxllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 Params = Union[SamplingParams, Sequence[SamplingParams], None]
@@ -37,10 +39,7 @@ class LLM:
                  sampling_params: Params = None, use_tqdm: bool = True,
                  priority: Optional[list[int]] = None) -> list[RequestOutput]:
         """Outputs in the order of the prompts. A single prompt may be given bare."""
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -89,6 +88,45 @@ class LLM:
                             "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
+                    params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: the beam_width best continuations of each prompt (text,
+        token ids or a prompt dict), best first (see jaxllm/entrypoints/beam_search.py)."""
+        engine = self.llm_engine
+        ids = [engine.process_prompt(p)[1] for p in _as_list(prompts)]
+        search = BeamSearch(ids, params, engine.eos_token_ids,
+                            engine.model_config.max_model_len, engine.args.max_logprobs)
+        steps = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
+        while not search.done:
+            outs = self.generate(search.pending(), search.sampling_params, use_tqdm=False)
+            search.advance([o.outputs[0].logprobs[0] for o in outs])
+            steps.update(1)
+        steps.close()
+        return search.outputs(engine.tokenizer)
+
+    def encode(self, prompts: Union[PromptType, Sequence[PromptType]],
+               pooling_params: Optional[PoolingParams] = None, use_tqdm: bool = True,
+               pooling_task: Optional[str] = None) -> list[PoolingRequestOutput]:
+        """Pooled hidden states of each prompt (a model run with --runner pooling); vLLM's
+        pooling_task picks embed (one vector) or token_embed (one per token)."""
+        params = pooling_params or PoolingParams()
+        if pooling_task is not None:
+            params = PoolingParams(use_activation=params.use_activation, task=pooling_task)
+        prompts = _as_list(prompts)
+        return [self.llm_engine.encode(str(next(self._ids)), p, params)
+                for p in tqdm(prompts, desc="Processed prompts", unit="req",
+                              disable=not use_tqdm, dynamic_ncols=True)]
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
+              pooling_params: Optional[PoolingParams] = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`), as vLLM's LLM.embed."""
+        if pooling_params is not None and pooling_params.task not in (None, "embed"):
+            raise ValueError(f"LLM.embed() pools with task 'embed', not "
+                             f"{pooling_params.task!r}; use LLM.encode()")
+        return [EmbeddingRequestOutput.from_base(out)
+                for out in self.encode(prompts, pooling_params, use_tqdm, "embed")]
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         done: dict[str, RequestOutput] = {}
@@ -108,3 +146,11 @@ class LLM:
                 bar.update(1)
         bar.close()
         return [done[i] for i in ids]
+
+
+def _as_list(prompts) -> list:
+    """A single prompt (text, token ids or a prompt dict) may be given bare."""
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)

@@ -6,11 +6,13 @@ import argparse
 
 from jaxllm.config import EngineArgs
 from serving.cli_args import add_server_args, expand_config_file
+from serving.vllm_flags import add_vllm_flags
 
 
 def make_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_server_args(parser)
     EngineArgs.add_cli_args(parser, positional_model=True)
+    add_vllm_flags(parser)  # the rest of vLLM's flags: refused by name at start-up
     return parser
 
 

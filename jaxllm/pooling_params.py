@@ -1,0 +1,35 @@
+"""PoolingParams: what an embedding/pooling request asks of the pooler, with vLLM's fields.
+
+Fields vLLM has and jaxllm cannot honour are refused by name rather than ignored: `dimensions`
+(Matryoshka truncation; no supported model is trained for it) and `truncate_prompt_tokens`.
+As in vLLM 0.32, `use_activation` is what older versions called `normalize` (for embeddings,
+the activation is the L2 normalization).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# embed: one vector per prompt (the model's pooling); token_embed: one per prompt token.
+POOLING_TASKS = ("embed", "token_embed")
+
+
+@dataclass
+class PoolingParams:
+    use_activation: Optional[bool] = None  # None: as the model's pooler says
+    dimensions: Optional[int] = None
+    truncate_prompt_tokens: Optional[int] = None
+    task: Optional[str] = None        # None: embed
+
+    def __post_init__(self):
+        if self.dimensions is not None:
+            raise ValueError("dimensions is not supported: this model does not support "
+                             "Matryoshka representation (embedding truncation)")
+        if self.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens is not supported by this server")
+        if self.task is not None and self.task not in POOLING_TASKS:
+            raise ValueError(f"task={self.task!r} is not supported (supported: "
+                             f"{', '.join(POOLING_TASKS)})")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError("use_activation must be a boolean")

@@ -1,0 +1,124 @@
+"""Pooling (embeddings): a prompt's final hidden states -> one vector, beside the generate step.
+
+A pooling request never decodes, so it needs no place in the paged KV cache or the scheduler:
+each prompt runs once through the model with a scratch cache just big enough for it, created
+inside the program, so the step's cache and programs are untouched. Prompts are padded to a
+power-of-two token bucket, so a few programs (compiled on first use) serve every length. The
+pooled vector is taken on the host in float32.
+
+How to pool comes from the model, as in vLLM: a sentence-transformers folder says it in
+modules.json and 1_Pooling/config.json (CLS, mean or last token; a Normalize module);
+otherwise vLLM's default for a decoder LM used for embeddings: the last token, L2-normalized.
+--pooler-config overrides either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.config import ConfigError
+from jaxllm.layers.attention import AttentionMetadata, KVCache
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
+# sentence-transformers' pooling modes -> ours, in the order it checks them.
+_ST_MODES = (("pooling_mode_cls_token", "CLS"), ("pooling_mode_mean_tokens", "MEAN"),
+             ("pooling_mode_lasttoken", "LAST"))
+
+
+# --pooler-config keys (vLLM 0.32's, and older ones) -> PoolerConfig fields.
+_POOLER_KEYS = {"pooling_type": "pooling_type", "seq_pooling_type": "pooling_type",
+                "use_activation": "normalize", "normalize": "normalize"}
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+
+def read_pooler_config(path: str, override: Optional[dict] = None) -> PoolerConfig:
+    """The model folder's pooling (sentence-transformers files, else vLLM's default), with
+    --pooler-config's keys on top: pooling_type (or seq_pooling_type) and use_activation (for
+    embeddings, normalize: the key older vLLM versions used)."""
+    cfg = PoolerConfig()
+    modules = os.path.join(path, "modules.json") if os.path.isdir(path) else ""
+    if modules and os.path.exists(modules):
+        with open(modules) as f:
+            mods = json.load(f)
+        kinds = [m.get("type", "") for m in mods]
+        pooling = next((m for m in mods if m.get("type", "").endswith(".Pooling")), None)
+        ptype = cfg.pooling_type
+        if pooling is not None:
+            with open(os.path.join(path, pooling.get("path", ""), "config.json")) as f:
+                st = json.load(f)
+            modes = [ours for key, ours in _ST_MODES if st.get(key)]
+            if not modes:
+                used = sorted(k for k, v in st.items() if k.startswith("pooling_mode") and v)
+                raise ConfigError(f"--model {path}: sentence-transformers pooling {used} is not "
+                                  f"supported (supported: cls_token, mean_tokens, lasttoken)")
+            ptype = modes[0]
+        cfg = PoolerConfig(ptype, any(k.endswith(".Normalize") for k in kinds))
+    override = {_POOLER_KEYS.get(k, k): v for k, v in (override or {}).items()}
+    unknown = sorted(set(override) - {"pooling_type", "normalize"})
+    if unknown:
+        raise ConfigError(f"--pooler-config: unsupported key(s) {', '.join(unknown)} "
+                          f"(supported: {', '.join(_POOLER_KEYS)})")
+    if "pooling_type" in override:
+        override["pooling_type"] = str(override["pooling_type"]).upper()
+        if override["pooling_type"] not in POOLING_TYPES:
+            raise ConfigError(f"--pooler-config: pooling_type must be one of "
+                              f"{', '.join(POOLING_TYPES)}")
+    if "normalize" in override and not isinstance(override["normalize"], bool):
+        raise ConfigError("--pooler-config: use_activation (normalize) must be true or false")
+    return replace(cfg, **override)
+
+
+def pool(hidden: np.ndarray, pooling_type: str, normalize: bool) -> np.ndarray:
+    """hidden [n, E] (one prompt) -> [E] (or [n, E] for ALL), L2-normalized as torch's
+    F.normalize (eps 1e-12) when asked."""
+    out = {"LAST": lambda h: h[-1], "MEAN": lambda h: h.mean(0), "CLS": lambda h: h[0],
+           "ALL": lambda h: h}[pooling_type](hidden)
+    if normalize:
+        out = out / np.maximum(np.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
+    return out
+
+
+class Pooler:
+    """Final hidden states of one prompt, through the runner's weights and backend."""
+
+    def __init__(self, graphdef, state, kv_caches: tuple[KVCache, ...], block_size: int):
+        self.graphdef, self.state, self.block_size = graphdef, state, block_size
+        # Each group's cache shape and dtype, with the block count left to the prompt.
+        self.cache_specs = tuple((c.k.shape[:1] + c.k.shape[2:], c.k.dtype) for c in kv_caches)
+        self._hidden = jax.jit(self._hidden_fn, static_argnums=(4,))
+
+    def _hidden_fn(self, state, token_ids, positions, md, num_blocks: int):
+        model = nnx.merge(self.graphdef, state)
+        caches = []
+        for shape, dtype in self.cache_specs:
+            full = (shape[0], num_blocks, *shape[1:])
+            caches.append(KVCache(jnp.zeros(full, dtype), jnp.zeros(full, dtype)))
+        hidden, _ = model(tuple(caches), token_ids, positions, md)
+        return hidden
+
+    def hidden_states(self, token_ids: list[int]) -> np.ndarray:
+        """float32 [len(token_ids), E]: the final (normed) hidden state of every position."""
+        n, bs = len(token_ids), self.block_size
+        T = max(16, bs, 1 << (n - 1).bit_length())  # powers of two: a multiple of bs
+        ids = np.zeros(T, np.int32)
+        ids[:n] = token_ids
+        slots = np.arange(T, dtype=np.int32)
+        slots[n:] = -1
+        md = AttentionMetadata(slots, np.array([n], np.int32),
+                               np.arange(T // bs, dtype=np.int32)[None],
+                               np.array([0, n], np.int32), np.array([1], np.int32))
+        hidden = self._hidden(self.state, ids, np.arange(T, dtype=np.int32), md, T // bs)
+        return np.asarray(jax.device_get(hidden[:n]), np.float32)

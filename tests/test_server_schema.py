@@ -1,0 +1,43 @@
+"""schemathesis against `jaxllm serve`'s own /openapi.json (slow set; bounded examples per
+operation): no response is a 5xx, and every status code and content type the server answers is
+one the document declares (400, not FastAPI's 422, for refused bodies). Responses are checked
+against the documented schemas too."""
+
+from __future__ import annotations
+
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in the test extra")
+from hypothesis import HealthCheck, settings  # noqa: E402
+from schemathesis.checks import (content_type_conformance, not_a_server_error,  # noqa: E402
+                                 response_schema_conformance, status_code_conformance)
+
+from tests.test_server import ENGINE_FLAGS, ServerProcess  # noqa: E402
+
+pytestmark = pytest.mark.slow
+EXAMPLES = 30  # per operation: ~15 operations, a few minutes on 2 cores
+
+
+@pytest.fixture(scope="module")
+def schema_server(tiny_llama):
+    srv = ServerProcess(tiny_llama, *ENGINE_FLAGS, "--served-model-name", "tiny",
+                        "--max-n-sequences", "4", "--max-waiting-requests", "64")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def api_schema(schema_server):
+    return schemathesis.openapi.from_url(schema_server.url + "/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.parametrize()
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+def test_openapi_document_matches_the_server(case):
+    response = case.call(timeout=60)
+    case.validate_response(response, checks=[not_a_server_error, status_code_conformance,
+                                             content_type_conformance,
+                                             response_schema_conformance])
