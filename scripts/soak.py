@@ -76,7 +76,8 @@ class Soak:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
     async def one(self, client: httpx.AsyncClient, rng: random.Random) -> None:
-        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 200)))
+        prompt = " ".join(rng.choice(WORDS)
+                          for _ in range(rng.randint(5, self.args.max_prompt_words)))
         body = {"model": self.args.model, "prompt": prompt, "stream": True,
                 "max_tokens": rng.randint(8, self.args.max_tokens), "temperature": 0.8}
         cut_after = rng.randint(1, 8) if rng.random() < 1 / 3 else None
@@ -182,6 +183,8 @@ def main() -> None:
                    help="pause every this many minutes and check the server goes idle")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-words", type=int, default=200,
+                   help="prompts are 5 to this many words (keep prompt + max tokens in context)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--pid", type=int, default=None, help="server pid (default: found by port)")
     p.add_argument("--json", default=None, help="also write the report here")
