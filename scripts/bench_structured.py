@@ -4,11 +4,11 @@ unconstrained ones (same prompts, same token count), and the grammar compile tim
     python scripts/bench_structured.py --model ~/.cache/jaxllm/bench_models/llama124m
     python scripts/bench_structured.py --model ~/.cache/jaxllm/bench_models/smollm2
 
-The constrained requests use a schema that cannot close within --max-tokens (an object holding
-a string of at least 2000 characters), so both sides decode exactly N x max_tokens tokens and the
-difference is the grammar's: the per-step mask on the host (llguidance), the sampler's bitmask
-variant, and single steps instead of async overlap / multi-step bursts. The runs alternate
-(free, json, free, json, ...) and the best of --reps is reported, the machine being noisy.
+The constrained requests use a schema that cannot close within --max-tokens (a JSON string of
+at least 2000 characters), so both sides decode exactly N x max_tokens tokens and the difference
+is the grammar's: the per-step mask on the host (llguidance), the sampler's bitmask variant, and
+single steps instead of async overlap / multi-step bursts. The runs alternate (free, json, free,
+json, ...) and the best of --reps is reported, the machine being noisy.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import json
 import statistics
 import time
 
-LONG_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 2000}},
-               "required": ["text"], "additionalProperties": False}
+# A top-level string: its forced first byte (") is a token of every vocabulary; the 124M model
+# has 32000 logits and SmolLM2's tokenizer, whose `{"` token (forced by an object with a required
+# key) lies past them.
+LONG_SCHEMA = {"type": "string", "minLength": 2000}
 
 
 def schema_variant(i: int) -> dict:
@@ -66,7 +68,7 @@ def main() -> None:
             dt = time.perf_counter() - t
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             if mode == "json":
-                assert all(o.outputs[0].text.startswith('{"text":"') for o in outs)
+                assert all(o.outputs[0].text.startswith('"') for o in outs)
             rate = tokens / dt
             best[mode] = max(best.get(mode, 0.0), rate)
             print(f"rep {rep} {mode}: {tokens} tokens in {dt:.1f} s = {rate:.1f} output tok/s",
