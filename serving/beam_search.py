@@ -11,18 +11,30 @@ from jaxllm.entrypoints.beam_search import BeamSearch, BeamSearchParams
 from serving.errors import APIError
 from serving.generation import collect, submit
 from serving.prompts import Prompt, max_tokens_for
-from serving.protocol import CompletionRequest, CompletionResponse, CompletionResponseChoice, \
-    UsageInfo
+from serving.protocol import STRUCTURED_FIELDS, CompletionRequest, CompletionResponse, \
+    CompletionResponseChoice, UsageInfo
 from serving.state import ServingState
 
 _NOT_WITH_BEAM_SEARCH = ("stream", "logprobs", "echo", "stop", "stop_token_ids", "seed",
-                         "prompt_logprobs", "logit_bias", "min_tokens")
+                         "prompt_logprobs", "logit_bias", "min_tokens", "allowed_token_ids",
+                         "bad_words")
+# Sampling fields beam search does not apply: accepted only at their no-op values.
+_NEUTRAL_WITH_BEAM_SEARCH = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0),
+                             "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+                             "repetition_penalty": (None, 1.0)}
 
 
 def check_beam_request(req: CompletionRequest, max_tokens: int) -> BeamSearchParams:
     for name in _NOT_WITH_BEAM_SEARCH:
         if getattr(req, name) not in (None, False, 0, []):
             raise APIError(f"{name} is not supported with use_beam_search.", param=name)
+    for name, neutral in _NEUTRAL_WITH_BEAM_SEARCH.items():
+        if getattr(req, name) not in neutral:
+            raise APIError(f"{name} is not supported with use_beam_search.", param=name)
+    if req.structured_output_params() is not None:
+        name = next(n for n in STRUCTURED_FIELDS if getattr(req, n))
+        raise APIError(f"{name} (structured output) is not supported with use_beam_search.",
+                       param=name)
     try:
         return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens,
                                 ignore_eos=req.ignore_eos,

@@ -138,11 +138,11 @@ class SamplingRequest(RequestBody):
     def structured_output_params(self):
         """The request's constraint (or None); an APIError naming the field if it is invalid,
         unsupported or given twice."""
-        body = {name: getattr(self, name) for name in _STRUCTURED_FIELDS}
+        body = {name: getattr(self, name) for name in STRUCTURED_FIELDS}
         try:
             return from_request(body)
         except ValueError as e:
-            field = next((n for n in _STRUCTURED_FIELDS if str(e).startswith(n)), None)
+            field = next((n for n in STRUCTURED_FIELDS if str(e).startswith(n)), None)
             raise APIError(str(e), param=field) from None
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int],
@@ -182,7 +182,7 @@ class SamplingRequest(RequestBody):
         )
 
 
-_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
                       "guided_choice", "guided_grammar", "guided_decoding_backend",
                       "guided_whitespace_pattern")
 

@@ -170,6 +170,10 @@ CASES = [
     (CHAT, chat(use_beam_search=True), 400, "use_beam_search"),
     (C, comp(use_beam_search=True, stream=True), 400, "stream"),
     (C, comp(use_beam_search=True, logprobs=2), 400, "logprobs"),
+    (C, comp(use_beam_search=True, top_p=0.5), 400, "top_p"),
+    (C, comp(use_beam_search=True, guided_regex="a+"), 400, "guided_regex"),
+    (C, comp(use_beam_search=True, response_format={"type": "json_object"}), 400,
+     "response_format"),
     (C, comp(use_beam_search=True, n=11), 400, "n"),  # 2 x 11 logprobs > --max-logprobs
     *both({"best_of": 3}, 400, "best_of"),
     (C, comp(suffix="x"), 400, "suffix"),
