@@ -13,7 +13,7 @@ from jaxllm.entrypoints.chat_utils import normalize_messages, render_chat_prompt
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from serving.chat_output import ChoiceParser, ToolChoice
-from serving.errors import APIError, error_body
+from serving.errors import APIError, error_body, stream_error_status
 from serving.deadline import call_with_deadline
 from serving.generation import build_params, collect, merge, submit
 from serving.limits import check_request_limits
@@ -186,5 +186,5 @@ async def _stream(state: ServingState, req: ChatCompletionRequest, model: str, r
                                                    choices=[], usage=_usage(prompt, last)))
     except Exception as e:  # the response has started: report in-band, as vLLM does
         logger.exception("Error while streaming %s", request_id)
-        yield sse(error_body(str(e), 500))
+        yield sse(error_body(str(e), stream_error_status(e)))
     yield DONE
