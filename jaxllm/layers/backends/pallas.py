@@ -11,11 +11,11 @@ partition a Mosaic call; each shard attends with its own heads, no collective ne
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import jax
 from jax import lax
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.attention import AttentionMetadata
 from jaxllm.layers.backends.reference import ReferenceBackend
@@ -25,7 +25,6 @@ from pallas_kernels.ragged_paged_attention import kernel
 @dataclasses.dataclass(frozen=True)
 class PallasBackend(ReferenceBackend):
     name: ClassVar[str] = "pallas"
-    mesh: Optional[AbstractMesh] = None  # the model's mesh, if it has several devices
 
     def attend(self, q, kc, vc, layer, md: AttentionMetadata, *, sliding_window=None, **kw):
         def attend(q, kc, vc, layer, window, *metadata):
