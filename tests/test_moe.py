@@ -88,6 +88,29 @@ def test_expert_impls_match_numpy(impl, tokens):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
 
 
+def test_megablox_grouped_matmul_matches_ragged_dot():
+    """The Pallas backend's TPU grouped matmul (jax's megablox `gmm`, interpreted here) in the
+    `ragged` experts gives ragged_dot's sum: rows padded to its tile, non-local rows zeroed."""
+    import jax.numpy as jnp
+
+    from jaxllm.layers.backends.pallas import megablox_gmm
+    from jaxllm.layers.experts import experts_ragged
+    from pallas_kernels.activation.reference import silu_and_mul
+
+    rng = np.random.default_rng(0)
+    T, k, X, E, F = 13, 2, 4, 64, 32
+    x = rng.normal(size=(T, E)).astype(np.float32)
+    ids = rng.integers(-1, 5, (T, k)).astype(np.int32)  # -1 and 4: not local experts
+    w = rng.random((T, k)).astype(np.float32)
+    gu = (rng.normal(size=(X, E, 2, F)) / 8).astype(np.float32)
+    down = (rng.normal(size=(X, F, E)) / 8).astype(np.float32)
+    act = lambda g: silu_and_mul(g, jnp.float32)  # noqa: E731
+    want = experts_ragged(x, ids, w, gu, down, act)
+    got = experts_ragged(x, ids, w, gu, down, act, lambda *a: megablox_gmm(*a, interpret=True))
+    assert np.abs(np.asarray(want)).max() > 0.1
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
 def test_moe_impl_choice_on_cpu():
     """On XLA:CPU few tokens gather their experts' weights; more run the per-expert loop in
     float32 and the all-experts einsum in bf16 (see `ReferenceBackend.moe_impl`)."""

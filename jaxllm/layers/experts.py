@@ -28,16 +28,23 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
-def experts_ragged(x, ids, weights, w_gate_up, w_down, act: Callable) -> jax.Array:
+def ragged_dot(lhs, rhs, group_sizes) -> jax.Array:
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=F32)
+
+
+def experts_ragged(x, ids, weights, w_gate_up, w_down, act: Callable,
+                   grouped_matmul: Callable = ragged_dot) -> jax.Array:
+    """grouped_matmul(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> float32 [M, N]: rows of
+    group g times rhs[g]; rows past the groups may hold anything (they are zeroed here)."""
     T, k = ids.shape
     X, E, _, F = w_gate_up.shape
     flat = jnp.where((ids >= 0) & (ids < X), ids, X).reshape(-1)  # others sort last, unused
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
     xs = x[order // k]
-    gu = jax.lax.ragged_dot(xs, w_gate_up.reshape(X, E, 2 * F), sizes,
-                            preferred_element_type=F32).reshape(T * k, 2, F)
-    y = jax.lax.ragged_dot(act(gu), w_down, sizes, preferred_element_type=F32)
+    gu = grouped_matmul(xs, w_gate_up.reshape(X, E, 2 * F), sizes).reshape(T * k, 2, F)
+    y = grouped_matmul(act(gu), w_down, sizes)
+    y = jnp.where((flat[order] < X)[:, None], y, 0.0)
     y = jnp.zeros_like(y).at[order].set(y).reshape(T, k, E)  # un-sort
     return jnp.einsum("tke,tk->te", y, weights)
 

@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from jaxllm.layers.attention import REFERENCE_TILING, AttentionMetadata, KVCache
 from jaxllm.layers.backends.base import Backend
-from jaxllm.layers.experts import EXPERT_IMPLS
+from jaxllm.layers.experts import EXPERT_IMPLS, experts_ragged, ragged_dot
 from pallas_kernels.activation import reference as activation_ref
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
 
@@ -98,11 +98,18 @@ class ReferenceBackend(Backend):
             return "gather"
         return "loop" if jnp.dtype(dtype) == jnp.float32 else "dense"
 
+    def grouped_matmul(self, lhs, rhs, group_sizes):
+        """The `ragged` implementation's grouped matmul (`jaxllm.layers.experts.experts_ragged`)."""
+        return ragged_dot(lhs, rhs, group_sizes)
+
     def moe(self, x, ids, weights, w_gate_up, w_down, *, activation, dtype, expert_parallel):
         def experts(x, ids, weights, w_gate_up, w_down):
-            impl = EXPERT_IMPLS[self.moe_impl(*ids.shape, w_gate_up.shape[0], dtype)]
-            return impl(x, ids, weights, w_gate_up, w_down,
-                        lambda gu: self.gated_activation(gu, activation, dtype))
+            name = self.moe_impl(*ids.shape, w_gate_up.shape[0], dtype)
+            act = lambda gu: self.gated_activation(gu, activation, dtype)  # noqa: E731
+            if name == "ragged":
+                return experts_ragged(x, ids, weights, w_gate_up, w_down, act,
+                                      self.grouped_matmul)
+            return EXPERT_IMPLS[name](x, ids, weights, w_gate_up, w_down, act)
 
         n = 1 if self.mesh is None else self.mesh.shape["model"]
         split = w_gate_up.shape[0 if expert_parallel else 3]
