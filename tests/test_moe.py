@@ -148,3 +148,23 @@ def test_expert_parallel_refused_for_dense_models(tiny_llama, load):
     with pytest.raises(ConfigError, match="--enable-expert-parallel"):
         load(tiny_llama, enable_expert_parallel=True)
 
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_moe_bfloat16_error_is_transformers_bfloat16_error(make_tiny_checkpoint, load, greedy,
+                                                         backend):
+    """bfloat16 (the dense all-experts path on CPU, the weights stored as bits) strays from
+    float32 transformers no more than transformers' own bfloat16 does."""
+    import torch
+
+    path = make_tiny_checkpoint("qwen2_moe")
+    model, cfg, _ = load(path, dtype="bfloat16", attention_backend=backend)
+    assert model.backend.name == backend
+    prompts = _prompts((5, 17, 30))
+    prefill, _, _ = greedy(model, prompts, 1)
+    hf, hf_bf16 = _hf_model(path), _hf_model(path).to(torch.bfloat16)
+    for ours, prompt in zip(prefill, prompts):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0].numpy()
+            theirs = hf_bf16(torch.tensor([prompt])).logits[0].float().numpy()
+        assert np.abs(ours - want).max() <= 1.5 * np.abs(theirs - want).max() + 0.02
