@@ -264,6 +264,27 @@ def greedy():
     return paged_greedy
 
 
+def run_with_host_devices(n: int, argv: list[str], timeout: int = 900):
+    """python argv in a subprocess with n virtual CPU devices (JAX fixes its device count at
+    import) and this checkout's code first on the path; the CompletedProcess."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, *argv], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def greedy_record(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    """`paged_greedy` as JSON-ready lists, with the number of devices the model is on."""
+    prefill, steps, tokens = paged_greedy(model, prompts, new_tokens)
+    return {"devices": len(model.embed[...].sharding.device_set),
+            "prefill": np.concatenate(prefill).tolist(), "steps": np.array(steps).tolist(),
+            "tokens": tokens}
+
+
 def load_tiny(path: str, tp: int = 1, **engine_args):
     """load_model on a `tp`-device mesh, float32 unless `dtype` is given, no progress bar."""
     from jaxllm.config import EngineArgs

@@ -10,11 +10,12 @@ on float32 logits.
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from conftest import run_with_host_devices
 
 ATOL = 1e-4
 NEW_TOKENS = 8
@@ -27,11 +28,7 @@ RUNS = {"qwen2_moe": {"1": (1, False), "tp2": (2, False), "ep2": (2, True), "ep4
 @pytest.mark.slow  # ~3 min alone (8 loads and compiles on 8 virtual devices), 7 under load
 def test_expert_parallel_matches_single_device(make_tiny_checkpoint):
     paths = {name: make_tiny_checkpoint(name) for name in RUNS}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's code
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, __file__, json.dumps(paths)], env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = run_with_host_devices(8, [__file__, json.dumps(paths)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, runs in report.items():
@@ -52,15 +49,11 @@ def test_expert_parallel_matches_single_device(make_tiny_checkpoint):
 def test_expert_count_must_divide(make_tiny_checkpoint):
     """8 experts over 3 devices: refused with the numbers (a subprocess with 3 host devices)."""
     path = make_tiny_checkpoint("mixtral")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3",
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     code = ("import sys; sys.path.insert(0, 'tests'); from conftest import load_tiny\n"
             "from jaxllm.config import ConfigError\n"
             f"try:\n    load_tiny({path!r}, tp=3, enable_expert_parallel=True)\n"
             "except ConfigError as e:\n    print('REFUSED', e)\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_with_host_devices(3, ["-c", code], timeout=300)
     assert "REFUSED" in proc.stdout, proc.stderr[-2000:]
     assert "8 experts do not divide over 3 devices" in proc.stdout
 
@@ -68,7 +61,7 @@ def test_expert_count_must_divide(make_tiny_checkpoint):
 def _child(paths: dict) -> dict:
     """Runs under 8 host devices: each model at each setting; logits, tokens, expert sharding."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from conftest import load_tiny, paged_greedy
+    from conftest import greedy_record, load_tiny
 
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(3, 512, n)] for n in (7, 19)]
@@ -79,14 +72,8 @@ def _child(paths: dict) -> dict:
             model, _, _ = load_tiny(path, tp=tp, enable_expert_parallel=ep)
             moe = next(g for g, grp in zip(model.layers, model.groups) if grp.kind == "moe")
             spec = moe.experts_gate_up[...].sharding.spec
-            prefill, steps, tokens = paged_greedy(model, prompts, NEW_TOKENS)
-            report[name][run_name] = {
-                "devices": len(model.embed[...].sharding.device_set),
-                "experts_spec": list(spec) + [None] * (5 - len(spec)),
-                "prefill": np.concatenate(prefill).tolist(),
-                "steps": np.array(steps).tolist(),
-                "tokens": tokens,
-            }
+            report[name][run_name] = {"experts_spec": list(spec) + [None] * (5 - len(spec)),
+                                      **greedy_record(model, prompts, NEW_TOKENS)}
     return report
 
 

@@ -9,7 +9,7 @@ step's logits within ATOL = 1e-4 of transformers and the 32 tokens identical.
 import numpy as np
 import pytest
 
-from test_models import ATOL, NEW_TOKENS, _hf_greedy, _hf_model, _prompts
+from test_models import _hf_model, _prompts, assert_greedy_matches_transformers
 
 MOE_CASES = [
     pytest.param("mixtral", {}, id="mixtral-top2"),
@@ -36,16 +36,7 @@ def test_moe_matches_transformers(arch, overrides, make_tiny_checkpoint, load, g
                          else ["dense", "moe", "dense", "moe"])
     else:
         assert kinds == ["moe"]
-    prompts = _prompts((5, 17, 30, 2))
-    prefill, steps, tokens = greedy(model, prompts, NEW_TOKENS, block_size=4)
-    hf = _hf_model(path)
-    for i, prompt in enumerate(prompts):
-        want_prefill, want_steps, want_tokens = _hf_greedy(hf, prompt, NEW_TOKENS)
-        np.testing.assert_allclose(prefill[i], want_prefill, atol=ATOL, rtol=0,
-                                   err_msg=f"prefill of prompt {i}")
-        np.testing.assert_allclose(np.stack(steps[i]), want_steps, atol=ATOL, rtol=0,
-                                   err_msg=f"decode steps of prompt {i}")
-        assert tokens[i] == want_tokens, f"greedy tokens of prompt {i}"
+    assert_greedy_matches_transformers(path, model, _prompts((5, 17, 30, 2)), greedy)
 
 
 def _numpy_experts(x, ids, weights, w_gate_up, w_down):

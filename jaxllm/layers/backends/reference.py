@@ -99,7 +99,7 @@ class ReferenceBackend(Backend):
         return "loop" if jnp.dtype(dtype) == jnp.float32 else "dense"
 
     def grouped_matmul(self, lhs, rhs, group_sizes):
-        """The `ragged` implementation's grouped matmul (`jaxllm.layers.experts.experts_ragged`)."""
+        """The grouped matmul of the `ragged` experts (`jaxllm.layers.experts`)."""
         return ragged_dot(lhs, rhs, group_sizes)
 
     def moe(self, x, ids, weights, w_gate_up, w_down, *, activation, dtype, expert_parallel):
