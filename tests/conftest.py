@@ -20,7 +20,15 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "jaxllm-tests-xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe",
+         "qwen3_moe")
+CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+           "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+           "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+           "qwen3_moe": "Qwen3MoeForCausalLM"}
+# Mixture of experts: 8 experts of FFN 32, top-2 (the tests override these).
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 VOCAB = 512
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
@@ -62,11 +70,19 @@ def _hf_config(arch: str, overrides: dict):
                 "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
             **overrides})
+    elif arch == "mixtral":
+        cfg = tr.MixtralConfig(**{**common, "intermediate_size": 32, "num_local_experts": 8,
+                                  "num_experts_per_tok": 2, **overrides})
+    elif arch == "qwen2_moe":  # a shared expert; layer 1 dense (mlp_only_layers)
+        cfg = tr.Qwen2MoeConfig(**{**common, **_MOE, "num_hidden_layers": 3,
+                                   "shared_expert_intermediate_size": 48,
+                                   "mlp_only_layers": [1], **overrides})
+    elif arch == "qwen3_moe":
+        cfg = tr.Qwen3MoeConfig(**{**common, **_MOE, "head_dim": 24, "norm_topk_prob": True,
+                                   **overrides})
     else:
         raise ValueError(f"unknown test architecture {arch!r}; one of {ARCHS}")
-    cfg.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                          "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]]
+    cfg.architectures = [CLASSES[arch]]
     return cfg
 
 
@@ -246,6 +262,27 @@ def paged_greedy(model, prompts: list[list[int]], new_tokens: int, block_size: i
 def greedy():
     """The paged greedy driver (`paged_greedy`) as a fixture."""
     return paged_greedy
+
+
+def run_with_host_devices(n: int, argv: list[str], timeout: int = 900):
+    """python argv in a subprocess with n virtual CPU devices (JAX fixes its device count at
+    import) and this checkout's code first on the path; the CompletedProcess."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, *argv], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def greedy_record(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    """`paged_greedy` as JSON-ready lists, with the number of devices the model is on."""
+    prefill, steps, tokens = paged_greedy(model, prompts, new_tokens)
+    return {"devices": len(model.embed[...].sharding.device_set),
+            "prefill": np.concatenate(prefill).tolist(), "steps": np.array(steps).tolist(),
+            "tokens": tokens}
 
 
 def load_tiny(path: str, tp: int = 1, **engine_args):

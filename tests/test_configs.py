@@ -44,7 +44,6 @@ def test_parallel_layouts():
     assert load("h100-llama3-8b.yaml").tensor_parallel_size == 1
     mixtral = load("mixtral-8x7b-ep.yaml")
     assert mixtral.enable_expert_parallel and mixtral.tensor_parallel_size == 8
-    assert "not runnable yet" in (CONFIG_DIR / "mixtral-8x7b-ep.yaml").read_text()
 
 
 def test_command_line_wins_over_config(tmp_path):

@@ -47,8 +47,8 @@ def _config() -> ModelConfig:
     return ModelConfig.from_hf(hf, EngineArgs(model="tiny", dtype="bfloat16"))
 
 
-def _exported(platform: str, tp: int) -> export.Exported:
-    cfg = _config()
+def _exported(platform: str, tp: int, cfg: ModelConfig = None) -> export.Exported:
+    cfg = cfg or _config()
     mesh = AbstractMesh((1, tp, 1), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     model = abstract_decoder(cfg, PallasBackend(mesh if tp > 1 else None))
     graphdef, state = nnx.split(model)

@@ -81,7 +81,12 @@ def test_matches_transformers(arch, overrides, make_tiny_checkpoint, load, greed
         assert cfg.rope[0].rope_type == overrides["rope_parameters"]["rope_type"]
     if arch in ("mistral", "gemma2", "gemma3"):  # the window cuts the longer sequences
         assert 0 < max(cfg.sliding_window) < max(PROMPT_LENS)
-    prompts = _prompts()
+    assert_greedy_matches_transformers(path, model, _prompts(), greedy)
+
+
+def assert_greedy_matches_transformers(path, model, prompts, greedy):
+    """The prompts prefilled in one ragged batch, then NEW_TOKENS greedy steps together: each
+    prompt's prefill and step logits within ATOL of transformers, the same tokens."""
     prefill, steps, tokens = greedy(model, prompts, NEW_TOKENS, block_size=4)
     hf = _hf_model(path)
     for i, prompt in enumerate(prompts):

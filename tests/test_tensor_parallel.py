@@ -10,10 +10,11 @@ biases (every attention weight sharded at tp=4). Tolerance: atol 1e-4 on float32
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
+
+from conftest import run_with_host_devices
 
 ATOL = 1e-4
 TPS = (1, 2, 4)
@@ -24,11 +25,7 @@ NEW_TOKENS = 8
 def test_tensor_parallel_matches_single_device(make_tiny_checkpoint):
     paths = {"llama-2kv": make_tiny_checkpoint("llama"),
              "qwen2-4kv": make_tiny_checkpoint("qwen2", num_key_value_heads=4)}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's code
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, __file__, json.dumps(paths)], env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = run_with_host_devices(8, [__file__, json.dumps(paths)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, runs in report.items():
@@ -62,7 +59,7 @@ def _child(paths: dict) -> dict:
     from flax import nnx
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from conftest import load_tiny, paged_greedy
+    from conftest import greedy_record, load_tiny
 
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(3, 512, n)] for n in (7, 19)]
@@ -73,15 +70,9 @@ def _child(paths: dict) -> dict:
             model, _, mesh = load_tiny(path, tp=tp, attention_backend=backend)
             sharded = sorted("/".join(map(str, p)) for p, v in nnx.to_flat_state(nnx.state(model))
                              if "model" in jax.tree.leaves(tuple(v.get_value().sharding.spec)))
-            prefill, steps, tokens = paged_greedy(model, prompts, NEW_TOKENS)
             report[name][PALLAS if backend == "pallas" else str(tp)] = {
-                "backend": model.backend.name,
-                "devices": len(model.embed[...].sharding.device_set),
-                "sharded": sharded,
-                "prefill": np.concatenate(prefill).tolist(),
-                "steps": np.array(steps).tolist(),
-                "tokens": tokens,
-            }
+                "backend": model.backend.name, "sharded": sharded,
+                **greedy_record(model, prompts, NEW_TOKENS)}
     return report
 
 

@@ -32,14 +32,31 @@ _GEMMA3 = {**_QWEN3, "ffn_norm": "pre_feedforward_layernorm",
            "post_attention_norm": "post_attention_layernorm",
            "post_ffw_norm": "post_feedforward_layernorm"}
 
+# Mixture of experts: llama.cpp stacks each layer's experts in one tensor (`*_exps`, [X, ...]);
+# they are yielded split, one HF tensor per expert (`{}` = the expert's index).
+_MIXTRAL = {**_LLAMA, "ffn_gate_inp": "block_sparse_moe.gate",  # Mixtral is GGUF "llama"
+            "ffn_gate_exps": "block_sparse_moe.experts.{}.w1",
+            "ffn_up_exps": "block_sparse_moe.experts.{}.w3",
+            "ffn_down_exps": "block_sparse_moe.experts.{}.w2"}
+_QWEN_MOE = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{}.gate_proj",
+             "ffn_up_exps": "mlp.experts.{}.up_proj", "ffn_down_exps": "mlp.experts.{}.down_proj",
+             "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+             "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+             "ffn_up_shexp": "mlp.shared_expert.up_proj",
+             "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+
 # GGUF `general.architecture` -> per-layer GGUF name -> HF name under `model.layers.N.`.
-BLOCK_NAMES = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _QWEN3, "gemma3": _GEMMA3}
+BLOCK_NAMES = {"llama": _MIXTRAL, "qwen2": _LLAMA, "qwen3": _QWEN3, "gemma3": _GEMMA3,
+               "qwen2moe": {**_LLAMA, **_QWEN_MOE}, "qwen3moe": {**_QWEN3, **_QWEN_MOE}}
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                 "output": "lm_head"}
 # GGUF architecture -> transformers' model_type and causal-LM class.
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
+                "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "mixtral": "mixtral"}
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                  "mixtral": "MixtralForCausalLM"}
 
 # What the `gguf` package and transformers' GGUF reader raise on truncated or corrupt files.
 _READ_ERRORS = (OSError, ValueError, IndexError, KeyError, struct.error)
@@ -90,7 +107,7 @@ def gguf_hf_config(path: str):
 
     reader = read_gguf(path)
     arch = gguf_value(reader, "general.architecture")
-    if arch not in _MODEL_TYPES:
+    if arch not in BLOCK_NAMES:
         raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported "
                         f"(supported: {', '.join(sorted(BLOCK_NAMES))})")
 
@@ -109,8 +126,9 @@ def gguf_hf_config(path: str):
         vocab_size=meta("vocab_size") or len(tokens),
         rms_norm_eps=float(str(np.float32(meta("attention.layer_norm_rms_epsilon", 1e-6)))),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
-        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        architectures=[_ARCHITECTURES[arch]])
+        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors))
+    model_type = _moe_config(arch, meta, kwargs)
+    kwargs["architectures"] = [_ARCHITECTURES[model_type]]
     scaling = meta("rope.scaling.type")
     if scaling not in (None, "none"):
         kwargs["rope_scaling"] = {"rope_type": scaling, "factor": float(meta("rope.scaling.factor")),
@@ -125,7 +143,28 @@ def gguf_hf_config(path: str):
     missing = [k for k, v in kwargs.items() if v is None]
     if missing:
         raise GGUFError(f"{path}: metadata lacks what {', '.join(missing)} is read from")
-    return AutoConfig.for_model(_MODEL_TYPES[arch], **kwargs)
+    return AutoConfig.for_model(_MODEL_TYPES[model_type], **kwargs)
+
+
+def _moe_config(arch: str, meta, kwargs: dict) -> str:
+    """Add the mixture-of-experts fields (if the file has experts) to `kwargs`; returns the
+    key of _MODEL_TYPES (a GGUF "llama" with experts is Mixtral). Routing as llama.cpp does it:
+    Qwen3-MoE renormalizes the top-k weights, Qwen2-MoE does not; every layer is sparse."""
+    experts = meta("expert_count")
+    if not experts:
+        return arch
+    used = meta("expert_used_count")
+    if arch == "llama":
+        kwargs.update(num_local_experts=experts, num_experts_per_tok=used)
+        return "mixtral"
+    ffn = meta("expert_feed_forward_length")
+    kwargs.update(num_experts=experts, num_experts_per_tok=used, moe_intermediate_size=ffn,
+                  norm_topk_prob=arch == "qwen3moe", mlp_only_layers=[])
+    if kwargs["intermediate_size"] is None:  # no dense layer: nothing reads it
+        kwargs["intermediate_size"] = ffn
+    if arch == "qwen2moe":
+        kwargs["shared_expert_intermediate_size"] = meta("expert_shared_feed_forward_length")
+    return arch
 
 
 def iter_gguf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
@@ -157,7 +196,13 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
             w = _unpermute(w, n_head if part == "attn_q" else n_kv_head)
         if arch == "gemma3" and part.endswith("norm"):
             w = w - np.float32(1.0)
-        yield hf_name, w
+        if part == "ffn_gate_inp_shexp":  # llama.cpp may store the [1, E] gate as [E]
+            w = w.reshape(1, -1)
+        if "{}" in hf_name:  # stacked experts: one HF tensor each
+            for j in range(w.shape[0]):
+                yield hf_name.format(j), w[j]
+        else:
+            yield hf_name, w
 
 
 def _hf_name(gguf_name: str, block_names: dict, path: str, arch: str) -> str:

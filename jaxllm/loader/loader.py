@@ -59,9 +59,7 @@ def load_model(args: EngineArgs, mesh: Mesh) -> tuple[Decoder, ModelConfig]:
     path = model_path(args)
     fmt = load_format(args, path)
     cfg = ModelConfig.from_hf(hf_config(path), args)
-    if args.enable_expert_parallel:  # only MoE layers take it, and none load yet
-        raise ConfigError(f"--enable-expert-parallel: {cfg.architecture} has no "
-                          "mixture-of-experts layers to shard (jaxllm loads no MoE model yet)")
+    _check_expert_parallel(cfg, mesh)
     backend = _resolve_backend_in_background(args, mesh)
     model = abstract_decoder(cfg)  # the weights' shapes, whatever the backend
     if fmt == "dummy":
@@ -77,6 +75,15 @@ def load_model(args: EngineArgs, mesh: Mesh) -> tuple[Decoder, ModelConfig]:
         where = lambda name: origins.get(name, path)  # noqa: E731
     state = load_weights(model, tensors, mesh, where=where, progress=args.use_tqdm_on_load)
     return nnx.merge(nnx.graphdef(abstract_decoder(cfg, backend.result())), state), cfg
+
+
+def _check_expert_parallel(cfg: ModelConfig, mesh: Mesh) -> None:
+    """Expert parallelism shards the experts over the tensor-parallel devices (`model` axis),
+    as vLLM's EP size is TP x DP: the experts must divide evenly."""
+    n = mesh.shape["model"]
+    if cfg.expert_parallel and cfg.num_experts % n:
+        raise ConfigError(f"--enable-expert-parallel: {cfg.num_experts} experts do not divide "
+                          f"over {n} devices (--tensor-parallel-size {n})")
 
 
 def _resolve_backend_in_background(args: EngineArgs, mesh: Mesh) -> Future:

@@ -66,9 +66,6 @@ def hf_targets(cfg: ModelConfig) -> dict[str, Target]:
         ("self_attn.v_proj.weight", "qkv", (0, 0, G + 1, 0), (K * D, E), heads_in(1)),
         ("self_attn.o_proj.weight", "o", (0, 0, 0, 0), (E, K * G * D),
          lambda x: x.reshape(E, K, G, D).transpose(1, 2, 3, 0)),
-        ("mlp.gate_proj.weight", "gate_up", (0, 0, 0), (F, E), gate_up),
-        ("mlp.up_proj.weight", "gate_up", (0, 1, 0), (F, E), gate_up),
-        ("mlp.down_proj.weight", "down", (0, 0), (E, F), lambda x: x.T),
     ]
     if cfg.qkv_bias:
         per_layer += [("self_attn.q_proj.bias", "qkv_bias", (0, 0, 0), (K * G * D,), bias_in(G)),
@@ -87,11 +84,45 @@ def hf_targets(cfg: ModelConfig) -> dict[str, Target]:
         per_layer.append(("post_attention_layernorm.weight", "mlp_norm", (0,), (E,), same))
 
     for g, group in enumerate(layer_groups(cfg)):
+        mlp = (_moe_mlp(cfg, gate_up) if group.kind == "moe"
+               else _gated_mlp("mlp.", F, E, gate_up))
         for i in range(group.first, group.first + group.count):
-            for name, param, start, shape, fn in per_layer:
+            for name, param, start, shape, fn in per_layer + mlp:
                 out[f"model.layers.{i}.{name}"] = Target(
                     ("layers", g, param), (i - group.first, *start), shape,
                     lambda x, fn=fn: fn(x)[None])
+    return out
+
+
+def _gated_mlp(prefix: str, F: int, E: int, gate_up: Callable) -> list:
+    """A dense gated MLP's three tensors (`prefix`gate_proj/up_proj/down_proj) -> the fused
+    gate_up and down weights (of the dense MLP, or of Qwen2-MoE's shared expert)."""
+    return [(f"{prefix}gate_proj.weight", "gate_up", (0, 0, 0), (F, E), gate_up),
+            (f"{prefix}up_proj.weight", "gate_up", (0, 1, 0), (F, E), gate_up),
+            (f"{prefix}down_proj.weight", "down", (0, 0), (E, F), lambda x: x.T)]
+
+
+def _moe_mlp(cfg: ModelConfig, gate_up: Callable) -> list:
+    """A sparse MoE MLP's tensors: the router, every expert's gate/up/down (stacked into the
+    experts axis), and Qwen2-MoE's shared expert and its gate. Mixtral names them
+    block_sparse_moe.{gate, experts.N.w1 (gate), w3 (up), w2 (down)}."""
+    E, X, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    prefix = "block_sparse_moe." if mixtral else "mlp."
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = [(f"{prefix}gate.weight", "router", (0, 0), (X, E), lambda x: x.T)]
+    for j in range(X):
+        expert = lambda x: gate_up(x)[None]  # noqa: E731  [F, E] -> [1, E, 1, F]
+        out += [(f"{prefix}experts.{j}.{names[0]}.weight", "experts_gate_up", (j, 0, 0, 0),
+                 (F, E), expert),
+                (f"{prefix}experts.{j}.{names[1]}.weight", "experts_gate_up", (j, 0, 1, 0),
+                 (F, E), expert),
+                (f"{prefix}experts.{j}.{names[2]}.weight", "experts_down", (j, 0, 0), (E, F),
+                 lambda x: x.T[None])]
+    if cfg.shared_expert_intermediate_size:
+        out += _gated_mlp("mlp.shared_expert.", cfg.shared_expert_intermediate_size, E, gate_up)
+        out.append(("mlp.shared_expert_gate.weight", "shared_gate", (0, 0), (1, E),
+                    lambda x: x.T))
     return out
 
 

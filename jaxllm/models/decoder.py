@@ -3,8 +3,8 @@ flags of `ModelConfig`, not copies.
 
 The forward is three stages, so that a pipeline stage can run a range of layers and hand its
 hidden states on: `embed_tokens` -> `run_layers` over layers [start, end) -> `apply_final_norm`
-(then `compute_logits`). The layers are a sequence of homogeneous groups (`layer_groups`;
-today one dense group), each with its own stacked weights, its own `lax.scan` and its own
+(then `compute_logits`). The layers are a sequence of homogeneous groups (`layer_groups`:
+dense, or mixture-of-experts), each with its own stacked weights, its own `lax.scan` and its own
 KVCache. Every op runs through the model's backend (`jaxllm.layers.backends`), a static part
 of the module chosen at start-up.
 """
@@ -23,10 +23,11 @@ from jaxllm.layers.backends.base import Backend
 from jaxllm.layers.backends.reference import ACTIVATIONS, ReferenceBackend
 from jaxllm.models.dense import DenseLayers
 from jaxllm.models.model_config import ModelConfig
+from jaxllm.models.moe import MoeLayers
 from jaxllm.models.params import constant, dummy_weight, rms_norm
 from jaxllm.models.rope import rope_tables
 
-GROUP_KINDS = {"dense": DenseLayers}
+GROUP_KINDS = {"dense": DenseLayers, "moe": MoeLayers}
 
 
 class LayerGroup(NamedTuple):
@@ -36,8 +37,16 @@ class LayerGroup(NamedTuple):
 
 
 def layer_groups(cfg: ModelConfig) -> tuple[LayerGroup, ...]:
-    """The model's layers as consecutive homogeneous groups: every supported model is dense."""
-    return (LayerGroup("dense", 0, cfg.num_layers),)
+    """The model's layers as consecutive homogeneous groups: dense, or mixture-of-experts
+    (`cfg.moe_layers`; Qwen MoE models may mix both)."""
+    kinds = ["moe" if cfg.moe_layers and cfg.moe_layers[i] else "dense"
+             for i in range(cfg.num_layers)]
+    groups, first = [], 0
+    for i in range(1, cfg.num_layers + 1):
+        if i == cfg.num_layers or kinds[i] != kinds[first]:
+            groups.append(LayerGroup(kinds[first], first, i - first))
+            first = i
+    return tuple(groups)
 
 
 class Decoder(nnx.Module):

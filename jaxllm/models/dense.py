@@ -28,9 +28,14 @@ class DenseLayers(nnx.Module):
     tells their dummy weights apart from other groups'."""
 
     def __init__(self, cfg: ModelConfig, seed: int, count: int, prefix: str = ""):
-        L, E, F, D = count, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-        K, G, dt = cfg.num_kv_heads, cfg.q_per_kv, cfg.jnp_dtype
         self.cfg, self.count = cfg, count
+        self._init_attention(cfg, seed, count, prefix)
+        self._init_mlp(cfg, seed, count, prefix)
+
+    def _init_attention(self, cfg: ModelConfig, seed: int, L: int, prefix: str) -> None:
+        """The attention's weights and the norms around it and the MLP."""
+        E, D, dt = cfg.hidden_size, cfg.head_dim, cfg.jnp_dtype
+        K, G = cfg.num_kv_heads, cfg.q_per_kv
         one = 1.0 - cfg.norm_offset  # a norm weight that scales by one
         norm = partial(constant, one, (L, E), ("layers", "embed"), dt)
         self.attn_norm = norm()
@@ -48,9 +53,21 @@ class DenseLayers(nnx.Module):
         self.o_bias = constant(0.0, (L, E), ("layers", "embed"), dt) if cfg.o_bias else None
         self.post_attn_norm = norm() if cfg.sandwich_norms else None
         self.mlp_norm = norm()
-        self.gate_up = weight("gate_up", (L, E, 2, F), ("layers", "embed", None, "mlp"), dt)
-        self.down = weight("down", (L, F, E), ("layers", "mlp", "embed"), dt)
         self.post_mlp_norm = norm() if cfg.sandwich_norms else None
+
+    def _init_mlp(self, cfg: ModelConfig, seed: int, L: int, prefix: str) -> None:
+        self.gate_up, self.down = gated_mlp_weights(cfg, seed, L, prefix, cfg.intermediate_size)
+
+    def widths(self) -> dict[str, int]:
+        """Output columns of each projection the backend runs."""
+        cfg = self.cfg
+        return {"qkv": cfg.num_kv_heads * (cfg.q_per_kv + 2) * cfg.head_dim,
+                "o": cfg.hidden_size, "gate_up": 2 * cfg.intermediate_size,
+                "down": cfg.hidden_size}
+
+    def mlp(self, backend: Backend, w: dict, x: jax.Array, layer) -> jax.Array:
+        """The normed hidden states x [T, E] -> the MLP's output [T, E] in x's dtype."""
+        return gated_mlp(backend, self.widths(), w, x, layer, self.cfg.activation)
 
     def __call__(self, backend: Backend, h: jax.Array, cache: KVCache, md: AttentionMetadata,
                  rope: tuple, start: int, end: int) -> tuple[jax.Array, KVCache]:
@@ -60,17 +77,16 @@ class DenseLayers(nnx.Module):
         cos, sin, rope_ids, windows = rope
         weights = {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
         # Read in place by the backend (indexed by layer), not sliced per layer by the scan.
-        resident = {k: weights.pop(k) for k in backend.resident}
+        resident = {k: weights.pop(k) for k in backend.resident if k in weights}
         if (start, end) != (0, self.count):
             weights = {k: v[start:end] for k, v in weights.items()}
-        widths = _projection_widths(self.cfg)
 
         def body(carry, xs):
             h, cache = carry
             w, layer, rope_id, window = xs
             w = {**jax.tree.map(backend.weight, w), **resident}
-            h, cache = _layer(self.cfg, backend, widths, w, h, cache, layer, md,
-                              cos[rope_id], sin[rope_id], window)
+            h, cache = _layer(self, backend, w, h, cache, layer, md, cos[rope_id],
+                              sin[rope_id], window)
             return (h, cache), None
 
         layers = jnp.arange(start, end, dtype=jnp.int32)
@@ -78,15 +94,27 @@ class DenseLayers(nnx.Module):
         return h, cache
 
 
-def _projection_widths(cfg: ModelConfig) -> dict[str, int]:
-    """Output columns of each projection."""
-    return {"qkv": cfg.num_kv_heads * (cfg.q_per_kv + 2) * cfg.head_dim, "o": cfg.hidden_size,
-            "gate_up": 2 * cfg.intermediate_size, "down": cfg.hidden_size}
+def gated_mlp_weights(cfg: ModelConfig, seed: int, L: int, prefix: str, F: int) -> tuple:
+    """The stacked fused gate/up [L, E, 2, F] and down [L, F, E] weights of a gated MLP."""
+    E, dt = cfg.hidden_size, cfg.jnp_dtype
+    return (dummy_weight(seed, prefix + "gate_up", (L, E, 2, F), ("layers", "embed", None, "mlp"),
+                         dt),
+            dummy_weight(seed, prefix + "down", (L, F, E), ("layers", "mlp", "embed"), dt))
 
 
-def _layer(cfg: ModelConfig, backend: Backend, widths: dict, w: dict, h: jax.Array,
-           cache: KVCache, layer, md: AttentionMetadata, cos, sin, window
-           ) -> tuple[jax.Array, KVCache]:
+def gated_mlp(backend: Backend, widths: dict, w: dict, x: jax.Array, layer, activation: str
+              ) -> jax.Array:
+    """down(activation(gate(x)) * up(x)) through the backend's projections."""
+    T = x.shape[0]
+    gate_up = backend.project(x, w["gate_up"], layer, n=widths["gate_up"],
+                              out_dtype=jnp.float32).reshape(T, 2, -1)
+    return backend.project(backend.gated_activation(gate_up, activation, x.dtype), w["down"],
+                           layer, n=widths["down"], out_dtype=x.dtype)
+
+
+def _layer(group: DenseLayers, backend: Backend, w: dict, h: jax.Array, cache: KVCache, layer,
+           md: AttentionMetadata, cos, sin, window) -> tuple[jax.Array, KVCache]:
+    cfg, widths = group.cfg, group.widths()
     T, dt = h.shape[0], h.dtype
     K, G, D = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
     project = lambda name, x, out_dtype=dt, bias=None: backend.project(  # noqa: E731
@@ -105,9 +133,7 @@ def _layer(cfg: ModelConfig, backend: Backend, widths: dict, w: dict, h: jax.Arr
         a = rms_norm(a, w["post_attn_norm"], cfg)
     h = h + a
 
-    x = rms_norm(h, w["mlp_norm"], cfg)
-    gate_up = project("gate_up", x, jnp.float32).reshape(T, 2, -1)
-    m = project("down", backend.gated_activation(gate_up, cfg.activation, dt))
+    m = group.mlp(backend, w, rms_norm(h, w["mlp_norm"], cfg), layer)
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_mlp_norm"], cfg)
     return h + m, cache

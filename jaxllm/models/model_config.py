@@ -54,6 +54,14 @@ class ModelConfig:
     query_pre_attn_scalar: Optional[float] = None  # Gemma: softmax scale is its -1/2 power
     attn_logit_softcap: Optional[float] = None
     final_logit_softcap: Optional[float] = None
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE); num_experts 0 = a dense model.
+    moe_layers: tuple[bool, ...] = ()   # one per layer: a sparse MoE MLP (else the dense one)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0      # each routed expert's FFN width
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert (0 = none)
+    norm_topk_prob: bool = False        # renormalize the top-k routing weights to sum to one
+    expert_parallel: bool = False       # --enable-expert-parallel: experts sharded, not FFNs
 
     @property
     def q_per_kv(self) -> int:
@@ -117,6 +125,10 @@ class ModelConfig:
             o_bias=bias,
         )
         fields.update(features)
+        if args.enable_expert_parallel and not fields.get("num_experts"):
+            raise ConfigError(f"--enable-expert-parallel: {arch} has no mixture-of-experts "
+                              "layers to shard")
+        fields["expert_parallel"] = bool(args.enable_expert_parallel)
         return cls(**fields)
 
 

@@ -39,6 +39,36 @@ def _gemma3(c) -> dict:
     return dict(_gemma2(c), qk_norm=True, attn_logit_softcap=None)
 
 
+def _sparse_layers(c) -> tuple[bool, ...]:
+    """Which layers have the sparse MoE MLP, as transformers' Qwen MoE decoder layers decide."""
+    only_dense = set(getattr(c, "mlp_only_layers", None) or ())
+    step = getattr(c, "decoder_sparse_step", 1) or 1
+    return tuple(i not in only_dense and c.num_experts > 0 and (i + 1) % step == 0
+                 for i in range(c.num_hidden_layers))
+
+
+def _mixtral(c) -> dict:  # softmax over all experts, top-k, renormalized; every layer sparse
+    return dict(moe_layers=(True,) * c.num_hidden_layers, num_experts=c.num_local_experts,
+                num_experts_per_tok=c.num_experts_per_tok,
+                moe_intermediate_size=c.intermediate_size, norm_topk_prob=True)
+
+
+def _qwen_moe(c) -> dict:
+    return dict(moe_layers=_sparse_layers(c), num_experts=c.num_experts,
+                num_experts_per_tok=c.num_experts_per_tok,
+                moe_intermediate_size=c.moe_intermediate_size,
+                norm_topk_prob=bool(c.norm_topk_prob))
+
+
+def _qwen2_moe(c) -> dict:  # q/k/v biases from `qkv_bias`, a shared expert with a sigmoid gate
+    return dict(_qwen_moe(c), qkv_bias=bool(getattr(c, "qkv_bias", True)), o_bias=False,
+                shared_expert_intermediate_size=c.shared_expert_intermediate_size)
+
+
+def _qwen3_moe(c) -> dict:
+    return dict(_qwen_moe(c), qk_norm=True)
+
+
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -46,6 +76,9 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "Qwen3ForCausalLM": _qwen3,
     "Gemma2ForCausalLM": _gemma2,
     "Gemma3ForCausalLM": _gemma3,
+    "MixtralForCausalLM": _mixtral,
+    "Qwen2MoeForCausalLM": _qwen2_moe,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
 }
 
 

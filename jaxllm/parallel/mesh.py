@@ -27,7 +27,10 @@ LOGICAL_AXIS_RULES: dict[str, Optional[str]] = {
     "q_per_kv": None,
     "head_dim": None,
     "mlp": "model",
-    "expert": "expert",
+    # Expert parallelism takes the tensor-parallel devices (vLLM: EP size = TP x DP), so a
+    # MoE layer's experts shard over `model` while its attention stays tensor-parallel; the
+    # experts' FFN axis is then left unsharded (`jaxllm.models.moe`).
+    "expert": "model",
     # KV cache and activations
     "cache_blocks": None,
     "cache_block_size": None,

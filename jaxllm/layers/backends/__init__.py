@@ -41,8 +41,9 @@ def make_backend(requested: str = "reference", mesh: Optional[Mesh] = None) -> B
     if name == "cpu":
         from jaxllm.layers.backends.cpu import CpuBackend
         return CpuBackend.create()
+    multi = None if mesh is None or mesh.size == 1 else mesh.abstract_mesh
     if name == "pallas":
         from jaxllm.layers.backends.pallas import PallasBackend
-        return PallasBackend(None if mesh is None or mesh.size == 1 else mesh.abstract_mesh)
+        return PallasBackend(multi)
     from jaxllm.layers.backends.reference import ReferenceBackend
-    return ReferenceBackend()
+    return ReferenceBackend(multi)

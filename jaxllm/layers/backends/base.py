@@ -49,6 +49,15 @@ class Backend:
         """float32 gate/up [T, 2, F] -> activation(gate) * up [T, F] in dtype."""
         raise NotImplementedError
 
+    def moe(self, x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate_up: jax.Array,
+            w_down: jax.Array, *, activation: str, dtype, expert_parallel: bool) -> jax.Array:
+        """The routed experts of a mixture-of-experts layer: x [T, E], each token's top-k
+        expert ids [T, k] (int32) and routing weights [T, k] (float32), the stacked experts
+        w_gate_up [X, E, 2, F] and w_down [X, F, E] -> sum_k weight * expert(x), float32
+        [T, E]. No token is dropped. expert_parallel: the experts are sharded over the mesh's
+        `model` axis (else each expert's F is); see `jaxllm.layers.experts`."""
+        raise NotImplementedError
+
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,
                   md: AttentionMetadata, *, sm_scale: float, sliding_window=None,
                   soft_cap: Optional[float] = None) -> tuple[jax.Array, KVCache]:

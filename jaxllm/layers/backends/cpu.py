@@ -111,6 +111,8 @@ def pack_native(state, cfg):
                    donate_argnums=0)
     for group in state["layers"].values():
         for name, e_in in PROJECTIONS.items():
+            if name not in group:  # a MoE group without a shared expert has no dense MLP
+                continue
             L = jax.tree.leaves(group[name])[0].shape[0]
             shape = (L, E, -1) if e_in else (L, -1, E)
             group[name] = jax.tree.map(lambda w: pack(w, shape), group[name])

@@ -1,5 +1,6 @@
 """The Pallas backend: the ragged paged attention kernel of the platform the program is lowered
-for (Mosaic on TPU, Triton on GPU); every other op as the reference (XLA fuses them well there).
+for (Mosaic on TPU, Triton on GPU), and on TPU jax's megablox grouped matmul for the MoE
+experts (`ragged_dot` elsewhere); every other op as the reference (XLA fuses them well there).
 
 The kernel variant is picked per lowering platform (`lax.platform_dependent`), not from the
 host's default backend, so a program exported for TPU or CUDA from a CPU host holds that
@@ -11,21 +12,31 @@ partition a Mosaic call; each shard attends with its own heads, no collective ne
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.experimental.pallas.ops.tpu.megablox import gmm
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.attention import AttentionMetadata
 from jaxllm.layers.backends.reference import ReferenceBackend
+from jaxllm.layers.experts import ragged_dot
 from pallas_kernels.ragged_paged_attention import kernel
 
 
 @dataclasses.dataclass(frozen=True)
 class PallasBackend(ReferenceBackend):
     name: ClassVar[str] = "pallas"
-    mesh: Optional[AbstractMesh] = None  # the model's mesh, if it has several devices
+
+    def moe_impl(self, tokens, top_k, experts, dtype):
+        return "ragged"  # whatever the host: the program is for the platform it lowers to
+
+    def grouped_matmul(self, lhs, rhs, group_sizes):
+        """megablox `gmm` on TPU, `ragged_dot` on others (CPU: the same sum, for tests)."""
+        return lax.platform_dependent(lhs, rhs, group_sizes, tpu=megablox_gmm,
+                                      default=ragged_dot)
 
     def attend(self, q, kc, vc, layer, md: AttentionMetadata, *, sliding_window=None, **kw):
         def attend(q, kc, vc, layer, window, *metadata):
@@ -46,3 +57,16 @@ class PallasBackend(ReferenceBackend):
         rest = [P()] * (len(args) - 3)
         return jax.shard_map(attend, mesh=self.mesh, in_specs=(heads, kv_heads, kv_heads, *rest),
                              out_specs=heads, check_vma=False)(*args)
+
+
+def megablox_gmm(lhs, rhs, group_sizes, interpret: bool = False):
+    """jax's Pallas grouped matmul (TPU), float32 out. Its row tile must divide the rows: they
+    are padded to a multiple of it (the padding, past every group, is sliced off)."""
+    M, K = lhs.shape
+    N = rhs.shape[2]
+    tm = min(128, -(-M // 8) * 8)
+    padded = -(-M // tm) * tm
+    lhs = jnp.pad(lhs, ((0, padded - M), (0, 0)))
+    out = gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32,
+              tiling=(tm, min(128, K), min(128, N)), interpret=interpret)
+    return out[:M]

@@ -1,0 +1,91 @@
+"""The experts of a mixture-of-experts layer, in plain JAX: three ways to compute the same sum.
+
+Every function takes the tokens x [T, E], each token's top-k experts `ids` [T, k] (int32) and
+routing `weights` [T, k] (float32), the stacked expert weights w_gate_up [X, E, 2, F] and
+w_down [X, F, E], and `act` (float32 gate/up [N, 2, F] -> [N, F] in the model's dtype), and
+returns sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, E] in float32. No token is ever
+dropped (no capacity factor). An id outside [0, X) contributes nothing: that is how an expert-
+sharded caller leaves out the experts another device holds.
+
+  ragged  tokens sorted by expert, `lax.ragged_dot` over the groups, un-sorted (TPU/GPU lower
+          it to a grouped matmul; XLA:CPU to a masked dense dot over all X groups)
+  dense   every token through every expert (one einsum), then the routing weights pick
+          (X/k times the FLOPs of the routed sum, but no sort and few large dots)
+  loop    as dense, but one 2-D matmul per expert over its weights in place (`lax.map`)
+  gather  each token's k experts' weights gathered (reads only the experts used: few tokens)
+
+Which one a backend runs, and for which batch size, is the backend's decision
+(`jaxllm.layers.backends`); scripts/bench_moe.py measures them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def ragged_dot(lhs, rhs, group_sizes) -> jax.Array:
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=F32)
+
+
+def experts_ragged(x, ids, weights, w_gate_up, w_down, act: Callable,
+                   grouped_matmul: Callable = ragged_dot) -> jax.Array:
+    """grouped_matmul(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> float32 [M, N]: rows of
+    group g times rhs[g]; rows past the groups may hold anything (they are zeroed here)."""
+    T, k = ids.shape
+    X, E, _, F = w_gate_up.shape
+    flat = jnp.where((ids >= 0) & (ids < X), ids, X).reshape(-1)  # others sort last, unused
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
+    xs = x[order // k]
+    gu = grouped_matmul(xs, w_gate_up.reshape(X, E, 2 * F), sizes).reshape(T * k, 2, F)
+    y = grouped_matmul(act(gu), w_down, sizes)
+    y = jnp.where((flat[order] < X)[:, None], y, 0.0)
+    y = jnp.zeros_like(y).at[order].set(y).reshape(T, k, E)  # un-sort
+    return jnp.einsum("tke,tk->te", y, weights)
+
+
+def experts_dense(x, ids, weights, w_gate_up, w_down, act: Callable) -> jax.Array:
+    T = x.shape[0]
+    X, _, _, F = w_gate_up.shape
+    gu = jnp.einsum("te,xegf->txgf", x, w_gate_up, preferred_element_type=F32)
+    return _weighted_down(act(gu.reshape(T * X, 2, F)).reshape(T, X, F), ids, weights, w_down)
+
+
+def experts_loop(x, ids, weights, w_gate_up, w_down, act: Callable) -> jax.Array:
+    T = x.shape[0]
+    X, E, _, F = w_gate_up.shape
+    gu = jax.lax.map(lambda w: jnp.dot(x, w.reshape(E, 2 * F), preferred_element_type=F32),
+                     w_gate_up)  # [X, T, 2F]: one 2-D matmul per expert, weights read in place
+    h = act(gu.reshape(X * T, 2, F)).reshape(X, T, F).transpose(1, 0, 2)
+    return _weighted_down(h, ids, weights, w_down)
+
+
+def _weighted_down(h, ids, weights, w_down):
+    """h [T, X, F] (every token's activations in every expert) -> the routed sum [T, E]: the
+    routing weights scale h first, so the down projection is one 2-D matmul over (X, F)."""
+    T, X, F = h.shape
+    combine = jnp.einsum("tkx,tk->tx", jax.nn.one_hot(ids, X, dtype=F32), weights)
+    hw = (h.astype(F32) * combine[:, :, None]).astype(h.dtype).reshape(T, X * F)
+    return jnp.dot(hw, w_down.reshape(X * F, -1), preferred_element_type=F32)
+
+
+def experts_gather(x, ids, weights, w_gate_up, w_down, act: Callable) -> jax.Array:
+    T, k = ids.shape
+    X, _, _, F = w_gate_up.shape
+    used = (ids >= 0) & (ids < X)
+    ids, weights = jnp.where(used, ids, 0), jnp.where(used, weights, 0.0)
+    # In float32: XLA:CPU has no batched bf16 x bf16 -> f32 dot (`UNIMPLEMENTED ... DotThunk`),
+    # and only k experts' weights per token are converted.
+    gu = jnp.einsum("te,tkegf->tkgf", x.astype(F32), w_gate_up[ids].astype(F32))
+    h = act(gu.reshape(T * k, 2, F)).reshape(T, k, F)
+    y = jnp.einsum("tkf,tkfe->tke", h.astype(F32), w_down[ids].astype(F32))
+    return jnp.einsum("tke,tk->te", y, weights)
+
+
+EXPERT_IMPLS = {"ragged": experts_ragged, "dense": experts_dense, "loop": experts_loop,
+                "gather": experts_gather}

@@ -1,0 +1,61 @@
+"""A group of mixture-of-experts decoder layers (Mixtral, Qwen2-MoE, Qwen3-MoE): the dense
+layers' attention, with the MLP replaced by a router over stacked experts.
+
+Routing is transformers' for all three: a softmax over every expert's router logit (in float32),
+the top k, renormalized to sum to one when `norm_topk_prob` (always for Mixtral). The routed
+experts run in the backend's `moe` op (no token dropped); Qwen2-MoE adds a shared expert, a
+dense gated MLP scaled by sigmoid(shared_gate . x). The routing weights and the sum stay in
+float32 until the layer's output (transformers rounds Qwen's weights to the model dtype first;
+vLLM, like this, does not).
+
+Expert weights are laid out [layers, experts, ...]. Without expert parallelism each expert's
+FFN axis is tensor-parallel (`mlp`, as the dense MLP's); with it the experts axis is sharded
+(`expert`) and every expert is whole on its device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.layers.backends.base import Backend
+from jaxllm.models.dense import DenseLayers, gated_mlp, gated_mlp_weights
+from jaxllm.models.model_config import ModelConfig
+from jaxllm.models.params import dummy_weight
+
+
+class MoeLayers(DenseLayers):
+    """`count` consecutive layers whose MLP is a sparse mixture of experts."""
+
+    def _init_mlp(self, cfg: ModelConfig, seed: int, L: int, prefix: str) -> None:
+        E, X, F, dt = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.jnp_dtype
+        weight = lambda name, *a: dummy_weight(seed, prefix + name, *a)  # noqa: E731
+        expert, mlp = ("expert", None) if cfg.expert_parallel else (None, "mlp")
+        self.router = weight("router", (L, E, X), ("layers", "embed", None), dt)
+        self.experts_gate_up = weight("experts_gate_up", (L, X, E, 2, F),
+                                      ("layers", expert, "embed", None, mlp), dt)
+        self.experts_down = weight("experts_down", (L, X, F, E),
+                                   ("layers", expert, mlp, "embed"), dt)
+        shared = cfg.shared_expert_intermediate_size
+        if shared:  # named as the dense MLP's: the backends treat them alike
+            self.gate_up, self.down = gated_mlp_weights(cfg, seed, L, prefix, shared)
+            self.shared_gate = weight("shared_gate", (L, E, 1), ("layers", "embed", None), dt)
+
+    def widths(self) -> dict[str, int]:
+        return {**super().widths(), "gate_up": 2 * self.cfg.shared_expert_intermediate_size}
+
+    def mlp(self, backend: Backend, w: dict, x: jax.Array, layer) -> jax.Array:
+        cfg, f32 = self.cfg, jnp.float32
+        logits = jnp.dot(x, w["router"], preferred_element_type=f32)  # tiny: not a projection
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdims=True)
+        out = backend.moe(x, ids.astype(jnp.int32), weights, w["experts_gate_up"],
+                          w["experts_down"], activation=cfg.activation, dtype=x.dtype,
+                          expert_parallel=cfg.expert_parallel)
+        if cfg.shared_expert_intermediate_size:
+            gate = jax.nn.sigmoid(jnp.dot(x, w["shared_gate"], preferred_element_type=f32))
+            out = out + gate * gated_mlp(backend, self.widths(), w, x, layer,
+                                         cfg.activation).astype(f32)
+        return out.astype(x.dtype)
