@@ -92,6 +92,21 @@ class EngineArgs:
                                      default=1)
     pipeline_parallel_size: int = _arg("Pipeline stages.", default=1)
     data_parallel_size: int = _arg("Data-parallel replicas.", default=1)
+    nnodes: int = _arg("Hosts (processes) the model runs on; each runs `jaxllm serve` with the "
+                       "same flags and its own --node-rank (docs/multi-host.md). Under SLURM, "
+                       "Open MPI or on a multi-host Cloud TPU slice leave it at 1: jax detects "
+                       "the tasks.", default=1)
+    node_rank: int = _arg("This host's rank, 0 .. nnodes-1; rank 0 schedules and serves the "
+                          "API, the others (with --headless) run its steps on their devices.",
+                          default=0)
+    master_addr: str = _arg("Address of rank 0, where jax's distributed coordinator listens.",
+                            default="127.0.0.1")
+    master_port: int = _arg("Port of jax's distributed coordinator on rank 0.", default=29501)
+    headless: bool = _arg("Serve no API: run rank 0's steps on this host's devices (every "
+                          "--node-rank but 0).", default=False)
+    distributed_timeout_seconds: int = _arg(
+        "Seconds to wait for the other hosts at start-up, and of silence from one before rank "
+        "0 fails its requests and exits (code 3).", default=60)
     enable_expert_parallel: bool = _arg("Shard MoE experts over the 'expert' mesh axis.",
                                         default=False)
     block_size: int = _arg("Tokens per KV-cache block.", default=16)
@@ -160,7 +175,7 @@ class EngineArgs:
             value = getattr(self, f.name)
             if choices and value not in choices:
                 bad(f.name, f"must be one of {', '.join(choices)}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes",
                      "block_size", "max_num_seqs", "max_logprobs", "num_scheduler_steps"):
             if getattr(self, name) < (0 if name == "max_logprobs" else 1):
                 bad(name, "must be positive")
@@ -174,6 +189,14 @@ class EngineArgs:
             bad("max_num_batched_tokens", "must be positive")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             bad("num_gpu_blocks_override", "must be positive")
+        if not 0 <= self.node_rank < self.nnodes:
+            bad("node_rank", f"must be in 0 .. --nnodes - 1 = {self.nnodes - 1}")
+        if self.node_rank > 0 and not self.headless:
+            bad("node_rank", "only rank 0 serves the API: the other ranks run with --headless")
+        if self.headless and self.nnodes > 1 and self.node_rank == 0:
+            bad("headless", "rank 0 serves the API; --headless is for the other --node-rank's")
+        if self.distributed_timeout_seconds < 1:
+            bad("distributed_timeout_seconds", "must be positive")
         if self.pipeline_parallel_size != 1:
             bad("pipeline_parallel_size", "pipeline parallelism is not implemented yet; "
                 "use --tensor-parallel-size")

@@ -32,6 +32,7 @@ from jaxllm.config import EngineArgs
 from jaxllm.engine.engine import LLMEngine, PromptType
 from jaxllm.engine.errors import EngineDeadError
 from jaxllm.outputs import RequestOutput
+from jaxllm.parallel.step_channel import add_host_lost_hook
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxllm")
@@ -52,6 +53,8 @@ class AsyncLLMEngine:
         self._fail_at_step = int(os.environ.get("JAXLLM_TEST_FAIL_STEP", 0))  # test-only hook
         self._stop = threading.Event()
         engine.wait_for_background_compiles()
+        if engine.runner.compile_manager.step_leader is not None:  # multi-host rank 0
+            add_host_lost_hook(self._host_lost)
         self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
         self._thread.start()
 
@@ -165,6 +168,14 @@ class AsyncLLMEngine:
             for rid in list(self._streams):
                 self._send(rid, EngineDeadError(f"the engine loop failed: {e!r}"))
             self._fail_pending()
+
+    def _host_lost(self, reason: str) -> None:
+        """Another host of the group is gone (the engine thread may be stuck in a collective
+        with it): fail every request now; the process exits next (step_channel.host_lost)."""
+        self._error = EngineDeadError(f"a host of the group was lost: {reason}")
+        for rid in list(self._streams):
+            self._send(rid, self._error)
+        self._fail_pending()
 
     def _fail_pending(self) -> None:
         """Refuse the requests still queued for a loop that is gone."""

@@ -5,6 +5,7 @@ Kept apart from the engine loop so the loop file reads as the data path only.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import math
@@ -20,7 +21,9 @@ from jaxllm.config import ConfigError, EngineArgs, cpu_kv_cache_bytes
 from jaxllm.layers.attention import native_cpu_attention
 from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.loader import load_model
+from jaxllm.parallel import distributed
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.step_channel import StepLeader
 from jaxllm.tokenizer import get_tokenizer, load_generation_config
 from jaxllm.worker.model_runner import ModelRunner
 
@@ -110,9 +113,29 @@ def _device_kv_budget(args: EngineArgs) -> int:
     return int(max(free, 0) * 0.9) * args.tensor_parallel_size  # 10% for activations
 
 
-def build_engine_parts(args: EngineArgs) -> EngineParts:
+def join_hosts(args: EngineArgs) -> distributed.Topology:
+    """Join the other hosts (with --nnodes, or as detected), before any device is touched;
+    one mesh spans every host's devices."""
+    topo = distributed.initialize(args.nnodes, args.node_rank, args.master_addr,
+                                  args.master_port, args.distributed_timeout_seconds)
+    if topo.multi_host and args.tensor_parallel_size != jax.device_count():
+        raise ConfigError(f"--tensor-parallel-size={args.tensor_parallel_size}: on "
+                          f"{topo.num_processes} hosts the mesh must span all "
+                          f"{jax.device_count()} devices (every host runs every step)")
+    return topo
+
+
+def build_engine_parts(args: EngineArgs, headless: bool = False) -> EngineParts:
+    """headless: a follower host's parts (its runner replays rank 0's steps: jaxllm/engine/
+    headless.py)."""
     times = {}
-    executable_dir = executable_cache_dir()
+    topo = join_hosts(args)
+    if topo.rank > 0 and not headless:
+        raise ConfigError(f"--node-rank: this process is rank {topo.rank} of "
+                          f"{topo.num_processes}; only rank 0 runs the engine, the others run "
+                          f"`jaxllm serve --headless` with the same flags")
+    # Executables serialized by one process of a group are not loaded by another here.
+    executable_dir = None if topo.multi_host else executable_cache_dir()
     path = resolve_model(args.model)
     args = dataclasses.replace(args, model=path)
     t = time.perf_counter()
@@ -146,5 +169,12 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     t = time.perf_counter()
     runner.warmup()
     times["compile"] = time.perf_counter() - t
+    if topo.multi_host and topo.is_leader:
+        t = time.perf_counter()
+        leader = StepLeader(topo.num_processes - 1, topo.leader_host, runner.state,
+                            runner.startup_arrays(), args.distributed_timeout_seconds)
+        runner.compile_manager.step_leader = leader
+        atexit.register(leader.close)
+        times["hosts"] = time.perf_counter() - t
     defaults = {k: v for k, v in gen.items() if k != "eos_token_id"}
     return EngineParts(mc, tokenizer, frozenset(eos), defaults, runner, num_blocks, times)
