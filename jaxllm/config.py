@@ -91,7 +91,10 @@ class EngineArgs:
     tensor_parallel_size: int = _arg("Devices along the tensor-parallel ('model') mesh axis.",
                                      default=1)
     pipeline_parallel_size: int = _arg("Pipeline stages.", default=1)
-    data_parallel_size: int = _arg("Data-parallel replicas.", default=1)
+    data_parallel_size: int = _arg("Engine replicas, each on its own --tensor-parallel-size "
+                                   "devices, behind one server; a router sends each request "
+                                   "to the replica holding its prompt's prefix, else the "
+                                   "least loaded.", default=1)
     nnodes: int = _arg("Hosts (processes) the model runs on; each runs `jaxllm serve` with the "
                        "same flags and its own --node-rank (docs/multi-host.md). Under SLURM, "
                        "Open MPI or on a multi-host Cloud TPU slice leave it at 1: jax detects "
@@ -105,8 +108,8 @@ class EngineArgs:
     headless: bool = _arg("Serve no API: run rank 0's steps on this host's devices (every "
                           "--node-rank but 0).", default=False)
     distributed_timeout_seconds: int = _arg(
-        "Seconds to wait for the other hosts at start-up, and of silence from one before rank "
-        "0 fails its requests and exits (code 3).", default=60)
+        "Seconds of silence from another host before it counts as lost: rank 0 then fails its "
+        "requests and exits (code 3). Start-up waits up to 600 s for every host.", default=60)
     enable_expert_parallel: bool = _arg("Shard MoE experts over the 'expert' mesh axis.",
                                         default=False)
     block_size: int = _arg("Tokens per KV-cache block.", default=16)
@@ -175,8 +178,9 @@ class EngineArgs:
             value = getattr(self, f.name)
             if choices and value not in choices:
                 bad(f.name, f"must be one of {', '.join(choices)}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes",
-                     "block_size", "max_num_seqs", "max_logprobs", "num_scheduler_steps"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                     "nnodes", "block_size", "max_num_seqs", "max_logprobs",
+                     "num_scheduler_steps"):
             if getattr(self, name) < (0 if name == "max_logprobs" else 1):
                 bad(name, "must be positive")
         if self.block_size & (self.block_size - 1):
@@ -200,9 +204,9 @@ class EngineArgs:
         if self.pipeline_parallel_size != 1:
             bad("pipeline_parallel_size", "pipeline parallelism is not implemented yet; "
                 "use --tensor-parallel-size")
-        if self.data_parallel_size != 1:
-            bad("data_parallel_size", "data parallelism is not implemented yet; run one server "
-                "per replica")
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            bad("data_parallel_size", "data parallelism runs on one host so far; with --nnodes "
+                "use --tensor-parallel-size over every host's devices")
         if self.quantization is not None:
             bad("quantization", "no quantization method is implemented yet")
         if self.tokenizer_mode != "auto":

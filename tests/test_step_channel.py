@@ -82,7 +82,7 @@ def channel(monkeypatch):
     cache = jnp.zeros(8)
     box = {}
     t = threading.Thread(target=lambda: box.update(
-        follower=StepFollower({"w": jnp.ones(4)}, (jnp.zeros(8),), timeout=10)))
+        follower=StepFollower({"w": jnp.ones(4)}, (jnp.zeros(8),), startup_timeout=10)))
     t.start()
     leader = StepLeader(1, "127.0.0.1", weights, (cache,), timeout=1.0)
     t.join(10)

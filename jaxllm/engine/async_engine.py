@@ -29,6 +29,7 @@ import time
 from typing import AsyncIterator, Optional
 
 from jaxllm.config import EngineArgs
+from jaxllm.engine.dp_engine import make_engine
 from jaxllm.engine.engine import LLMEngine, PromptType
 from jaxllm.engine.errors import EngineDeadError
 from jaxllm.outputs import RequestOutput
@@ -53,14 +54,14 @@ class AsyncLLMEngine:
         self._fail_at_step = int(os.environ.get("JAXLLM_TEST_FAIL_STEP", 0))  # test-only hook
         self._stop = threading.Event()
         engine.wait_for_background_compiles()
-        if engine.runner.compile_manager.step_leader is not None:  # multi-host rank 0
+        if engine.step_leader is not None:  # multi-host rank 0
             add_host_lost_hook(self._host_lost)
         self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
-        return cls(LLMEngine(args))
+        return cls(make_engine(args))
 
     def get_tokenizer(self):
         return self.engine.tokenizer

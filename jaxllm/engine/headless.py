@@ -12,7 +12,6 @@ import logging
 
 from jaxllm.config import ConfigError, EngineArgs
 from jaxllm.engine.startup import build_engine_parts, join_hosts
-from jaxllm.parallel.step_channel import StepFollower
 
 logger = logging.getLogger("jaxllm")
 
@@ -29,9 +28,8 @@ def follows_rank_0(args: EngineArgs) -> bool:
 
 def run_headless(args: EngineArgs) -> int:
     """Replay rank 0's steps until it stops; returns the number of program calls run."""
-    runner = build_engine_parts(args, headless=True).runner
-    follower = StepFollower(runner.state, runner.startup_arrays(),
-                            args.distributed_timeout_seconds)
+    parts = build_engine_parts(args, headless=True)
+    runner, follower = parts.runner, parts.step_follower
     logger.info("Headless: running rank 0's steps")
     calls = 0
     for key, call_args in follower.calls():

@@ -55,8 +55,10 @@ def launcher_with_several_tasks() -> str | None:
     return None
 
 
-def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int,
-               timeout_seconds: int = 300) -> Topology:
+STARTUP_TIMEOUT = 600  # seconds for every host to reach the same point of start-up
+
+
+def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int) -> Topology:
     """Join the distributed runtime once per process (before anything touches a device);
     a second call returns the first one's topology."""
     global _topology
@@ -67,11 +69,11 @@ def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int,
         logger.info("Joining %d processes as rank %d (coordinator %s:%d)", nnodes, node_rank,
                     master_addr, master_port)
         jax.distributed.initialize(f"{master_addr}:{master_port}", num_processes=nnodes,
-                                   process_id=node_rank, initialization_timeout=timeout_seconds)
+                                   process_id=node_rank, initialization_timeout=STARTUP_TIMEOUT)
         _topology = Topology(node_rank, nnodes, master_addr)
     elif launcher is not None:
         logger.info("Started by %s with several tasks: jax.distributed detects the rest", launcher)
-        jax.distributed.initialize(initialization_timeout=timeout_seconds)
+        jax.distributed.initialize(initialization_timeout=STARTUP_TIMEOUT)
         _topology = Topology(jax.process_index(), jax.process_count(), None)
     else:
         _topology = Topology()

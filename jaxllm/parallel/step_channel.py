@@ -35,6 +35,8 @@ from typing import Any, Callable, Optional
 
 import jax
 
+from jaxllm.parallel.distributed import STARTUP_TIMEOUT
+
 logger = logging.getLogger("jaxllm")
 
 HOST_LOST_EXIT = 3
@@ -120,7 +122,7 @@ class StepLeader:
     """Rank 0's end: accepts the followers, sends each call, watches their heartbeats."""
 
     def __init__(self, num_followers: int, host: Optional[str], weights, initial_arrays,
-                 timeout: float):
+                 timeout: float, startup_timeout: float = STARTUP_TIMEOUT):
         self.weights = weights
         self.table = ArrayTable()
         self.table.add_outputs(initial_arrays)
@@ -134,7 +136,7 @@ class StepLeader:
         server = socket.create_server(("", 0))
         host = host or socket.gethostbyname(socket.gethostname())
         _kv_client().key_value_set(_KEY, f"{host}:{server.getsockname()[1]}")
-        server.settimeout(timeout)
+        server.settimeout(startup_timeout)
         self._socks = []
         for _ in range(num_followers):
             sock, _ = server.accept()
@@ -197,13 +199,13 @@ class StepLeader:
 class StepFollower:
     """A follower's end: connects to rank 0, yields its calls, sends heartbeats."""
 
-    def __init__(self, weights, initial_arrays, timeout: float):
+    def __init__(self, weights, initial_arrays, startup_timeout: float = STARTUP_TIMEOUT):
         self.weights = weights
         self.table = ArrayTable()
         self.table.add_outputs(initial_arrays)
-        address = _kv_client().blocking_key_value_get(_KEY, int(timeout * 1000))
+        address = _kv_client().blocking_key_value_get(_KEY, int(startup_timeout * 1000))
         host, port = address.rsplit(":", 1)
-        self._sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self._sock = socket.create_connection((host, int(port)), timeout=startup_timeout)
         self._sock.settimeout(None)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._stopped = False
