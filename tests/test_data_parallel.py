@@ -75,7 +75,7 @@ def test_dp2_tp2_matches_single_device(tiny_llama):
            "JAX_PLATFORMS": "cpu", "JAXLLM_FAIL_ON_RECOMPILE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, __file__, tiny_llama], env=env, capture_output=True,
-                          text=True, timeout=900)
+                          text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     dp, one = report["dp"], report["one"]

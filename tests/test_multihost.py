@@ -25,7 +25,7 @@ import pytest
 from jaxllm.parallel.step_channel import HOST_LOST_EXIT
 
 NEW = 10
-TIMEOUT = 600  # seconds for a whole run (compiles included): 2-4 min on 2 busy cores
+TIMEOUT = 900  # seconds for a whole run (compiles included): 3-10 min on 2 busy cores
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -107,18 +107,19 @@ def test_two_hosts_tp8_match_one_process(checkpoint):
 
 def _serve(log, path: str, port: int, master_port: int, *flags: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "serving.cli.main", "serve", path, "--port", str(port),
-           "--dtype", "float32", "-tp", "8", "--max-num-seqs", "4",
+           "--dtype", "float32", "-tp", "2", "--max-num-seqs", "4",
            "--max-num-batched-tokens", "16", "--block-size", "4", "--max-model-len", "64",
            "--attention-backend", "reference", "--nnodes", "2", "--master-port",
            str(master_port), "--distributed-timeout-seconds", "20", "--no-use-tqdm-on-load",
            *flags]
-    return subprocess.Popen(cmd, env=_env(4), stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen(cmd, env=_env(1), stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL)
 
 
 @pytest.mark.slow
 def test_server_on_rank_0_and_a_hung_follower(checkpoint, tmp_path):
-    """`jaxllm serve` on rank 0 answers with both hosts' devices; when the follower stops
+    """`jaxllm serve` on rank 0 answers with both hosts' devices (one each: TP 2 compiles
+    faster than TP 8, and the TP 8 equality is the test above); when the follower stops
     answering (SIGSTOP: stuck, not closed), the request in flight fails with an OpenAI-shaped
     error within the heartbeat timeout and rank 0 exits non-zero instead of hanging."""
     import httpx

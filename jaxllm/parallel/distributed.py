@@ -56,6 +56,9 @@ def launcher_with_several_tasks() -> str | None:
 
 
 STARTUP_TIMEOUT = 600  # seconds for every host to reach the same point of start-up
+# At exit every process waits for the others at a shutdown barrier; after a failed start-up
+# they never come, so the wait is bounded (a clean stop reaches it within seconds).
+SHUTDOWN_TIMEOUT = 30
 
 
 def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int) -> Topology:
@@ -69,11 +72,13 @@ def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int) 
         logger.info("Joining %d processes as rank %d (coordinator %s:%d)", nnodes, node_rank,
                     master_addr, master_port)
         jax.distributed.initialize(f"{master_addr}:{master_port}", num_processes=nnodes,
-                                   process_id=node_rank, initialization_timeout=STARTUP_TIMEOUT)
+                                   process_id=node_rank, initialization_timeout=STARTUP_TIMEOUT,
+                                   shutdown_timeout_seconds=SHUTDOWN_TIMEOUT)
         _topology = Topology(node_rank, nnodes, master_addr)
     elif launcher is not None:
         logger.info("Started by %s with several tasks: jax.distributed detects the rest", launcher)
-        jax.distributed.initialize(initialization_timeout=STARTUP_TIMEOUT)
+        jax.distributed.initialize(initialization_timeout=STARTUP_TIMEOUT,
+                                   shutdown_timeout_seconds=SHUTDOWN_TIMEOUT)
         _topology = Topology(jax.process_index(), jax.process_count(), None)
     else:
         _topology = Topology()
