@@ -121,3 +121,14 @@ def test_a_silent_follower_is_reported_lost(channel):
     while not lost and time.monotonic() < deadline:
         time.sleep(0.05)
     assert lost and "follower" in lost[0]
+
+
+def test_a_hung_follower_is_reported_lost_once_ready(channel, monkeypatch):
+    leader, follower, _, _, lost = channel
+    monkeypatch.setattr(step_channel, "HEARTBEAT_SECONDS", 100.0)  # its next beat: far off
+    time.sleep(0.2)
+    follower._sock.sendall(step_channel._READY)  # warmed up: silence counts from now (1 s)
+    deadline = time.monotonic() + 5
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lost and "no heartbeat" in lost[0]

@@ -14,10 +14,10 @@ follower finds the array rank 0 meant (the previous step's sampled tokens, this 
 rows, the donated cache) among its own. The weights travel as a name.
 
 A lost host never hangs rank 0: each follower sends a heartbeat every second; when one stops
-(the process died: end of stream; or hangs: `timeout` seconds of silence), rank 0 runs its
-host-lost hooks (the server fails its requests with an error) and exits with HOST_LOST_EXIT
-(its collectives with the dead host would otherwise wait forever). A follower whose rank 0
-is gone exits the same way; one told to stop (rank 0 shut down cleanly) returns.
+(the process died: end of stream; or hangs, once warmed up: `timeout` seconds of silence),
+rank 0 runs its host-lost hooks (the server fails its requests with an error) and exits with
+HOST_LOST_EXIT (its collectives with the dead host would otherwise wait forever). A follower
+whose rank 0 is gone exits the same way; one told to stop (rank 0 shut down cleanly) returns.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ HEARTBEAT_SECONDS = 1.0
 KEEP_ARRAYS = 1024  # device arrays remembered by number (a step makes ~10)
 _KEY = "jaxllm/step_channel"
 _STOP = b"stop"
+_READY = b"r"  # follower -> rank 0: warmed up, replaying (heartbeats are b"h")
 _host_lost_hooks: list[Callable[[str], None]] = []
 
 
@@ -183,10 +184,13 @@ class StepLeader:
                     pass
 
     def _watch(self, sock: socket.socket, timeout: float) -> None:
-        sock.settimeout(timeout)
+        """Until the follower is ready (its warm-up can starve its heartbeat thread of the
+        GIL for long stretches on a loaded host), only its death counts; then its silence."""
+        sock.settimeout(STARTUP_TIMEOUT)
         try:
-            while sock.recv(64):
-                pass
+            while data := sock.recv(64):
+                if _READY in data:
+                    sock.settimeout(timeout)
             reason = "a follower host closed its step channel (the process ended)"
         except socket.timeout:
             reason = f"no heartbeat from a follower host for {timeout:.0f} s"
@@ -213,6 +217,7 @@ class StepFollower:
 
     def calls(self):
         """(key, args) of each call rank 0 makes, until it says stop."""
+        self._sock.sendall(_READY)
         while True:
             try:
                 data = _recv_frame(self._sock)
