@@ -100,7 +100,25 @@ class EngineArgs:
     tensor_parallel_size: int = _arg("Devices along the tensor-parallel ('model') mesh axis.",
                                      default=1)
     pipeline_parallel_size: int = _arg("Pipeline stages.", default=1)
-    data_parallel_size: int = _arg("Data-parallel replicas.", default=1)
+    data_parallel_size: int = _arg("Engine replicas, each on its own --tensor-parallel-size "
+                                   "devices, behind one server; a router sends each request "
+                                   "to the replica holding its prompt's prefix, else the "
+                                   "least loaded.", default=1)
+    nnodes: int = _arg("Hosts (processes) the model runs on; each runs `jaxllm serve` with the "
+                       "same flags and its own --node-rank (docs/multi-host.md). Under SLURM, "
+                       "Open MPI or on a multi-host Cloud TPU slice leave it at 1: jax detects "
+                       "the tasks.", default=1)
+    node_rank: int = _arg("This host's rank, 0 .. nnodes-1; rank 0 schedules and serves the "
+                          "API, the others (with --headless) run its steps on their devices.",
+                          default=0)
+    master_addr: str = _arg("Address of rank 0, where jax's distributed coordinator listens.",
+                            default="127.0.0.1")
+    master_port: int = _arg("Port of jax's distributed coordinator on rank 0.", default=29501)
+    headless: bool = _arg("Serve no API: run rank 0's steps on this host's devices (every "
+                          "--node-rank but 0).", default=False)
+    distributed_timeout_seconds: int = _arg(
+        "Seconds of silence from another host before it counts as lost: rank 0 then fails its "
+        "requests and exits (code 3). Start-up waits up to 600 s for every host.", default=60)
     enable_expert_parallel: bool = _arg("Shard MoE experts over the 'expert' mesh axis.",
                                         default=False)
     block_size: int = _arg("Tokens per KV-cache block.", default=16)
@@ -198,7 +216,8 @@ class EngineArgs:
             if choices and value not in choices:
                 bad(f.name, f"must be one of {', '.join(map(str, choices))}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                     "block_size", "max_num_seqs", "max_logprobs", "num_scheduler_steps"):
+                     "nnodes", "block_size", "max_num_seqs", "max_logprobs",
+                     "num_scheduler_steps"):
             if getattr(self, name) < (0 if name == "max_logprobs" else 1):
                 bad(name, "must be positive")
         if self.block_size & (self.block_size - 1):
@@ -211,12 +230,20 @@ class EngineArgs:
             bad("max_num_batched_tokens", "must be positive")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             bad("num_gpu_blocks_override", "must be positive")
+        if not 0 <= self.node_rank < self.nnodes:
+            bad("node_rank", f"must be in 0 .. --nnodes - 1 = {self.nnodes - 1}")
+        if self.node_rank > 0 and not self.headless:
+            bad("node_rank", "only rank 0 serves the API: the other ranks run with --headless")
+        if self.headless and self.nnodes > 1 and self.node_rank == 0:
+            bad("headless", "rank 0 serves the API; --headless is for the other --node-rank's")
+        if self.distributed_timeout_seconds < 1:
+            bad("distributed_timeout_seconds", "must be positive")
         if self.pipeline_parallel_size != 1:
             bad("pipeline_parallel_size", "pipeline parallelism is not implemented yet; "
                 "use --tensor-parallel-size")
-        if self.data_parallel_size != 1:
-            bad("data_parallel_size", "data parallelism is not implemented yet; run one server "
-                "per replica")
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            bad("data_parallel_size", "data parallelism runs on one host so far; with --nnodes "
+                "use --tensor-parallel-size over every host's devices")
         if self.quantization is not None:
             bad("quantization", "no quantization method is implemented yet")
         if self.tokenizer_mode != "auto":

@@ -62,6 +62,19 @@ class EngineStatsCollector:
                     hits / queries if queries else 0.0)
         yield counter("jaxllm:num_preemptions", "Requests preempted (KV cache ran out).",
                       s["num_preemptions"])
+        yield from self._replica_gauges(s.get("replicas", ()))
+
+    def _replica_gauges(self, replicas):
+        """With --data-parallel-size: each replica's load (the totals above sum them)."""
+        for key, name, doc in (
+                ("num_running", "num_requests_running", "Requests in a replica's batch."),
+                ("num_waiting", "num_requests_waiting", "Requests waiting in a replica."),
+                ("kv_cache_usage", "kv_cache_usage_perc", "A replica's KV-cache use (0-1).")):
+            g = GaugeMetricFamily(f"jaxllm:replica_{name}", doc, labels=["model_name", "engine"])
+            for i, r in enumerate(replicas):
+                g.add_metric([self.model_name, str(i)], r[key])
+            if replicas:
+                yield g
 
 
 class ServerMetrics:

@@ -88,3 +88,21 @@ def test_missing_config_file(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--config", "/nonexistent/x.yaml"])
     assert "/nonexistent/x.yaml" in capsys.readouterr().err
+
+
+def test_multi_host_layouts():
+    """The multi-host configs (docs/multi-host.md): one command per host, follower flags on the
+    command line; on a TPU slice every host runs the same command (jax detects the slice)."""
+    def load(name, *flags):
+        return EngineArgs.from_cli_args(parse_args(["--config", str(CONFIG_DIR / name), *flags]))
+
+    v5e = load("tpu-v5e-16-llama3-70b.yaml")
+    assert v5e.tensor_parallel_size == 16 and v5e.nnodes == 1 and not v5e.headless
+    assert load("tpu-v6e-16-qwen3-moe.yaml").enable_expert_parallel
+    node0 = load("h100-2node-llama3-70b.yaml")
+    node1 = load("h100-2node-llama3-70b.yaml", "--node-rank", "1", "--headless")
+    assert (node0.nnodes, node0.node_rank, node0.headless) == (2, 0, False)
+    assert (node1.nnodes, node1.node_rank, node1.headless) == (2, 1, True)
+    assert node0.tensor_parallel_size == 16 and node0.master_addr == node1.master_addr
+    text = (CONFIG_DIR / "h100-2node-llama3-70b.yaml").read_text()
+    assert "--node-rank 1 --headless" in text

@@ -30,10 +30,12 @@ import time
 from typing import AsyncIterator, Optional
 
 from jaxllm.config import EngineArgs
+from jaxllm.engine.dp_engine import make_engine
 from jaxllm.engine.engine import LLMEngine, PromptType
 from jaxllm.engine.errors import EngineDeadError, RequestCancelledError
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
+from jaxllm.parallel.step_channel import add_host_lost_hook
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxllm")
@@ -56,12 +58,14 @@ class AsyncLLMEngine:
         self._step_delay = float(os.environ.get("JAXLLM_TEST_STEP_DELAY", 0))
         self._stop = threading.Event()
         engine.wait_for_background_compiles()
+        if engine.step_leader is not None:  # multi-host rank 0
+            add_host_lost_hook(self._host_lost)
         self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
-        return cls(LLMEngine(args))
+        return cls(make_engine(args))
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -201,6 +205,14 @@ class AsyncLLMEngine:
             for rid in list(self._streams):
                 self._send(rid, EngineDeadError(f"the engine loop failed: {e!r}"))
             self._fail_pending()
+
+    def _host_lost(self, reason: str) -> None:
+        """Another host of the group is gone (the engine thread may be stuck in a collective
+        with it): fail every request now; the process exits next (step_channel.host_lost)."""
+        self._error = EngineDeadError(f"a host of the group was lost: {reason}")
+        for rid in list(self._streams):
+            self._send(rid, self._error)
+        self._fail_pending()
 
     def _fail_pending(self) -> None:
         """Refuse the requests still queued for a loop that is gone."""

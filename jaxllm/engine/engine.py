@@ -69,11 +69,12 @@ def _reads_output_history(sp: SamplingParams) -> bool:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, devices: Optional[list] = None):
+        """devices: the ones this engine's mesh uses (a data-parallel replica's share)."""
         from jaxllm.engine.startup import build_engine_parts
         self.args = args
         t0 = time.perf_counter()
-        parts = build_engine_parts(args)
+        parts = build_engine_parts(args, devices=devices)
         self.model_config = parts.model_config
         self.tokenizer = parts.tokenizer
         self.eos_token_ids = parts.eos_token_ids
@@ -112,6 +113,11 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    @property
+    def step_leader(self):
+        """Multi-host rank 0's end of the step channel (None on one host)."""
+        return self.runner.compile_manager.step_leader
 
     # --- requests ----------------------------------------------------------------------------
     def process_prompt(self, prompt: PromptType, truncate_prompt_tokens: Optional[int] = None

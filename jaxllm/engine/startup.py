@@ -5,6 +5,7 @@ Kept apart from the engine loop so the loop file reads as the data path only.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import math
@@ -20,7 +21,9 @@ from jaxllm.config import ConfigError, EngineArgs, cpu_kv_cache_bytes
 from jaxllm.layers.attention import native_cpu_attention
 from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.loader import load_model
+from jaxllm.parallel import distributed
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.step_channel import StepFollower, StepLeader
 from jaxllm.tokenizer import get_tokenizer, load_generation_config
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.pooler import PoolerConfig, read_pooler_config
@@ -44,6 +47,7 @@ class EngineParts:
     startup_times: dict
     runner_type: str = "generate"  # or "pooling" (--runner resolved)
     pooler_config: Optional[PoolerConfig] = None
+    step_follower: Any = None  # a multi-host follower's end of the step channel
 
 
 def executable_cache_dir() -> str | None:
@@ -113,13 +117,37 @@ def _device_kv_budget(args: EngineArgs) -> int:
     return int(max(free, 0) * 0.9) * args.tensor_parallel_size  # 10% for activations
 
 
-def build_engine_parts(args: EngineArgs) -> EngineParts:
+def join_hosts(args: EngineArgs) -> distributed.Topology:
+    """Join the other hosts (with --nnodes, or as detected), before any device is touched;
+    one mesh spans every host's devices."""
+    topo = distributed.initialize(args.nnodes, args.node_rank, args.master_addr,
+                                  args.master_port)
+    if topo.multi_host and args.data_parallel_size > 1:
+        raise ConfigError("--data-parallel-size: data parallelism runs on one host so far; on "
+                          "several, use --tensor-parallel-size over all their devices")
+    if topo.multi_host and args.tensor_parallel_size != jax.device_count():
+        raise ConfigError(f"--tensor-parallel-size={args.tensor_parallel_size}: on "
+                          f"{topo.num_processes} hosts the mesh must span all "
+                          f"{jax.device_count()} devices (every host runs every step)")
+    return topo
+
+
+def build_engine_parts(args: EngineArgs, headless: bool = False,
+                       devices: Optional[list] = None) -> EngineParts:
+    """headless: a follower host's parts (its runner replays rank 0's steps: jaxllm/engine/
+    headless.py). devices: the mesh's (a data-parallel replica's share; default all)."""
     times = {}
-    executable_dir = executable_cache_dir()
+    topo = join_hosts(args)
+    if topo.rank > 0 and not headless:
+        raise ConfigError(f"--node-rank: this process is rank {topo.rank} of "
+                          f"{topo.num_processes}; only rank 0 runs the engine, the others run "
+                          f"`jaxllm serve --headless` with the same flags")
+    # Executables serialized by one process of a group are not loaded by another here.
+    executable_dir = None if topo.multi_host else executable_cache_dir()
     path = resolve_model(args.model)
     args = dataclasses.replace(args, model=path)
     t = time.perf_counter()
-    mesh = make_mesh(args.tensor_parallel_size)
+    mesh = make_mesh(args.tensor_parallel_size, devices=devices)
     model, mc = load_model(args, mesh)
     times["load"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -150,6 +178,11 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
                          enforce_eager=args.enforce_eager, executable_dir=executable_dir,
                          num_scheduler_steps=args.num_scheduler_steps)
     times["kv_cache"] = time.perf_counter() - t
+    follower = None
+    if topo.multi_host:
+        t = time.perf_counter()
+        follower = _connect_hosts(topo, runner, args)
+        times["hosts"] = time.perf_counter() - t
     logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d", num_blocks,
                 args.block_size, jnp.dtype(dtype).name, mc.max_model_len)
     t = time.perf_counter()
@@ -158,4 +191,16 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     times["compile"] = time.perf_counter() - t
     defaults = {k: v for k, v in gen.items() if k != "eos_token_id"}
     return EngineParts(mc, tokenizer, frozenset(eos), defaults, runner, num_blocks, times,
-                       runner_type, pooler_config)
+                       runner_type, pooler_config, follower)
+
+
+def _connect_hosts(topo: distributed.Topology, runner: ModelRunner, args: EngineArgs):
+    """Open the step channel before warm-up (whose length differs between hosts): rank 0's
+    runner sends every call from now on; a follower gets its end back."""
+    if not topo.is_leader:
+        return StepFollower(runner.state, runner.startup_arrays())
+    leader = StepLeader(topo.num_processes - 1, topo.leader_host, runner.state,
+                        runner.startup_arrays(), args.distributed_timeout_seconds)
+    runner.compile_manager.step_leader = leader
+    atexit.register(leader.close)
+    return None

@@ -9,7 +9,8 @@ from typing import Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from jaxllm.config import DEFAULT_MODEL, EngineArgs
-from jaxllm.engine.engine import LLMEngine, PromptType
+from jaxllm.engine.dp_engine import make_engine
+from jaxllm.engine.engine import PromptType
 from jaxllm.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from jaxllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
@@ -22,7 +23,7 @@ class LLM:
     """Load a model once, then generate for batches of prompts with continuous batching."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args):
-        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model=model, **engine_args))
+        self.llm_engine = make_engine(EngineArgs.from_kwargs(model=model, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self):

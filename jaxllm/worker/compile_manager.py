@@ -54,6 +54,9 @@ class CompileManager:
         self._on_demand = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxllm-compile")
         self.num_recompiles = 0
         self.programs_from_cache = 0  # executables loaded from the cache (not traced)
+        # Multi-host rank 0: every call is also sent to the other hosts, which run it too
+        # (a StepLeader of jaxllm/parallel/step_channel.py: send(key, args), track(outputs)).
+        self.step_leader = None
 
     # --- what exists ------------------------------------------------------------------------
     def programs(self) -> list[ProgramKey]:
@@ -79,6 +82,14 @@ class CompileManager:
     def run(self, key: ProgramKey, fn, *args, first_use: bool = False):
         """Call the executable compiled for key; first_use marks programs compiled when first
         needed rather than at warm-up, which is not a recompile."""
+        if self.step_leader is None:
+            return self._run(key, fn, args, first_use)
+        self.step_leader.send(key, args)
+        out = self._run(key, fn, args, first_use)
+        self.step_leader.track(out)
+        return out
+
+    def _run(self, key: ProgramKey, fn, args: tuple, first_use: bool):
         if self.enforce_eager:
             return fn(*args)
         exe = self._executables.get(key)

@@ -143,6 +143,16 @@ class ModelRunner:
         """Block until the programs left to the background are compiled."""
         self.compile_manager.wait_for_background_compiles()
 
+    def startup_arrays(self) -> tuple:
+        """The device arrays made at start-up that steps take (the KV cache, the no-previous-
+        tokens input): multi-host ranks number them, then every step output, alike."""
+        return self.kv_cache, self._no_prev_tokens
+
+    def program(self, kind: str):
+        """The jitted function of a ProgramKey kind (what a follower host runs it with)."""
+        return {"forward": self._forward, "sample": self._sample,
+                "prompt_logprobs": self._prompt_logprobs, "burst": self._burst}[kind]
+
     def add_step_hook(self, hook: Callable[[StepEvent], None]) -> Callable[[], None]:
         """Call hook(StepEvent) after every launch and every read; returns its remover."""
         self._hooks.append(hook)

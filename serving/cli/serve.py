@@ -33,5 +33,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> None:
+    from jaxllm.config import ConfigError
+    from jaxllm.engine.headless import follows_rank_0, run_headless
+    try:
+        engine_args = EngineArgs.from_cli_args(args)
+        follower = follows_rank_0(engine_args)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    if follower:  # a multi-host follower: rank 0 serves the API
+        run_headless(engine_args)
+        return
     from serving.api_server import run_server  # FastAPI and the engine load only when serving
     run_server(args)

@@ -1,0 +1,216 @@
+"""Multi-host: two processes on loopback, 4 CPU devices each, joined by jax.distributed (gloo
+collectives), run one tensor-parallel model over all 8 devices; rank 0 schedules, rank 1 runs
+rank 0's steps headless. Its greedy tokens must equal one process's on 8 devices (same
+program) and on 1 device, through the engine with continuous batching, chunked prefill and
+preemption. A killed follower makes rank 0 exit with HOST_LOST_EXIT instead of hanging.
+
+Every process is a subprocess of this file's __main__ (JAX fixes its devices at import); the
+test kills only the processes it started, and each wait is bounded. The API server test runs
+`jaxllm serve` on both hosts and stops the follower mid-service.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from jaxllm.parallel.step_channel import HOST_LOST_EXIT
+
+NEW = 10
+TIMEOUT = 900  # seconds for a whole run (compiles included): 3-10 min on 2 busy cores
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict:
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "JAX_PLATFORMS": "cpu", "JAXLLM_FAIL_ON_RECOMPILE": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+
+
+def _start(role: str, path: str, devices: int, **kw) -> subprocess.Popen:
+    """This file's __main__ as `role`; its output goes to temporary files (a full pipe would
+    block a process while the test waits for another)."""
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, __file__, role, path, json.dumps(kw)],
+                            env=_env(devices), stdout=out, stderr=err)
+    proc.logs = (out, err)
+    return proc
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[tuple]:
+    """(returncode, stdout, stderr) of each; all are killed if any overruns the timeout."""
+    deadline, results = time.monotonic() + timeout, []
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            texts = []
+            for f in p.logs:
+                f.seek(0)
+                texts.append(f.read())
+                f.close()
+            results.append((p.returncode, *texts))
+    return results
+
+
+def _report(result: tuple) -> dict:
+    code, stdout, stderr = result
+    assert code == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_tiny_checkpoint) -> str:
+    # 8 heads and KV heads: attention, MLP and vocabulary all split over the 8 devices
+    return make_tiny_checkpoint("llama", num_attention_heads=8, num_key_value_heads=8)
+
+
+@pytest.mark.slow
+def test_two_hosts_tp8_match_one_process(checkpoint):
+    port = _free_port()
+    hosts = _finish([_start("leader", checkpoint, 4, nnodes=2, node_rank=0, master_port=port),
+                     _start("follower", checkpoint, 4, nnodes=2, node_rank=1, master_port=port,
+                            headless=True)])
+    two = _report(hosts[0])
+    calls = int(hosts[1][1].strip().splitlines()[-1])
+    one8, one1 = (_report(r) for r in _finish([_start("leader", checkpoint, 8),
+                                                _start("leader", checkpoint, 1,
+                                                       tensor_parallel_size=1)]))
+    assert two["devices"] == one8["devices"] == 8 and one1["devices"] == 1
+    assert two["processes"] == 2 and one8["processes"] == 1
+    assert two["tokens"] == one8["tokens"] == one1["tokens"]
+    assert all(len(t) == NEW for t in two["tokens"])
+    assert two["preemptions"] > 0 and two["steps"] > len(two["tokens"])  # batching + preemption
+    assert calls == two["channel_calls"] > 0  # the follower ran every call rank 0 sent
+    print(f"\n2 processes: {two['tokens_per_s']:.0f} tokens/s, channel per call (wall, CPU) "
+          f"{two['channel_us'][0]:.0f}, {two['channel_us'][1]:.0f} us; 1 process, 8 devices: "
+          f"{one8['tokens_per_s']:.0f} tokens/s; 1 device: {one1['tokens_per_s']:.0f} tokens/s")
+
+
+def _serve(log, path: str, port: int, master_port: int, *flags: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "serving.cli.main", "serve", path, "--port", str(port),
+           "--dtype", "float32", "-tp", "2", "--max-num-seqs", "4",
+           "--max-num-batched-tokens", "16", "--block-size", "4", "--max-model-len", "64",
+           "--attention-backend", "reference", "--nnodes", "2", "--master-port",
+           str(master_port), "--distributed-timeout-seconds", "20", "--no-use-tqdm-on-load",
+           *flags]
+    return subprocess.Popen(cmd, env=_env(1), stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.slow
+def test_server_on_rank_0_and_a_hung_follower(checkpoint, tmp_path):
+    """`jaxllm serve` on rank 0 answers with both hosts' devices (one each: TP 2 compiles
+    faster than TP 8, and the TP 8 equality is the test above); when the follower stops
+    answering (SIGSTOP: stuck, not closed), the request in flight fails with an OpenAI-shaped
+    error within the heartbeat timeout and rank 0 exits non-zero instead of hanging."""
+    import httpx
+
+    port, master = _free_port(), _free_port()
+    logs = [open(tmp_path / f"rank{i}.log", "w+") for i in (0, 1)]
+    leader = _serve(logs[0], checkpoint, port, master, "--node-rank", "0")
+    follower = _serve(logs[1], checkpoint, _free_port(), master, "--node-rank", "1",
+                      "--headless")
+    tail = lambda i: open(logs[i].name).read()[-3000:]  # noqa: E731
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": checkpoint, "prompt": [5, 17, 99, 3], "max_tokens": NEW,
+            "temperature": 0.0, "ignore_eos": True}
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            assert leader.poll() is None, tail(0)
+            assert follower.poll() is None, tail(1)
+            assert time.monotonic() < deadline, tail(0)
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(1.0)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == NEW
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+
+        follower.send_signal(signal.SIGSTOP)
+        t = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json=body, timeout=90)
+        assert r.status_code == 500 and "host" in r.json()["error"]["message"], r.text
+        assert leader.wait(timeout=60) != 0
+        assert time.monotonic() - t < 20 + 30  # the heartbeat timeout, then a prompt exit
+        assert "Host lost" in tail(0)
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+
+
+# --- the processes --------------------------------------------------------------------------
+
+def _engine_args(kw: dict) -> dict:
+    return {**dict(dtype="float32", tensor_parallel_size=8, max_num_seqs=4,
+                   max_num_batched_tokens=16, block_size=4, max_model_len=64,
+                   num_gpu_blocks_override=24, use_tqdm_on_load=False, seed=0,
+                   disable_log_stats=True, attention_backend="reference"), **kw}
+
+
+def _leader(path: str, kw: dict) -> dict:
+    import jax
+    import numpy as np
+
+    from jaxllm import LLM, SamplingParams
+
+    llm = LLM(path, **_engine_args(kw))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, size=int(rng.integers(3, 40))).tolist() for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    engine = llm.llm_engine
+    steps = []
+    engine.runner.add_step_hook(lambda e: steps.append(e.kind) if e.kind == "dispatch" else None)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    engine.wait_for_background_compiles()
+    t = time.perf_counter()  # a second, warm run: the throughput the report quotes
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+    leader = engine.step_leader
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "devices": len(engine.runner.mesh.devices.flat), "processes": jax.process_count(),
+            "preemptions": engine.stats()["num_preemptions"], "steps": len(steps),
+            "channel_calls": leader.calls if leader else 0,
+            "tokens_per_s": len(prompts) * NEW / seconds,
+            "channel_us": leader and [float(np.median(leader.call_seconds) * 1e6),
+                                      float(np.median(leader.call_cpu_seconds) * 1e6)]}
+
+
+def _follower(path: str, kw: dict) -> int:
+    from jaxllm.config import EngineArgs
+    from jaxllm.engine.headless import run_headless
+    return run_headless(EngineArgs(model=path, **_engine_args(kw)))
+
+
+if __name__ == "__main__":
+    role, model, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    print(json.dumps(_leader(model, extra) if role == "leader" else _follower(model, extra)),
+          flush=True)
