@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -130,8 +131,10 @@ def make_tiny_checkpoint(tmp_path_factory):
     cache: dict[str, str] = {}
     tokenizer = []
 
-    def make(arch: str, **overrides) -> str:
-        key = json.dumps([arch, overrides], sort_keys=True)
+    def make(arch: str, seed: Optional[int] = None, **overrides) -> str:
+        """`seed` fixes the random weights whatever was built before in the session (by
+        default they depend on how many checkpoints came first)."""
+        key = json.dumps([arch, seed, overrides], sort_keys=True)
         if key in cache:
             return cache[key]
         if not tokenizer:
@@ -142,7 +145,7 @@ def make_tiny_checkpoint(tmp_path_factory):
         cfg.eos_token_id = tok.eos_token_id
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        _randomize(model, arch.startswith("gemma"), seed=len(cache))
+        _randomize(model, arch.startswith("gemma"), seed=len(cache) if seed is None else seed)
         model.generation_config = GenerationConfig(bos_token_id=cfg.bos_token_id,
                                                    eos_token_id=cfg.eos_token_id,
                                                    pad_token_id=cfg.pad_token_id)

@@ -33,6 +33,7 @@ class FakeEngine:
         self.generation_defaults = {}
         self.tokenizer = None
         self.eos_token_ids = frozenset()
+        self.step_leader = None  # one host
         self.requests: dict[str, list[int]] = {}
         self.step_hook = step_hook
 
