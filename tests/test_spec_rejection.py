@@ -78,44 +78,61 @@ def test_greedy_rows_in_a_sampled_batch_match_the_plain_sampler():
     np.testing.assert_array_equal(np.asarray(again.token_ids), toks)
 
 
-def _target(logits, temperature, top_k):
-    s = logits.astype(np.float64) / temperature
-    keep = s >= np.sort(s)[-top_k]
-    p = np.where(keep, np.exp(s - s.max()), 0.0)
+def _target(logits, temperature, top_k=0, top_p=1.0, min_p=0.0, logit_bias=None):
+    """NumPy oracle of the distribution the sampler draws from."""
+    s = logits.astype(np.float64)
+    for tok, b in (logit_bias or {}).items():
+        s[tok] += b
+    s = s / temperature
+    p = np.exp(s - s.max())
+    keep = p >= min_p * p.max()
+    if top_k:
+        keep &= s >= np.sort(s)[-top_k]
+    p = np.where(keep, p, 0.0) / np.where(keep, p, 0.0).sum()
+    order = np.argsort(-p, kind="stable")
+    above = np.cumsum(p[order]) - p[order]
+    cut = p[order][above < top_p].min()  # keep while the mass strictly above is < top_p
+    p = np.where(p >= cut, p, 0.0)
     return p / p.sum()
 
 
+CASES = {"top_k": dict(top_k=5),
+         "top_p_min_p_bias": dict(top_p=0.95, min_p=0.02, logit_bias={6: 2.5})}
+
+
+@pytest.mark.parametrize("filters", list(CASES))
 @pytest.mark.parametrize("draft_model", [True, False], ids=["draft_q", "ngram_point_mass"])
-def test_first_token_follows_the_target_distribution(draft_model):
+def test_first_token_follows_the_target_distribution(draft_model, filters):
     rng = np.random.default_rng(2)
-    N, K, V, temp, top_k = 12000, 3, 8, 0.7, 5
+    N, K, V, temp = 12000, 3, 8, 0.7
     pos_logits = rng.normal(size=(K + 1, V)).astype(np.float32) * 1.5  # same for every request
-    p0 = _target(pos_logits[0], temp, top_k)
+    p0 = _target(pos_logits[0], temp, **CASES[filters])
     num_draft = np.full(N, K)
     if draft_model:
         q = rng.dirichlet(np.ones(V), size=K).astype(np.float32)  # [K, V], includes p0's zeros
         drafts = np.stack([rng.choice(V, N, p=q[j] / q[j].sum()) for j in range(K)], 1)
         draft_probs = np.broadcast_to(q, (N, K, V))
     else:
-        drafts = rng.integers(0, V, (N, K))  # lookups propose anything, also banned tokens
+        # A point mass on one token (uniform drafts would hide a wrong residual): half the
+        # requests propose p0's likeliest token, half one that top-k removes.
+        drafts = rng.integers(0, V, (N, K))
+        drafts[:, 0] = np.where(np.arange(N) % 2, p0.argmax(), p0.argmin())
         draft_probs = None
     seeds = np.arange(N) + 1000
-    t = row_tensors([SamplingParams(temperature=temp, top_k=top_k)] * N, num_draft, V, seeds)
+    t = row_tensors([SamplingParams(temperature=temp, **CASES[filters])] * N, num_draft, V, seeds)
     logits = np.tile(pos_logits, (N, 1))
     out = _verify(logits, num_draft, drafts.astype(np.int32), t,
                   accept_uniforms(list(seeds), [0] * N, K), draft_probs)
     first = np.asarray(out.token_ids[:, 0])
     counts = np.bincount(first, minlength=V)
     kept = p0 > 0
-    assert counts[~kept].sum() == 0  # nothing outside top-k is ever emitted
+    assert counts[~kept].sum() == 0  # nothing the filters removed is ever emitted
     assert stats.chisquare(counts[kept], p0[kept] / p0[kept].sum() * counts.sum()).pvalue > 1e-3
-    # The test has power: the drafts' own first tokens are far from the target.
-    draft_counts = np.bincount(drafts[:, 0], minlength=V)
-    assert draft_counts[~kept].sum() > 0 or \
-        stats.chisquare(draft_counts[kept], p0[kept] / p0[kept].sum()
-                        * draft_counts[kept].sum()).pvalue < 1e-6
-    # Some drafts are accepted and some rejected, so both branches were exercised.
+    # The first draft is accepted as often as theory says: sum(min(p, q)), or p(d) for n-gram.
     a = np.asarray(out.num_accepted)
-    assert 0 < (a > 0).mean() < 1 and (a == K).any()
+    want = (np.minimum(p0, q[0] / q[0].sum()).sum() if draft_model
+            else p0[drafts[:, 0]].mean())
+    assert abs((a > 0).mean() - want) < 4 * np.sqrt(want * (1 - want) / N)
+    assert 0 < want < 1 and (a == K).any()  # both branches, and the bonus, were exercised
     emitted = np.asarray(out.token_ids)
     assert ((emitted >= 0).sum(1) == a + 1).all()
