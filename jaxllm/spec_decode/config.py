@@ -74,9 +74,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config has unknown field {key!r} "
                                  f"(known: {', '.join(sorted(fields))})")
         v = dict(value)
+        v.setdefault("num_speculative_tokens", None)  # required: refused by name below
         v["method"] = _method(v.get("method"), v.get("model"))
-        if v["method"] == "ngram":
-            v.pop("model", None)  # vLLM's spelling {"model": "ngram"} names the method
+        if v.get("model") in ("ngram", "[ngram]"):
+            del v["model"]  # vLLM's spelling {"model": "ngram"} names the method
         return cls(**v)
 
     def __post_init__(self):
