@@ -17,8 +17,9 @@ This makes each emitted token's distribution exactly the target's (Leviathan et 
 Deterministic: acceptance uses `accept_uniforms` (host, from each request's seed and step)
 and a draw uses the row's `uniforms` as the plain sampler does.
 
-Unlike `sample`, this materialises the probabilities of each request's K+1 rows; requests are
-processed _ROWS at a time (the sampler's `_by_rows`) so that stays [8 * (K+1), V] at a time.
+Unlike `sample`, this materialises probabilities, _ROWS rows at a time (the sampler's
+`_by_rows`), in two passes: every row's p(draft token), then one row per request (the position
+after its accepted drafts) for the residual and the draw. All-greedy batches only run `sample`.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxllm.layers.sampler import (_argmax, _by_rows, _exact_threshold, _first_above,
-                                   _pad_vocab, process_logits)
+                                   _pad_vocab, process_logits, sample)
 from jaxllm.layers.sampling_tensors import SamplingTensors, draw_uniforms
 
 # Salt that separates acceptance uniforms from the draw uniforms of the same (seed, step).
@@ -61,69 +63,72 @@ def verify(logits: jax.Array, num_draft: jax.Array, draft_ids: jax.Array, t: Sam
     penalties, min_tokens and the draw uniform follow the position); num_draft int32 [R];
     draft_ids int32 [R, K]; accept_u f32 [R, K]; draft_probs f32 [R, K, V] or None (n-gram)."""
     R, K = draft_ids.shape
-    num_draft = jnp.minimum(num_draft.astype(jnp.int32), K)
-    starts = jnp.cumsum(num_draft + 1) - (num_draft + 1)
-    j = jnp.arange(K + 1)
-    rows = starts[:, None] + jnp.minimum(j[None, :], num_draft[:, None])  # [R, K+1]
-    per_pos = jax.tree.map(lambda a: a[rows], (logits, t))
-    args = per_pos + (num_draft, draft_ids, accept_u)
-    if draft_probs is not None:
-        args += (draft_probs,)
-    return _by_rows(_verify_requests, *args)
-
-
-def _verify_requests(x, t, n, d, accept_u, q=None):
-    """A group of c requests: x [c, K+1, V], t fields [c, K+1, ...]."""
-    c, K1, V = x.shape
-    K = K1 - 1
-    flat = lambda a: a.reshape(c * K1, *a.shape[2:])
-    x, t = flat(x).astype(jnp.float32), jax.tree.map(flat, t)
-    x = _pad_vocab(process_logits(x, t) if t.needs_processing else x)
-    j = jnp.arange(K1)[None, :]
-    if t.all_greedy:
-        target = _argmax(x).reshape(c, K1)
-        ok = (d == target[:, :K]) & (j[:, :K] < n[:, None])
-        a = jnp.cumprod(ok, 1).sum(1).astype(jnp.int32)
+    T, V = logits.shape
+    n = jnp.minimum(num_draft.astype(jnp.int32), K)
+    j = jnp.arange(K + 1)[None, :]
+    rows = (jnp.cumsum(n + 1) - (n + 1))[:, None] + jnp.minimum(j, n[:, None])  # [R, K+1]
+    checked = j[:, :K] < n[:, None]
+    d = jnp.clip(draft_ids, 0, V - 1)
+    if t.all_greedy:  # the plain sampler's own argmax on every row, compared with the drafts
+        target = sample(logits, t).token_ids[rows]
+        a = jnp.cumprod((d == target[:, :K]) & checked, 1).sum(1).astype(jnp.int32)
         return VerifyOutput(a, jnp.where(j <= a[:, None], target, -1).astype(jnp.int32))
 
-    p = _target_probs(x, t).reshape(c, K1, -1)
-    Vp = p.shape[-1]
-    d_safe = jnp.clip(d, 0, V - 1)
-    p_d = jnp.take_along_axis(p[:, :K], d_safe[..., None], 2)[..., 0]
-    if q is None:
-        q_d = jnp.ones_like(p_d)
-    else:
-        q = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, 0), (0, Vp - V)))
-        q_d = jnp.take_along_axis(q, d_safe[..., None], 2)[..., 0]
-    ok = (accept_u * q_d < p_d) & (j[:, :K] < n[:, None])  # u < p/q without dividing by q
+    # Pass 1, every row: the target probability of the draft token it checks.
+    token = jnp.zeros(T, jnp.int32).at[jnp.where(checked, rows[:, :K], T)].set(d, mode="drop")
+    p_d = _by_rows(_prob_of, logits, t, token)[rows[:, :K]]
+    q_d = (jnp.ones_like(p_d) if draft_probs is None
+           else jnp.take_along_axis(draft_probs, d[..., None], 2)[..., 0].astype(jnp.float32))
+    ok = (accept_u * q_d < p_d) & checked  # u < p/q without dividing by q
     a = jnp.cumprod(ok, 1).sum(1).astype(jnp.int32)
 
-    pick = lambda arr: jnp.take_along_axis(arr, jnp.minimum(a, arr.shape[1] - 1)[:, None, None],
-                                           1)[:, 0]
-    p_a = pick(p)
-    if q is None:
-        q_a = jax.nn.one_hot(pick(d_safe[..., None])[:, 0], Vp, dtype=jnp.float32)
-    else:
-        q_a = pick(q)
-    w = jnp.where((a < n)[:, None], jnp.maximum(p_a - q_a, 0.0), p_a)
-    w = jnp.where(w.sum(-1, keepdims=True) > 0, w, p_a)  # p == q up to rounding: draw from p
-    u = jnp.take_along_axis(t.uniforms.reshape(c, K1), a[:, None], 1)[:, 0]
-    last = jnp.clip(_first_above(w, u * w.sum(-1)), 0, V - 1).astype(jnp.int32)
-    draft = jnp.pad(d, ((0, 0), (0, 1)))
-    tokens = jnp.where(j < a[:, None], draft, jnp.where(j == a[:, None], last[:, None], -1))
+    # Pass 2, one row per request (position a): the draw after the accepted drafts.
+    at = lambda arr: jnp.take_along_axis(arr, jnp.minimum(a, arr.shape[1] - 1)[:, None], 1)[:, 0]
+    row_a = at(rows)
+    q_a = (jnp.zeros((R, 0), jnp.float32) if draft_probs is None
+           else jax.vmap(lambda q, i: q[i])(draft_probs, jnp.minimum(a, K - 1)))
+    last = _by_rows(_draw_after, logits[row_a], jax.tree.map(lambda x: x[row_a], t), q_a,
+                    at(d), a < n)
+    tokens = jnp.where(j < a[:, None], jnp.pad(d, ((0, 0), (0, 1))),
+                       jnp.where(j == a[:, None], last[:, None], -1))
     return VerifyOutput(a, tokens.astype(jnp.int32))
 
 
-def _target_probs(x, t):
-    """Rows of padded, processed logits -> the probabilities `sample` draws from: temperature,
-    then the tokens with x/T >= the row's min_p / top_k / top_p threshold (the sampler's exact
-    threshold), renormalised; greedy rows are a point mass on the argmax."""
+def _prob_of(x, t, token):
+    """p(token) under each row's target distribution: [c, V], [c] -> f32 [c]."""
+    w = _target_weights(x, t)
+    return jnp.take_along_axis(w, token[:, None], 1)[:, 0] / w.sum(-1)
+
+
+def _draw_after(x, t, q, d, rejected):
+    """A request's next token: from normalize(max(0, p - q)) where its draft d was rejected
+    (q [c, V]; width 0 = n-gram, a point mass on d: p without d), from p where every draft was
+    accepted (the bonus). Drawn with the row's uniform by inverse CDF, as the sampler draws."""
+    V = x.shape[1]
+    p = _target_weights(x, t)
+    p = p / p.sum(-1, keepdims=True)
+    if q.shape[1]:
+        q = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, p.shape[1] - V)))
+        residual = jnp.maximum(p - q, 0.0)
+    else:
+        residual = jnp.where(jnp.arange(p.shape[1])[None, :] == d[:, None], 0.0, p)
+    w = jnp.where(rejected[:, None], residual, p)
+    w = jnp.where(w.sum(-1, keepdims=True) > 0, w, p)  # p == q up to rounding: draw from p
+    return jnp.clip(_first_above(w, t.uniforms * w.sum(-1)), 0, V - 1).astype(jnp.int32)
+
+
+def _target_weights(x, t):
+    """Rows of logits -> padded weights proportional to the probabilities `sample` draws from:
+    processing, temperature, then exp over the tokens with x/T >= the row's min_p / top_k /
+    top_p threshold (the sampler's exact threshold); greedy rows a point mass on the argmax."""
+    x = x.astype(jnp.float32)  # as the sampler: a bf16 model's logits are sampled in f32
+    x = _pad_vocab(process_logits(x, t) if t.needs_processing else x)
     s = x / t.temperature[:, None]
     m = jnp.max(s, -1)
     tau = m + jnp.log(t.min_p)  # min_p: p >= min_p * p_max; log(0) = -inf
     if t.needs_filters:
         tau = jax.vmap(_exact_threshold)(s, m, tau, t.top_k, t.top_p)
     e = jnp.where(s >= tau[:, None], jnp.exp(s - m[:, None]), 0.0)
-    p = e / e.sum(-1, keepdims=True)
-    greedy = jax.nn.one_hot(_argmax(x), x.shape[1], dtype=jnp.float32)
-    return jnp.where(t.greedy[:, None], greedy, p)
+    one_hot = lambda: jax.nn.one_hot(_argmax(x), x.shape[1], dtype=jnp.float32)
+    return lax.cond(jnp.any(t.greedy), lambda: jnp.where(t.greedy[:, None], one_hot(), e),
+                    lambda: e)
