@@ -107,7 +107,7 @@ def test_first_token_follows_the_target_distribution(draft_model, filters):
     N, K, V, temp = 12000, 3, 8, 0.7
     pos_logits = rng.normal(size=(K + 1, V)).astype(np.float32) * 1.5  # same for every request
     p0 = _target(pos_logits[0], temp, **CASES[filters])
-    num_draft = np.full(N, K)
+    num_draft = np.arange(N) % (K + 1)  # ragged: 0..K drafts, one request after another
     if draft_model:
         q = rng.dirichlet(np.ones(V), size=K).astype(np.float32)  # [K, V], includes p0's zeros
         drafts = np.stack([rng.choice(V, N, p=q[j] / q[j].sum()) for j in range(K)], 1)
@@ -120,7 +120,7 @@ def test_first_token_follows_the_target_distribution(draft_model, filters):
         draft_probs = None
     seeds = np.arange(N) + 1000
     t = row_tensors([SamplingParams(temperature=temp, **CASES[filters])] * N, num_draft, V, seeds)
-    logits = np.tile(pos_logits, (N, 1))
+    logits = np.concatenate([pos_logits[:n + 1] for n in num_draft])
     out = _verify(logits, num_draft, drafts.astype(np.int32), t,
                   accept_uniforms(list(seeds), [0] * N, K), draft_probs)
     first = np.asarray(out.token_ids[:, 0])
@@ -129,10 +129,13 @@ def test_first_token_follows_the_target_distribution(draft_model, filters):
     assert counts[~kept].sum() == 0  # nothing the filters removed is ever emitted
     assert stats.chisquare(counts[kept], p0[kept] / p0[kept].sum() * counts.sum()).pvalue > 1e-3
     # The first draft is accepted as often as theory says: sum(min(p, q)), or p(d) for n-gram.
-    a = np.asarray(out.num_accepted)
+    a, has = np.asarray(out.num_accepted), num_draft > 0
     want = (np.minimum(p0, q[0] / q[0].sum()).sum() if draft_model
-            else p0[drafts[:, 0]].mean())
-    assert abs((a > 0).mean() - want) < 4 * np.sqrt(want * (1 - want) / N)
+            else p0[drafts[has, 0]].mean())
+    assert abs((a[has] > 0).mean() - want) < 4 * np.sqrt(want * (1 - want) / has.sum())
+    assert (a <= num_draft).all() and (a[~has] == 0).all()
     assert 0 < want < 1 and (a == K).any()  # both branches, and the bonus, were exercised
     emitted = np.asarray(out.token_ids)
     assert ((emitted >= 0).sum(1) == a + 1).all()
+    for r in range(0, N, 97):  # the accepted drafts come out as proposed
+        np.testing.assert_array_equal(emitted[r, :a[r]], drafts[r, :a[r]])
