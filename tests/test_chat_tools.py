@@ -161,15 +161,9 @@ def test_auto_without_a_call_is_content_streamed_or_not(client):
 
 
 def constrained(client, **kw):
-    """The response, or a skip while this build's engine refuses structured output (the
-    so-engine branch applies it; this module then runs in full)."""
-    try:
-        return client.chat.completions.create(model=NAME, messages=HISTORY, tools=TOOLS,
-                                              **GREEDY, **kw)
-    except openai.BadRequestError as e:
-        if "structured_outputs" in str(e) and "not" in str(e):
-            pytest.skip(f"the engine does not apply structured output yet: {e}")
-        raise
+    """The response to the tools conversation, greedy (tool_choice etc. in kw)."""
+    return client.chat.completions.create(model=NAME, messages=HISTORY, tools=TOOLS,
+                                          **GREEDY, **kw)
 
 
 def valid_calls(calls) -> None:
