@@ -45,16 +45,21 @@ def parse_size(value: Union[str, int, None]) -> Optional[int]:
     return int(num * mult)
 
 
-def _json(value: Union[str, dict, None]) -> Optional[dict]:
+def json_object(value: Union[str, dict, None], what: str = "value",
+                kind: str = "JSON object") -> Optional[dict]:
+    """A JSON object given as text or already a dict -> dict (None stays None). Shared by every
+    option that takes one (flags here, `--speculative-config`, structured-output schemas) so they
+    refuse the same mistakes with the same words, naming `what`."""
     if value is None or isinstance(value, dict):
         return value
-    try:
-        out = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON: {value!r} ({e})") from None
-    if not isinstance(out, dict):
-        raise ValueError(f"expected a JSON object, got {value!r}")
-    return out
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a {kind}, got {value!r}")
+    return value
 
 
 def _arg(help: str, choices: tuple = (), parse=None, cli: bool = True, **kw) -> Any:
@@ -90,10 +95,10 @@ class EngineArgs:
     max_model_len: Optional[int] = _arg("Model context length (prompt + output); accepts 1k "
                                         "(1000) and 1K (1024).", parse=parse_size, default=None)
     hf_overrides: Optional[dict] = _arg("JSON object of overrides for the HF config.",
-                                        parse=_json, default=None)
+                                        parse=json_object, default=None)
     rope_scaling: Optional[dict] = _arg("JSON RoPE scaling config, e.g. "
                                         "'{\"rope_type\":\"linear\",\"factor\":2.0}'.",
-                                        parse=_json, default=None)
+                                        parse=json_object, default=None)
     rope_theta: Optional[float] = _arg("RoPE theta override.", default=None)
     generation_config: str = _arg("'auto' (read generation_config.json from the model), 'vllm' "
                                   "(ignore it) or a folder.", default="auto")
@@ -170,7 +175,7 @@ class EngineArgs:
         "JSON object (vLLM's StructuredOutputsConfig): backend (auto, guidance or llguidance: "
         "the one installed), disable_any_whitespace and disable_additional_properties (the "
         "defaults of every constrained request), disable_fallback (there is no fallback).",
-        parse=_json, default=None)
+        parse=json_object, default=None)
     guided_decoding_backend: Optional[str] = _arg(
         "Older vLLM name of --structured-outputs-config '{\"backend\": ...}'.", default=None)
 
@@ -188,7 +193,7 @@ class EngineArgs:
     pooler_config: Optional[dict] = _arg("JSON overriding the model's pooling: pooling_type "
                                          "(LAST, MEAN, CLS, ALL) and use_activation "
                                          "(normalize).",
-                                         parse=_json, default=None)
+                                         parse=json_object, default=None)
 
     # --- derived -----------------------------------------------------------------------------
     def __post_init__(self):

@@ -22,8 +22,8 @@ from serving.errors import document_errors, error_response, install_error_handle
 from serving.limits import RequestLimits
 from serving.middleware import APIKeyMiddleware, HTTPLimitsMiddleware, RequestIdMiddleware
 from serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                              EmbeddingRequest, ModelCard, ModelList, PoolingRequest,
-                              TokenizeRequest, random_id)
+                              ModelCard, ModelList, TokenizeRequest, random_id)
+from serving.protocol_pooling import EmbeddingRequest, PoolingRequest
 from serving.serving_chat import create_chat_completion
 from serving.serving_completion import create_completion
 from serving.serving_embedding import create_embedding, create_pooling

@@ -14,8 +14,9 @@ import numpy as np
 
 from jaxllm.pooling_params import PoolingParams
 from serving.errors import APIError
-from serving.protocol import (EmbeddingData, EmbeddingRequest, EmbeddingResponse, PoolingData,
-                              PoolingRequest, PoolingResponse, UsageInfo)
+from serving.protocol import UsageInfo
+from serving.protocol_pooling import (EmbeddingData, EmbeddingRequest, EmbeddingResponse,
+                                      PoolingData, PoolingRequest, PoolingResponse)
 from serving.state import ServingState
 
 

@@ -8,8 +8,9 @@ any other key as unknown, so no field is silently ignored. Host-only: no JAX.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Optional, Union
+
+from jaxllm.config import json_object
 
 # vLLM's default n-gram window when neither bound is given.
 _DEFAULT_LOOKUP = 5
@@ -53,16 +54,7 @@ class SpeculativeConfig:
     def parse(cls, value: Union[str, dict[str, Any], None]) -> Optional["SpeculativeConfig"]:
         """A JSON string or a dict (the `LLM(speculative_config=...)` keyword) -> config, or
         None for None / an empty object. Every problem raises ValueError naming the field."""
-        if value is None:
-            return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object, got "
-                             f"{type(value).__name__}")
+        value = json_object(value, "speculative_config")
         if not value:
             return None
         fields = {f.name for f in dataclasses.fields(cls)}

@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional, Union
 
+from jaxllm.config import json_object
+
 # vLLM's backend names. Only llguidance is installed (see backend.py for why); "guidance" is
 # vLLM's name for it and "auto" picks it. The others are refused by name.
 BACKENDS = ("auto", "guidance", "llguidance")
@@ -174,13 +176,8 @@ def _schema_text(schema: Any, name: str) -> str:
     """A JSON schema given as text, a dict or a pydantic model class -> canonical JSON text."""
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
         schema = schema.model_json_schema()
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"structured_outputs.{name} is not valid JSON: {e}") from None
-    if not isinstance(schema, dict):
-        raise ValueError(f"structured_outputs.{name} must be a JSON schema object, got "
-                         f"{schema!r}")
+    schema = json_object(schema, f"structured_outputs.{name}", "JSON schema object")
+    if schema is None:
+        raise ValueError(f"structured_outputs.{name} must be a JSON schema object, got None")
     return json.dumps(schema, sort_keys=True, separators=(",", ":"))
 
