@@ -16,7 +16,7 @@ from jaxllm.config import ConfigError, EngineArgs
 from jaxllm.loader.loader import hf_config
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.sequence import Sequence
+from jaxllm.sequence import PENDING, Sequence
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.draft_model import DraftModelProposer
 
@@ -190,3 +190,12 @@ def test_refuses_a_draft_with_another_tokenizer(target, small, tmp_path):
     json.dump(tok, open(path, "w"))
     with pytest.raises(ConfigError, match=r"--speculative-config.*another tokenizer"):
         proposer(target, other)
+
+
+def test_refuses_unconfirmed_tokens_and_a_larger_k(small_proposer):
+    s = seq("pending", 5, 17)
+    s.output_token_ids.append(PENDING)
+    with pytest.raises(ValueError, match="pending.*confirmed"):
+        small_proposer.propose([s], K, np.full(1, K))
+    with pytest.raises(ValueError, match=f"k={K + 1} exceeds num_speculative_tokens={K}"):
+        small_proposer.propose([seq("big_k", 5, 18)], K + 1, np.full(1, K + 1))

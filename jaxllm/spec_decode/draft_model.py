@@ -115,6 +115,9 @@ class DraftModelProposer:
         batch = []  # (index in seqs, _Row, tokens, first position to feed)
         ids = {s.seq_id for s in seqs}
         for r, seq in enumerate(seqs):
+            if seq.has_pending:
+                raise ValueError(f"sequence {seq.seq_id}: a draft needs its tokens confirmed "
+                                 "(its last step is still in flight)")
             if min(int(limits[r]), k, self.max_len - seq.num_tokens) <= 0:
                 continue
             tokens = seq.all_token_ids
