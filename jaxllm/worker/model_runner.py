@@ -309,9 +309,11 @@ class ModelRunner:
         if self.enforce_eager:
             return
         cm, shapes = self.compile_manager, self.input_batch.forward_shapes()
-        tensors = [(plain, t) for plain, t in warmup_tensors(
-            self.max_num_seqs, self.model_config.vocab_size, max_logprobs=self.max_logprobs,
-            penalty_width=self.penalty_width) if not greedy_only or (plain and t.all_greedy)]
+        tensors = warmup_tensors(self.max_num_seqs, self.model_config.vocab_size,
+                                 max_logprobs=self.max_logprobs,
+                                 penalty_width=self.penalty_width)
+        if greedy_only:
+            tensors = [(True, t) for is_plain, t in tensors if is_plain and t.all_greedy]
         plain = [t for is_plain, t in tensors if is_plain]
 
         def jobs():
