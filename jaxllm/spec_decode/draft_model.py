@@ -76,7 +76,6 @@ class DraftModelProposer:
         dtype = kv_cache_dtype(dargs, mc.jnp_dtype, model.attention_backend)
         if num_blocks is None:
             num_blocks = num_kv_blocks(dargs, mc, dtype)
-        self.block_size = args.block_size
         self.max_num_seqs = args.max_num_seqs
         # Catch-up steps hold 1-2 tokens per row in the steady state: room for two per row.
         self.max_tokens = max(args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
