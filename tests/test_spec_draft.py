@@ -155,7 +155,8 @@ def test_full_cache_proposes_nothing_then_evicts_idle_rows(target, small):
 
 def test_max_model_len_of_the_config_caps_speculation(target, make_tiny_checkpoint):
     short = make_tiny_checkpoint("llama", **SMALL, max_position_embeddings=64)
-    p = proposer(target, short, spec={"max_model_len": 40})
+    p = proposer(target, short, spec={"max_model_len": 40}, target_num_blocks=20)
+    assert p.kv.num_blocks == 20 + 4 * 2  # the target's, plus 3 drafts of 4 sequences
     s = seq("cap", 36, 16)
     drafts, counts = p.propose([s], K, np.full(1, K))
     assert counts.tolist() == [K]  # 36 + 4 = 40

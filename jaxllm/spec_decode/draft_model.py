@@ -60,12 +60,15 @@ class _Row:
 class DraftModelProposer:
     """propose(seqs, k, limits) -> (drafts int32 [R, k] -1 padded, counts int32 [R]);
     free(seq_id). `args`/`target` are the target's engine arguments and model config; the
-    draft runs unsharded on devices[0] (default: this process's first device). num_blocks
-    overrides the draft cache's size (default: sized as the target's, from the same budget
-    rules, for max_num_seqs sequences of the speculated length plus K)."""
+    draft runs unsharded on devices[0] (default: this process's first device). The draft
+    cache is sized by the target's budget rules (for max_num_seqs sequences of the speculated
+    length plus K), capped by target_num_blocks, the target cache's size, plus room for K
+    tokens per sequence: it mirrors the target's sequences, so more would sit unused.
+    num_blocks overrides all that."""
 
     def __init__(self, spec: SpeculativeConfig, args: EngineArgs, target: ModelConfig, *,
-                 devices: Optional[list] = None, num_blocks: Optional[int] = None):
+                 devices: Optional[list] = None, target_num_blocks: Optional[int] = None,
+                 num_blocks: Optional[int] = None):
         self.k = spec.num_speculative_tokens
         mesh = make_mesh(1, devices=(devices or jax.local_devices())[:1])
         model, mc, self.max_len = load_draft(spec, args, target, mesh)
@@ -76,6 +79,9 @@ class DraftModelProposer:
         dtype = kv_cache_dtype(dargs, mc.jnp_dtype, model.attention_backend)
         if num_blocks is None:
             num_blocks = num_kv_blocks(dargs, mc, dtype)
+            if target_num_blocks is not None:
+                per_seq = -(-(self.k - 1) // args.block_size) + 1  # K-1 fed drafts, a partial block
+                num_blocks = min(num_blocks, target_num_blocks + args.max_num_seqs * per_seq)
         self.max_num_seqs = args.max_num_seqs
         # Catch-up steps hold 1-2 tokens per row in the steady state: room for two per row.
         self.max_tokens = max(args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
