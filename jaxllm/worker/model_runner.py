@@ -299,17 +299,21 @@ class ModelRunner:
             *prompt_logprob_targets(T, prompt_rows), first_use=True)
 
     # --- warm-up -----------------------------------------------------------------------------
-    def warmup(self) -> None:
+    def warmup(self, greedy_only: bool = False) -> None:
         """Compile every token bucket and the plain sampler variants on all cores. The sampler
         variants with penalties, logprobs or top-k/top-p filters, and the multi-step programs,
         compile after that in a background thread, so the engine is ready sooner; a step that
-        needs one before then compiles it or waits for it (which is not a recompile)."""
+        needs one before then compiles it or waits for it (which is not a recompile).
+        greedy_only: the plain greedy sampler alone (a draft model's runner, which never samples
+        otherwise: jaxllm/spec_decode/draft_model.py)."""
         if self.enforce_eager:
             return
         cm, shapes = self.compile_manager, self.input_batch.forward_shapes()
         tensors = warmup_tensors(self.max_num_seqs, self.model_config.vocab_size,
                                  max_logprobs=self.max_logprobs,
                                  penalty_width=self.penalty_width)
+        if greedy_only:
+            tensors = [(True, t) for is_plain, t in tensors if is_plain and t.all_greedy]
         plain = [t for is_plain, t in tensors if is_plain]
 
         def jobs():
