@@ -3,10 +3,14 @@ which are the same for every variant) of a mixture-of-experts model against a de
 the same ACTIVE parameters, alternating, on dummy weights.
 
     python scripts/bench_moe_step.py [--dtype bfloat16] [--batch 64] [--context 192] [--reps 5]
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench_moe_step.py \
+        --engine-args '{"tensor_parallel_size": 8}' --variants moe moe-ep --batch 1
 
 Variants (all hidden 512, 8 layers, 8 heads / 4 KV heads, vocab 32000, as make_bench_models.py):
   moe        Mixtral: 8 experts of FFN 1024, top-2 (2 x 1024 = 2048 active FFN columns)
   moe+count  the same with --enable-expert-load-metrics (what counting costs on the hot path)
+  moe-ep     the same with --enable-expert-parallel (experts sharded, tokens replicated; with
+             --engine-args '{"tensor_parallel_size": N}' against `moe`'s experts' FFNs split)
   dense      Llama with FFN 2048 (the same active parameters, no router)
 Each of the `batch` sequences decodes one token at position `context` - 1 over a paged cache
 holding `context` tokens. Prints the best and median milliseconds per step of each variant and
@@ -29,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from make_bench_models import random_config  # noqa: E402
 
-VARIANTS = ("moe", "moe+count", "dense")
+VARIANTS = ("moe", "moe+count", "moe-ep", "dense")
 
 
 def dense_twin(moe_config):
@@ -91,15 +95,19 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--reps", type=int, default=5, help="rounds over all variants")
     ap.add_argument("--steps", type=int, default=5, help="steps per variant per round")
-    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS,
+                    default=["moe", "moe+count", "dense"])
+    ap.add_argument("--engine-args", type=json.loads, default={},
+                    help="JSON engine arguments for every variant")
     ap.add_argument("--output-json")
     a = ap.parse_args()
     moe = random_config("mixtral-tiny")
     configs = {"moe": (moe, {}), "moe+count": (moe, {"enable_expert_load_metrics": True}),
-               "dense": (dense_twin(moe), {})}
+               "moe-ep": (moe, {"enable_expert_parallel": True}), "dense": (dense_twin(moe), {})}
     with tempfile.TemporaryDirectory() as tmp:
         timers = {v: StepTimer(configs[v][0], os.path.join(tmp, v), a.dtype, a.batch,
-                               a.context, **configs[v][1]) for v in a.variants}
+                               a.context, **a.engine_args, **configs[v][1])
+                  for v in a.variants}
         times = {v: [] for v in a.variants}
         for rep in range(a.reps):
             order = a.variants[rep % len(a.variants):] + a.variants[:rep % len(a.variants)]
@@ -108,8 +116,8 @@ def main() -> None:
     load = os.getloadavg()[0]
     result = {v: {"best_ms": 1e3 * min(t), "median_ms": 1e3 * statistics.median(t)}
               for v, t in times.items()}
-    print(f"decode step, batch {a.batch}, context {a.context}, {a.dtype}, load avg {load:.1f} "
-          f"({a.reps} rounds x {a.steps} steps)")
+    print(f"decode step, batch {a.batch}, context {a.context}, {a.dtype}, {a.engine_args}, "
+          f"load avg {load:.1f} ({a.reps} rounds x {a.steps} steps)")
     for v, r in result.items():
         ratio = ("" if "dense" not in result or v == "dense" else
                  f"   x{r['best_ms'] / result['dense']['best_ms']:.2f} best, "

@@ -92,8 +92,8 @@ class ReferenceBackend(Backend):
         per-expert `loop` (8 tokens: 12-60 ms vs `dense` 72-208), in bf16 `dense` (`loop`'s
         while loop makes XLA:CPU convert each bf16 expert whole: 64 tokens 86 vs 173 ms); from
         64 routed rows per expert on average the `tiled` grouped matmul, which does only the
-        routed work (bf16: 256 tokens 282-306 ms vs `dense` 353, 512: 324-415 vs 809, 2048:
-        824-1579 vs 3230; f32 256: 97 vs `loop` 340; under load ~15, so ratios only)."""
+        routed work (bf16: 256 tokens 306 ms vs `dense` 353, 512: 415 vs 809, 2048: 824 vs
+        3230; f32 256: 98 vs `loop` 340; measured under load ~15, so ratios only)."""
         if not _on_cpu():
             return "ragged"
         if 2 * tokens * top_k <= experts:
