@@ -126,6 +126,11 @@ class EngineArgs:
         "requests and exits (code 3). Start-up waits up to 600 s for every host.", default=60)
     enable_expert_parallel: bool = _arg("Shard MoE experts over the 'expert' mesh axis.",
                                         default=False)
+    enable_expert_load_metrics: bool = _arg(
+        "Count the tokens routed to each expert of each MoE layer inside the step and export "
+        "them on /metrics (jaxllm:moe_expert_tokens_total{layer,expert}); off by default. "
+        "vLLM has no such flag; SGLang's is --enable-expert-distribution-metrics.",
+        default=False)
     block_size: int = _arg("Tokens per KV-cache block.", default=16)
     gpu_memory_utilization: float = _arg("Fraction of accelerator memory for weights, activations "
                                          "and KV cache.", default=0.9)

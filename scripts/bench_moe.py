@@ -1,4 +1,4 @@
-"""Times the three expert implementations of `jaxllm.layers.experts` on this machine, per batch
+"""Times the expert implementations of `jaxllm.layers.experts` on this machine, per batch
 size, for one MoE layer of a Mixtral-ish tiny model (hidden 512, FFN 1024, 8 experts, top-2).
 
     python scripts/bench_moe.py [--dtype bfloat16] [--tokens 1 8 64 512]

@@ -63,6 +63,15 @@ class EngineStatsCollector:
         yield counter("jaxllm:num_preemptions", "Requests preempted (KV cache ran out).",
                       s["num_preemptions"])
         yield from self._replica_gauges(s.get("replicas", ()))
+        if "expert_load" in s:  # --enable-expert-load-metrics
+            c = CounterMetricFamily("jaxllm:moe_expert_tokens", "Tokens routed to an expert of "
+                                    "an MoE layer (a token counts once per expert of its top-k; "
+                                    "layer is the decoder layer's index).",
+                                    labels=["model_name", "layer", "expert"])
+            for layer, counts in s["expert_load"].items():
+                for expert, n in enumerate(counts):
+                    c.add_metric([self.model_name, str(layer), str(expert)], int(n))
+            yield c
 
     def _replica_gauges(self, replicas):
         """With --data-parallel-size: each replica's load (the totals above sum them)."""

@@ -52,7 +52,7 @@ def _numpy_experts(x, ids, weights, w_gate_up, w_down):
     return out
 
 
-@pytest.mark.parametrize("impl", ["ragged", "dense", "loop", "gather"])
+@pytest.mark.parametrize("impl", ["ragged", "dense", "loop", "gather", "tiled"])
 @pytest.mark.parametrize("tokens", [1, 7, 40])
 def test_expert_impls_match_numpy(impl, tokens):
     """Every implementation gives the per-token sum; expert 3 receives no token, and ids
@@ -104,7 +104,8 @@ def test_megablox_grouped_matmul_matches_ragged_dot():
 
 def test_moe_impl_choice_on_cpu():
     """On XLA:CPU few tokens gather their experts' weights; more run the per-expert loop in
-    float32 and the all-experts einsum in bf16 (see `ReferenceBackend.moe_impl`)."""
+    float32 and the all-experts einsum in bf16; many (64 rows per expert on average) the tiled
+    grouped matmul (see `ReferenceBackend.moe_impl`)."""
     from jaxllm.layers.backends.reference import ReferenceBackend
 
     b = ReferenceBackend()
@@ -112,6 +113,8 @@ def test_moe_impl_choice_on_cpu():
     assert b.moe_impl(4, 8, 128, "bfloat16") == "gather"
     assert b.moe_impl(64, 2, 8, "float32") == "loop"
     assert b.moe_impl(64, 2, 8, "bfloat16") == "dense"
+    assert b.moe_impl(256, 2, 8, "bfloat16") == "tiled"
+    assert b.moe_impl(2048, 8, 128, "float32") == "tiled"
 
 
 def test_missing_expert_is_named(make_tiny_checkpoint, load, tmp_path):
@@ -162,3 +165,15 @@ def test_moe_bfloat16_error_is_transformers_bfloat16_error(make_tiny_checkpoint,
             want = hf(torch.tensor([prompt])).logits[0].numpy()
             theirs = hf_bf16(torch.tensor([prompt])).logits[0].float().numpy()
         assert np.abs(ours - want).max() <= 1.5 * np.abs(theirs - want).max() + 0.02
+
+
+def test_moe_tiled_prefill_matches_transformers(make_tiny_checkpoint, load, greedy):
+    """A prefill of 512 padded tokens (>= 64 rows per expert) runs the `tiled` grouped matmul
+    on CPU; it matches transformers as the other implementations do."""
+    from jaxllm.layers.backends.reference import ReferenceBackend
+
+    path = make_tiny_checkpoint("mixtral")
+    model, cfg, _ = load(path)
+    prompts = _prompts((120, 100, 60))
+    assert ReferenceBackend().moe_impl(512, 2, cfg.num_experts, "float32") == "tiled"
+    assert_greedy_matches_transformers(path, model, prompts, greedy)

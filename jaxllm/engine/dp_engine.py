@@ -118,5 +118,8 @@ class DataParallelEngine:
         used = sum(s["kv_cache_usage"] * s["num_total_blocks"] for s in per)
         total["kv_cache_usage"] = used / max(total["num_total_blocks"], 1)
         total["prefix_affinity_hits"] = self.router.affinity_hits
+        if "expert_load" in per[0]:  # per MoE layer: the replicas' counts added
+            total["expert_load"] = {layer: sum(s["expert_load"][layer] for s in per)
+                                    for layer in per[0]["expert_load"]}
         total["replicas"] = per
         return total

@@ -436,7 +436,7 @@ class LLMEngine:
     # --- stats -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         kv = self.kv_cache_manager
-        return {
+        stats = {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "kv_cache_usage": kv.usage,
@@ -448,6 +448,10 @@ class LLMEngine:
             "prompt_tokens_total": self.total_prompt_tokens,
             "generation_tokens_total": self.total_generation_tokens,
         }
+        load = self.runner.expert_load
+        if load is not None:  # --enable-expert-load-metrics: {MoE layer: tokens per expert}
+            stats["expert_load"] = dict(zip(self.runner.moe_layer_ids, load.copy()))
+        return stats
 
     def _maybe_log_stats(self, now: float) -> None:
         if self.args.disable_log_stats or now - self._last_log < 5.0:

@@ -160,6 +160,9 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
     times["tokenizer"] = time.perf_counter() - t
     dtype = kv_cache_dtype(args, mc.jnp_dtype, model.attention_backend)
     runner_type = args.runner_type(path)
+    if runner_type == "pooling" and args.enable_expert_load_metrics:
+        raise ConfigError("--enable-expert-load-metrics: the pooling runner does not count "
+                          "expert loads (only the generate runner's steps do)")
     pooler_config = (read_pooler_config(path, args.pooler_config) if runner_type == "pooling"
                      else None)
     # Pooling runs each prompt with a scratch cache of its own (jaxllm/worker/pooler.py): the

@@ -76,6 +76,24 @@ class Decoder(nnx.Module):
         h, kv_caches = self.run_layers(h, kv_caches, positions, md)
         return self.apply_final_norm(h), kv_caches
 
+    def forward_counting_experts(self, kv_caches: tuple[KVCache, ...], token_ids: jax.Array,
+                                 positions: jax.Array, md: AttentionMetadata
+                                 ) -> tuple[jax.Array, tuple[KVCache, ...], jax.Array]:
+        """The forward (`__call__`), and the tokens it routed to each expert of each MoE layer,
+        padding not counted: int32 [len(moe_layer_ids), experts] (--enable-expert-load-metrics,
+        which sets cfg.count_expert_load; the MoE groups sow their counts)."""
+        (h, caches), sown = nnx.capture(Decoder.__call__, nnx.Intermediate)(
+            self, kv_caches, token_ids, positions, md)
+        loads = [sown["layers"][i]["expert_load"][...]
+                 for i, g in enumerate(self.groups) if g.kind == "moe"]
+        return h, caches, jnp.concatenate(loads)
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """The model's MoE layers, in the order of `forward_counting_experts`' rows."""
+        return tuple(i for g in self.groups if g.kind == "moe"
+                     for i in range(g.first, g.first + g.count))
+
     @property
     def attention_backend(self) -> str:
         """The backend's name (what start-up picks the KV cache dtype by)."""

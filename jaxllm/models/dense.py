@@ -11,6 +11,7 @@ through the model's backend (`jaxllm.layers.backends`).
 from __future__ import annotations
 
 from functools import partial
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -65,9 +66,12 @@ class DenseLayers(nnx.Module):
                 "o": cfg.hidden_size, "gate_up": 2 * cfg.intermediate_size,
                 "down": cfg.hidden_size}
 
-    def mlp(self, backend: Backend, w: dict, x: jax.Array, layer) -> jax.Array:
-        """The normed hidden states x [T, E] -> the MLP's output [T, E] in x's dtype."""
-        return gated_mlp(backend, self.widths(), w, x, layer, self.cfg.activation)
+    def mlp(self, backend: Backend, w: dict, x: jax.Array, layer
+            ) -> tuple[jax.Array, Optional[jax.Array]]:
+        """The normed hidden states x [T, E] -> the MLP's output [T, E] in x's dtype, and the
+        experts each token was routed to [T, k] when the step counts them (a dense MLP routes
+        nothing: None)."""
+        return gated_mlp(backend, self.widths(), w, x, layer, self.cfg.activation), None
 
     def __call__(self, backend: Backend, h: jax.Array, cache: KVCache, md: AttentionMetadata,
                  rope: tuple, start: int, end: int) -> tuple[jax.Array, KVCache]:
@@ -85,12 +89,14 @@ class DenseLayers(nnx.Module):
             h, cache = carry
             w, layer, rope_id, window = xs
             w = {**jax.tree.map(backend.weight, w), **resident}
-            h, cache = _layer(self, backend, w, h, cache, layer, md, cos[rope_id],
-                              sin[rope_id], window)
-            return (h, cache), None
+            h, cache, routes = _layer(self, backend, w, h, cache, layer, md, cos[rope_id],
+                                      sin[rope_id], window)
+            return (h, cache), routes
 
         layers = jnp.arange(start, end, dtype=jnp.int32)
-        (h, cache), _ = jax.lax.scan(body, (h, cache), (weights, layers, rope_ids, windows))
+        (h, cache), routes = jax.lax.scan(body, (h, cache), (weights, layers, rope_ids, windows))
+        if routes is not None:  # [end - start, T, k]: only MoE layers that count them route
+            self.record_routes(routes, md.slot_mapping >= 0, start)
         return h, cache
 
 
@@ -113,7 +119,8 @@ def gated_mlp(backend: Backend, widths: dict, w: dict, x: jax.Array, layer, acti
 
 
 def _layer(group: DenseLayers, backend: Backend, w: dict, h: jax.Array, cache: KVCache, layer,
-           md: AttentionMetadata, cos, sin, window) -> tuple[jax.Array, KVCache]:
+           md: AttentionMetadata, cos, sin, window
+           ) -> tuple[jax.Array, KVCache, Optional[jax.Array]]:
     cfg, widths = group.cfg, group.widths()
     T, dt = h.shape[0], h.dtype
     K, G, D = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
@@ -133,7 +140,7 @@ def _layer(group: DenseLayers, backend: Backend, w: dict, h: jax.Array, cache: K
         a = rms_norm(a, w["post_attn_norm"], cfg)
     h = h + a
 
-    m = group.mlp(backend, w, rms_norm(h, w["mlp_norm"], cfg), layer)
+    m, routes = group.mlp(backend, w, rms_norm(h, w["mlp_norm"], cfg), layer)
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_mlp_norm"], cfg)
-    return h + m, cache
+    return h + m, cache, routes

@@ -62,6 +62,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert (0 = none)
     norm_topk_prob: bool = False        # renormalize the top-k routing weights to sum to one
     expert_parallel: bool = False       # --enable-expert-parallel: experts sharded, not FFNs
+    count_expert_load: bool = False     # --enable-expert-load-metrics: the step counts routes
 
     @property
     def q_per_kv(self) -> int:
@@ -129,6 +130,10 @@ class ModelConfig:
             raise ConfigError(f"--enable-expert-parallel: {arch} has no mixture-of-experts "
                               "layers to shard")
         fields["expert_parallel"] = bool(args.enable_expert_parallel)
+        if args.enable_expert_load_metrics and not fields.get("num_experts"):
+            raise ConfigError(f"--enable-expert-load-metrics: {arch} has no mixture-of-experts "
+                              "layers to count")
+        fields["count_expert_load"] = bool(args.enable_expert_load_metrics)
         return cls(**fields)
 
 

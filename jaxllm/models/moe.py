@@ -15,8 +15,11 @@ FFN axis is tensor-parallel (`mlp`, as the dense MLP's); with it the experts axi
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxllm.layers.backends.base import Backend
 from jaxllm.models.dense import DenseLayers, gated_mlp, gated_mlp_weights
@@ -44,7 +47,8 @@ class MoeLayers(DenseLayers):
     def widths(self) -> dict[str, int]:
         return {**super().widths(), "gate_up": 2 * self.cfg.shared_expert_intermediate_size}
 
-    def mlp(self, backend: Backend, w: dict, x: jax.Array, layer) -> jax.Array:
+    def mlp(self, backend: Backend, w: dict, x: jax.Array, layer
+            ) -> tuple[jax.Array, Optional[jax.Array]]:
         cfg, f32 = self.cfg, jnp.float32
         logits = jnp.dot(x, w["router"], preferred_element_type=f32)  # tiny: not a projection
         probs = jax.nn.softmax(logits, axis=-1)
@@ -58,4 +62,17 @@ class MoeLayers(DenseLayers):
             gate = jax.nn.sigmoid(jnp.dot(x, w["shared_gate"], preferred_element_type=f32))
             out = out + gate * gated_mlp(backend, self.widths(), w, x, layer,
                                          cfg.activation).astype(f32)
-        return out.astype(x.dtype)
+        return out.astype(x.dtype), ids if cfg.count_expert_load else None
+
+    def record_routes(self, routes: jax.Array, valid: jax.Array, start: int) -> None:
+        """Sow the tokens routed to each expert of each layer of the group [count, experts]
+        (int32) as `expert_load`, from the layers [start, start + len(routes)) routes
+        [layers, T, k] and the real (not padding) tokens `valid` [T]; the step reads it with
+        `nnx.capture` (`Decoder.forward_counting_experts`). One scatter-add of T·k ones per
+        layer: padding tokens land in a spare column that is dropped."""
+        L, X = routes.shape[0], self.cfg.num_experts
+        ids = jnp.where(valid[None, :, None], routes, X) + (X + 1) * jnp.arange(L)[:, None, None]
+        counts = jnp.bincount(ids.reshape(-1), length=L * (X + 1)).reshape(L, X + 1)[:, :X]
+        load = jnp.zeros((self.count, X), jnp.int32).at[start:start + L].set(counts)
+        self.sow(nnx.Intermediate, "expert_load", load,
+                 init_fn=lambda: jnp.zeros_like(load), reduce_fn=jnp.add)

@@ -3,7 +3,8 @@
 
 Two compiled functions run every step, each over a small set of shapes known at start-up:
   forward(state, kv_cache, token_ids[T], positions[T], metadata, logits_indices[max_num_seqs])
-      -> (hidden rows to sample [max_num_seqs, E], all hidden states [T, E], kv_cache)
+      -> (hidden rows to sample [max_num_seqs, E], all hidden states [T, E], kv_cache,
+          expert load [MoE layers, experts] with --enable-expert-load-metrics, else None)
       T is a power-of-two token bucket; every other input has a fixed size (max_num_seqs rows,
       the full block-table width), so T alone picks the program. The cache is donated.
   sample(state, rows, num_rows, sampling tensors) -> sampled tokens (+ logprobs)
@@ -15,7 +16,8 @@ A third serves only steps that compute prompt_logprobs, so it is compiled on fir
       -> raw logprob, rank and top max_logprobs of each target prompt token at its hidden row,
       for the first num_rows entries (dynamic, as the sampler's).
 A fourth runs num_scheduler_steps decode steps (forward and sampler) in one call (`burst`).
-The only device-to-host transfers per step are the sampler's output and, when asked, that one's.
+The only device-to-host transfers per step are the sampler's output and, when asked, that one's
+(the expert load, when counted, is read in the same transfer as the sampler's output).
 `dispatch` launches a step and `collect` reads it, so the engine can schedule and dispatch step
 N+1 (its in-flight input tokens read on the device from step N's sampler output) before reading
 step N (async scheduling).
@@ -67,6 +69,7 @@ class Inflight:
     out: Any              # SamplerOutput (device arrays) or None
     prompt_rows: list[PromptRows]
     prompt: Any           # prompt-logprobs results (device arrays) or None
+    expert_load: Any = None  # int32 [MoE layers, experts] on the device, when counted
 
 
 @dataclass
@@ -118,15 +121,22 @@ class ModelRunner:
         kv_sharding = kv_cache_shardings(kv_shapes, mesh)
         self.kv_cache = empty_kv_caches(kv_shapes, kv_cache_dtype, kv_sharding)  # one per group
         self.rows_sharding = NamedSharding(mesh, P())  # replicated: the sampler reads all rows
+        # --enable-expert-load-metrics: tokens routed per expert, summed on the host as steps
+        # are read (rows: model.moe_layer_ids); device counts of steps not read yet wait.
+        self.moe_layer_ids = model.moe_layer_ids if model_config.count_expert_load else ()
+        self.expert_load = (np.zeros((len(self.moe_layer_ids), model_config.num_experts),
+                                     np.int64) if self.moe_layer_ids else None)
+        self._unread_loads: list = []
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
                                 out_shardings=(self.rows_sharding, self.rows_sharding,
-                                               kv_sharding))
+                                               kv_sharding, self.rows_sharding))
         self._sample = jax.jit(self._sample_fn, out_shardings=self.rows_sharding)
         self._no_prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32),
                                               self.rows_sharding)
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn)
         self._burst = jax.jit(self._burst_fn, donate_argnums=(1,),
-                              out_shardings=(self.rows_sharding, kv_sharding))
+                              out_shardings=(self.rows_sharding, kv_sharding,
+                                             self.rows_sharding))
         self.compile_manager = CompileManager(
             enforce_eager=enforce_eager,
             executable_cache=None if executable_dir is None else ExecutableCache(
@@ -167,8 +177,13 @@ class ModelRunner:
                     prev_tokens, from_prev):
         model = nnx.merge(self.graphdef, state)
         token_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], token_ids)
-        hidden, kv_cache = model(kv_cache, token_ids, positions, md)
-        return hidden[logits_indices], hidden, kv_cache
+        load = None
+        if self.moe_layer_ids:
+            hidden, kv_cache, load = model.forward_counting_experts(kv_cache, token_ids,
+                                                                    positions, md)
+        else:
+            hidden, kv_cache = model(kv_cache, token_ids, positions, md)
+        return hidden[logits_indices], hidden, kv_cache, load
 
     def _sample_fn(self, state, rows, num_rows, tensors):
         model = nnx.merge(self.graphdef, state)
@@ -185,17 +200,18 @@ class ModelRunner:
         """K decode steps in one call (multi-step scheduling): each step's inputs are stacked on
         a leading K axis, step k's in-flight tokens are step k-1's samples and step 0's are
         prev_tokens (the samples of the step dispatched before, still on the device). Each
-        step's tokens come back as their own array, so the next call can start from the last."""
+        step's tokens come back as their own array, so the next call can start from the last;
+        the K steps' expert loads come back summed (None when not counted)."""
         def step(carry, xs):
             kv, prev_tokens = carry
             tok, pos, m, li, fp, n, t = xs
-            rows, _, kv = self._forward_fn(state, kv, tok, pos, m, li, prev_tokens, fp)
+            rows, _, kv, load = self._forward_fn(state, kv, tok, pos, m, li, prev_tokens, fp)
             sampled = self._sample_fn(state, rows, n, t).token_ids
-            return (kv, sampled), sampled
+            return (kv, sampled), (sampled, load)
 
         xs = (token_ids, positions, md, logits_indices, from_prev, num_rows, tensors)
-        (kv_cache, _), tokens = lax.scan(step, (kv_cache, prev_tokens), xs)
-        return tuple(tokens), kv_cache
+        (kv_cache, _), (tokens, loads) = lax.scan(step, (kv_cache, prev_tokens), xs)
+        return tuple(tokens), kv_cache, None if loads is None else loads.sum(0)
 
     # --- host side ---------------------------------------------------------------------------
     def _prev_tokens(self, prev: Optional[Inflight]):
@@ -219,7 +235,7 @@ class ModelRunner:
         step = self._prepare(sched, prev)
         inputs = step.inputs
         key = ProgramKey("forward", inputs.token_ids.shape[0], inputs.metadata.decode_only)
-        rows, hidden, self.kv_cache = self.compile_manager.run(
+        rows, hidden, self.kv_cache, load = self.compile_manager.run(
             key, self._forward, self.state, self.kv_cache, *inputs)
         prompt = self._compute_prompt_logprobs(hidden, step.prompt_rows) \
             if step.prompt_rows else None
@@ -229,7 +245,7 @@ class ModelRunner:
             key = ProgramKey("sample", sampler=jax.tree_util.tree_structure(tensors))
             out = self.compile_manager.run(key, self._sample, self.state, rows,
                                            np.int32(len(step.seqs)), tensors)
-        inflight = Inflight(sched, step.seqs, out, step.prompt_rows, prompt)
+        inflight = Inflight(sched, step.seqs, out, step.prompt_rows, prompt, load)
         self._notify(StepEvent("dispatch", [inflight], chained=prev is not None))
         return inflight
 
@@ -269,11 +285,12 @@ class ModelRunner:
         num_rows = np.array([len(s.inflight.seqs) for s in steps], np.int32)
         tensors = jax.tree.map(stack, *[s.tensors for s in steps])
         key = self.burst_key(len(steps[0].inflight.seqs), len(steps), steps[0].tensors)
-        tokens, self.kv_cache = self.compile_manager.run(
+        tokens, self.kv_cache, load = self.compile_manager.run(
             key, self._burst, self.state, self.kv_cache, token_ids, positions, md,
             logits_indices, from_prev, num_rows, tensors, self._prev_tokens(prev))
         for s, t in zip(steps, tokens):
             s.inflight.out = SamplerOutput(t)
+        steps[0].inflight.expert_load = load  # all K steps' routes, read with step 0's tokens
         inflights = [s.inflight for s in steps]
         self._notify(StepEvent("burst", inflights, chained=prev is not None))
         return inflights
@@ -283,9 +300,14 @@ class ModelRunner:
         that samples, and {seq_id: (first, [SampleResult per prompt token first, first + 1,
         ...])} for the prompt positions computed for prompt_logprobs."""
         sampled = {}
+        if step.expert_load is not None:
+            self._unread_loads.append(step.expert_load)
         if step.out is not None:
-            out = jax.device_get(step.out)
+            out, loads = jax.device_get((step.out, self._unread_loads))
             sampled = {seq.seq_id: _result(out, i, seq) for i, seq in enumerate(step.seqs)}
+            if loads:  # one transfer with the tokens: counting adds no wait of its own
+                self.expert_load += np.sum(loads, axis=0)
+                self._unread_loads = []
         prompt = (_prompt_results(jax.device_get(step.prompt), step.prompt_rows)
                   if step.prompt_rows else {})
         self._notify(StepEvent("collect", [step], sampled=sampled, prompt_logprobs=prompt))
