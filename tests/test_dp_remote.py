@@ -154,6 +154,17 @@ def test_a_bad_request_is_refused_by_the_remote_replica(pair):
     assert remote.alive and not remote.has_unfinished_requests()
 
 
+def test_abort_reaches_the_remote_replica(pair):
+    engine, _ = pair
+    params = SamplingParams(temperature=0.0, max_tokens=NEW)
+    engine.add_request("k0", {"prompt_token_ids": [3, 4, 5]}, params)
+    engine.add_request("k1", {"prompt_token_ids": [6, 7, 8]}, params)  # the idler replica
+    assert engine.replicas[1].get_num_unfinished_requests() == 1
+    engine.abort_request(["k0", "k1"])
+    assert not engine.has_unfinished_requests()
+    assert engine.stats()["replicas"][1]["num_waiting"] == 0
+
+
 def test_a_node_with_other_engine_arguments_is_refused(tiny_llama, monkeypatch):
     port = _free_port()
     head_args = _args(tiny_llama, port)

@@ -122,7 +122,10 @@ class DataParallelEngine:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             replica = self._replica_of.pop(rid, None)
             if replica is not None:
-                replica.abort_request(rid)
+                try:
+                    replica.abort_request(rid)
+                except ReplicaLostError:  # lost meanwhile: its other requests fail next step
+                    self._fail_lost()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._failed) or any(r.has_unfinished_requests() for r in self.replicas)
