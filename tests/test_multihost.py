@@ -55,10 +55,12 @@ def _start(role: str, path: str, devices: int, script: str = __file__,
 
 def _finish(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[tuple]:
     """(returncode, stdout, stderr) of each; all are killed if any overruns the timeout."""
-    deadline, results = time.monotonic() + timeout, []
+    deadline, results, overran = time.monotonic() + timeout, [], False
     try:
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        overran = True
     finally:
         for p in procs:
             if p.poll() is None:
@@ -70,6 +72,8 @@ def _finish(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[tup
                 texts.append(f.read())
                 f.close()
             results.append((p.returncode, *texts))
+    assert not overran, f"over {timeout} s; last stderr:\n" + "\n".join(
+        r[2][-1500:] for r in results)
     return results
 
 
