@@ -107,7 +107,8 @@ def test_hosts_tp8_match_one_process(checkpoint, one_process, hosts):
     results = _finish(
         [_start("leader", checkpoint, devices, nnodes=hosts, node_rank=0, master_port=port)]
         + [_start("follower", checkpoint, devices, nnodes=hosts, node_rank=rank,
-                  master_port=port, headless=True) for rank in range(1, hosts)])
+                  master_port=port, headless=True) for rank in range(1, hosts)],
+        timeout=TIMEOUT * hosts / 2)  # each host loads and compiles on the same 2 cores
     many = _report(results[0])
     calls = [int(r[1].strip().splitlines()[-1]) for r in results[1:]]
     one8, one1 = one_process

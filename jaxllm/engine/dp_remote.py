@@ -33,9 +33,11 @@ from jaxllm.parallel.wire import no_delay, recv_frame, send_frame
 logger = logging.getLogger("jaxllm")
 
 STOP = b"stop"
-# Engine arguments that differ between the nodes of one deployment by design; every other one
-# must be the same everywhere (a replica's outputs depend on them).
-PER_NODE_ARGS = ("headless", "data_parallel_size_local", "data_parallel_start_rank")
+# Engine arguments that may differ between the nodes of one deployment: the per-node DP flags,
+# and what only shapes a node's logs, downloads or API. Every other one must be the same
+# everywhere (a replica's outputs depend on it).
+PER_NODE_ARGS = ("headless", "data_parallel_size_local", "data_parallel_start_rank",
+                 "disable_log_stats", "use_tqdm_on_load", "download_dir", "served_model_name")
 _TIMES = ("arrival_time", "first_token_time", "finished_time")
 
 
