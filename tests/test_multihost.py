@@ -109,6 +109,8 @@ def test_hosts_tp8_match_one_process(checkpoint, one_process, hosts):
         + [_start("follower", checkpoint, devices, nnodes=hosts, node_rank=rank,
                   master_port=port, headless=True) for rank in range(1, hosts)],
         timeout=TIMEOUT * hosts / 2)  # each host loads and compiles on the same 2 cores
+    assert [r[0] for r in results] == [0] * hosts, "\n".join(
+        f"rank {i} (exit {r[0]}): {r[2][-1500:]}" for i, r in enumerate(results))
     many = _report(results[0])
     calls = [int(r[1].strip().splitlines()[-1]) for r in results[1:]]
     one8, one1 = one_process
