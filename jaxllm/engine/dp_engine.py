@@ -90,12 +90,11 @@ class DataParallelEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         # tokenized once, here: the router reads the ids the replica will run
         text, ids = self.process_prompt(prompt, params.truncate_prompt_tokens if params else None)
-        while True:  # a replica found lost here never started the request: route it again
-            alive = [_alive(r) for r in self.replicas]
-            if not any(alive):
-                raise ReplicaLostError("every data-parallel replica is lost")
+        # A replica found lost here never started the request: route it again (the API
+        # node's own replicas are never lost, so this ends).
+        while True:
             replica = self.replicas[self.router.choose(
-                ids, [r.stats() for r in self.replicas], alive)]
+                ids, [r.stats() for r in self.replicas], [_alive(r) for r in self.replicas])]
             try:
                 replica.add_request(request_id, {"prompt": text, "prompt_token_ids": ids},
                                     params, priority, arrival_time)
@@ -109,10 +108,8 @@ class DataParallelEngine:
         """Pooling (--runner pooling) takes no KV-cache place: the replica with the fewest
         unfinished requests runs it."""
         while True:
-            alive = [r for r in self.replicas if _alive(r)]
-            if not alive:
-                raise ReplicaLostError("every data-parallel replica is lost")
-            replica = min(alive, key=lambda r: r.get_num_unfinished_requests())
+            replica = min((r for r in self.replicas if _alive(r)),
+                          key=lambda r: r.get_num_unfinished_requests())
             try:
                 return replica.encode(request_id, prompt, params)
             except ReplicaLostError:
