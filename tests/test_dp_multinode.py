@@ -20,7 +20,8 @@ import time
 
 import pytest
 
-from test_multihost import NEW, _env, _finish, _free_port, _report, _start, wait_healthy
+from test_multihost import (NEW, _engine_args, _env, _finish, _free_port, _report, _start,
+                            stop_all, wait_healthy)
 
 
 @pytest.fixture(scope="module")
@@ -103,20 +104,13 @@ def test_server_over_two_nodes_survives_a_lost_node(checkpoint, tmp_path):
         assert complete(9).status_code == 200  # the API node serves on with replica 0
         assert head.poll() is None
     finally:
-        for p in (head, node):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+        stop_all([head, node], logs)
 
 
 # --- the processes --------------------------------------------------------------------------
 
-def _engine_args(kw: dict) -> dict:
-    return {**dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
-                   max_model_len=64, num_gpu_blocks_override=24, use_tqdm_on_load=False,
-                   seed=0, disable_log_stats=True, attention_backend="reference"), **kw}
+def _args(kw: dict) -> dict:
+    return _engine_args({"tensor_parallel_size": 1, **kw})  # test_multihost's, one device
 
 
 def _head(path: str, kw: dict) -> dict:
@@ -125,7 +119,7 @@ def _head(path: str, kw: dict) -> dict:
     from jaxllm import LLM, SamplingParams
     from jaxllm.engine.dp_remote import RemoteReplica
 
-    llm = LLM(path, **_engine_args(kw))
+    llm = LLM(path, **_args(kw))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 500, size=int(rng.integers(3, 40))).tolist() for _ in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -160,7 +154,7 @@ def _head(path: str, kw: dict) -> dict:
 def _node(path: str, kw: dict) -> int:
     from jaxllm.config import EngineArgs
     from jaxllm.engine.dp_node import run_dp_node
-    return run_dp_node(EngineArgs(model=path, **_engine_args(kw)))
+    return run_dp_node(EngineArgs(model=path, **_args(kw)))
 
 
 if __name__ == "__main__":

@@ -186,12 +186,17 @@ def test_server_on_rank_0_and_a_hung_follower(checkpoint, tmp_path):
         assert time.monotonic() - t < 20 + 30  # the heartbeat timeout, then a prompt exit
         assert "Host lost" in tail(0)
     finally:
-        for p in (leader, follower):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+        stop_all([leader, follower], logs)
+
+
+def stop_all(procs: list[subprocess.Popen], logs: list) -> None:
+    """Kill those of `procs` still running (only these: the test started them), close logs."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for f in logs:
+        f.close()
 
 
 # --- the processes --------------------------------------------------------------------------
