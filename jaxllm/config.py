@@ -109,6 +109,17 @@ class EngineArgs:
                                    "devices, behind one server; a router sends each request "
                                    "to the replica holding its prompt's prefix, else the "
                                    "least loaded.", default=1)
+    data_parallel_size_local: Optional[int] = _arg(
+        "Replicas on this node (default: all --data-parallel-size). With fewer, the API node "
+        "waits for the rest: other nodes run `jaxllm serve --headless` with their own count "
+        "and --data-parallel-start-rank, and take its requests over a socket.", default=None)
+    data_parallel_start_rank: int = _arg("Data-parallel rank of this node's first replica (0 "
+                                         "on the API node; a --headless node's first rank).",
+                                         default=0)
+    data_parallel_address: str = _arg("Address of the API node, where it listens for the "
+                                      "other nodes' replicas.", default="127.0.0.1")
+    data_parallel_rpc_port: int = _arg("Port the API node listens on for the other nodes' "
+                                       "replicas.", default=29550)
     nnodes: int = _arg("Hosts (processes) the model runs on; each runs `jaxllm serve` with the "
                        "same flags and its own --node-rank (docs/multi-host.md). Under SLURM, "
                        "Open MPI or on a multi-host Cloud TPU slice leave it at 1: jax detects "
@@ -251,9 +262,7 @@ class EngineArgs:
         if self.pipeline_parallel_size != 1:
             bad("pipeline_parallel_size", "pipeline parallelism is not implemented yet; "
                 "use --tensor-parallel-size")
-        if self.data_parallel_size > 1 and self.nnodes > 1:
-            bad("data_parallel_size", "data parallelism runs on one host so far; with --nnodes "
-                "use --tensor-parallel-size over every host's devices")
+        self._validate_data_parallel(bad)
         if self.quantization is not None:
             bad("quantization", "no quantization method is implemented yet")
         if self.tokenizer_mode != "auto":
@@ -268,6 +277,50 @@ class EngineArgs:
         if self.trust_remote_code:
             bad("trust_remote_code", "jaxllm never runs a model's own Python code; the models it "
                 "supports need none, so drop the flag")
+
+    def _validate_data_parallel(self, bad) -> None:
+        """vLLM's multi-node DP flags: the API node (no --headless) holds ranks 0 .. local-1,
+        each --headless node `local` ranks from its start rank. A replica spanning hosts
+        (--nnodes with DP) is not implemented."""
+        n = self.data_parallel_size
+        local = self.data_parallel_local
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            bad("data_parallel_size", "a data-parallel group whose replicas span hosts "
+                "(--nnodes) is not implemented: across hosts use --data-parallel-size-local "
+                "(a replica per node or more), or --nnodes with --tensor-parallel-size alone")
+        if not 0 < self.data_parallel_rpc_port < 65536:
+            bad("data_parallel_rpc_port", "must be a port number (1-65535)")
+        if self.data_parallel_size_local is not None and not 0 <= local <= n:
+            bad("data_parallel_size_local", f"must be in 0 .. --data-parallel-size = {n}")
+        if not 0 <= self.data_parallel_start_rank < n:
+            bad("data_parallel_start_rank", f"must be in 0 .. --data-parallel-size - 1 = {n - 1}")
+        if self.headless and self.nnodes == 1:
+            if n == 1:
+                bad("headless", "a headless node runs remote data-parallel replicas (give "
+                    "--data-parallel-size and --data-parallel-size-local) or follows rank 0 "
+                    "of --nnodes hosts")
+            if local == 0:
+                bad("data_parallel_size_local", "a --headless node runs at least one replica")
+            if self.data_parallel_start_rank == 0:
+                bad("data_parallel_start_rank", "rank 0 is the API node's; a --headless node "
+                    "starts at the API node's --data-parallel-size-local or above")
+        elif not self.headless:
+            if self.data_parallel_start_rank != 0:
+                bad("data_parallel_start_rank", "the API node holds ranks 0 .. "
+                    "--data-parallel-size-local - 1; start ranks are for --headless nodes")
+            if local == 0:
+                bad("data_parallel_size_local", "0 (an API node without a replica) is not "
+                    "implemented: the API node tokenizes with its own first replica; keep one "
+                    "there")
+        if self.data_parallel_start_rank + local > n:
+            bad("data_parallel_size_local", f"ranks {self.data_parallel_start_rank} .. "
+                f"{self.data_parallel_start_rank + local - 1} go past --data-parallel-size {n}")
+
+    @property
+    def data_parallel_local(self) -> int:
+        """Replicas this node runs (--data-parallel-size-local, default all of them)."""
+        return (self.data_parallel_size if self.data_parallel_size_local is None
+                else self.data_parallel_size_local)
 
     def _validate_structured_outputs(self) -> None:
         from jaxllm.structured_output.params import BACKENDS
@@ -380,7 +433,9 @@ class EngineArgs:
 
 # vLLM's short spellings.
 _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",),
-                "data_parallel_size": ("-dp",), "quantization": ("-q",),
+                "data_parallel_size": ("-dp",), "data_parallel_size_local": ("-dpl",),
+                "data_parallel_start_rank": ("-dpr",), "data_parallel_address": ("-dpa",),
+                "data_parallel_rpc_port": ("-dpp",), "quantization": ("-q",),
                 "optimization_level": ("-O",), "enable_expert_parallel": ("-ep",),
                 "gpu_memory_utilization": ("--device-memory-utilization",)}
 

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxllm.engine.errors import EngineDeadError, RequestCancelledError
+from jaxllm.engine.errors import EngineDeadError, ReplicaLostError, RequestCancelledError
 
 logger = logging.getLogger("jaxllm.serving")
 
@@ -85,6 +85,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError):
         return error_response(f"{exc}; the server is shutting down.", 500)
+
+    @app.exception_handler(ReplicaLostError)
+    async def _replica_lost(_: Request, exc: ReplicaLostError):
+        return error_response(f"{exc}; retry: the other replicas serve on.", 500)
 
     @app.exception_handler(RequestCancelledError)
     async def _cancelled(_: Request, exc: RequestCancelledError):

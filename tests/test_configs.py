@@ -106,3 +106,10 @@ def test_multi_host_layouts():
     assert node0.tensor_parallel_size == 16 and node0.master_addr == node1.master_addr
     text = (CONFIG_DIR / "h100-2node-llama3-70b.yaml").read_text()
     assert "--node-rank 1 --headless" in text
+    dp0 = load("h100-2node-llama3-8b-dp16.yaml")
+    dp1 = load("h100-2node-llama3-8b-dp16.yaml", "--headless", "--data-parallel-start-rank", "8")
+    assert (dp0.data_parallel_size, dp0.data_parallel_local, dp0.headless) == (16, 8, False)
+    assert (dp1.data_parallel_start_rank, dp1.data_parallel_local, dp1.headless) == (8, 8, True)
+    assert dp0.data_parallel_address == dp1.data_parallel_address and dp0.nnodes == 1
+    text = (CONFIG_DIR / "h100-2node-llama3-8b-dp16.yaml").read_text()
+    assert "--headless --data-parallel-start-rank 8" in text

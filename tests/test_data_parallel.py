@@ -43,6 +43,15 @@ def test_router_keeps_prefix_affinity_until_the_owner_is_much_busier():
     assert r.choose([1, 2], [_load(1), _load(0)]) == 1
 
 
+def test_router_never_chooses_a_lost_replica():
+    r = PrefixAffinityRouter(block_size=4)
+    shared = list(range(100, 108))
+    assert r.choose(shared, [_load(), _load(1)]) == 0  # replica 0 now owns the prefix
+    # lost: neither its prefix nor its lighter load brings it the request
+    assert r.choose(shared + [1], [_load(), _load(3)], alive=[False, True]) == 1
+    assert r.affinity_hits == 0
+
+
 def test_router_memory_is_bounded():
     r = PrefixAffinityRouter(block_size=1, capacity=8)
     for i in range(20):
@@ -68,14 +77,13 @@ def test_metrics_show_each_replica():
     assert [s.value for s in usage] == [0.25, 0.75]
 
 
-@pytest.mark.slow
-def test_dp2_tp2_matches_single_device(tiny_llama):
+def _dp_against_one_device(path: str, dp: dict) -> tuple[dict, dict]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "JAX_PLATFORMS": "cpu", "JAXLLM_FAIL_ON_RECOMPILE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, __file__, tiny_llama], env=env, capture_output=True,
-                          text=True, timeout=1800)
+    proc = subprocess.run([sys.executable, __file__, path, json.dumps(dp)], env=env,
+                          capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     dp, one = report["dp"], report["one"]
@@ -88,6 +96,20 @@ def test_dp2_tp2_matches_single_device(tiny_llama):
                                                          for s in per)
     assert dp["stats"]["num_preemptions"] > 0  # the small caches forced recompute
     assert dp["stats"]["prefix_affinity_hits"] >= 2  # the prompts sharing a prefix: together
+    return dp, one
+
+
+@pytest.mark.slow
+def test_dp2_tp2_matches_single_device(tiny_llama):
+    _dp_against_one_device(tiny_llama, dict(data_parallel_size=2, tensor_parallel_size=2))
+
+
+@pytest.mark.slow
+def test_dp2_with_expert_parallel_matches_single_device(make_tiny_checkpoint):
+    """Mixtral (8 experts, top 2): each replica shards its experts over its 2 devices."""
+    dp, _ = _dp_against_one_device(make_tiny_checkpoint("mixtral"), dict(
+        data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True))
+    assert dp["experts_spec"] == [None, "model", None, None, None]
 
 
 def _run(path: str, **kw) -> dict:
@@ -107,9 +129,21 @@ def _run(path: str, **kw) -> dict:
     engine = llm.llm_engine
     replicas = getattr(engine, "replicas", [engine])
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "stats": engine.stats(),
-            "devices": [[d.id for d in r.runner.mesh.devices.flat] for r in replicas]}
+            "devices": [[d.id for d in r.runner.mesh.devices.flat] for r in replicas],
+            "experts_spec": _experts_spec(replicas[0])}
+
+
+def _experts_spec(engine):
+    """The sharding of the first MoE layer's expert weights (None for a dense model)."""
+    from flax import nnx
+
+    for path, var in nnx.to_flat_state(engine.runner.state):
+        if path[-1] == "experts_gate_up":
+            spec = list(var[...].sharding.spec)
+            return spec + [None] * (5 - len(spec))
+    return None
 
 
 if __name__ == "__main__":
-    print(json.dumps({"dp": _run(sys.argv[1], data_parallel_size=2, tensor_parallel_size=2),
+    print(json.dumps({"dp": _run(sys.argv[1], **json.loads(sys.argv[2])),
                       "one": _run(sys.argv[1])}))

@@ -1,8 +1,9 @@
-"""Multi-host: two processes on loopback, 4 CPU devices each, joined by jax.distributed (gloo
-collectives), run one tensor-parallel model over all 8 devices; rank 0 schedules, rank 1 runs
-rank 0's steps headless. Its greedy tokens must equal one process's on 8 devices (same
-program) and on 1 device, through the engine with continuous batching, chunked prefill and
-preemption. A killed follower makes rank 0 exit with HOST_LOST_EXIT instead of hanging.
+"""Multi-host: two processes on loopback with 4 CPU devices each (and four with 2 each),
+joined by jax.distributed (gloo collectives), run one tensor-parallel model over all 8
+devices; rank 0 schedules, the other ranks run its steps headless. Its greedy tokens must
+equal one process's on 8 devices (same program) and on 1 device, through the engine with
+continuous batching, chunked prefill and preemption. A stopped follower makes rank 0 exit
+with HOST_LOST_EXIT instead of hanging.
 
 Every process is a subprocess of this file's __main__ (JAX fixes its devices at import); the
 test kills only the processes it started, and each wait is bounded. The API server test runs
@@ -41,11 +42,12 @@ def _env(devices: int) -> dict:
             "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
 
 
-def _start(role: str, path: str, devices: int, **kw) -> subprocess.Popen:
-    """This file's __main__ as `role`; its output goes to temporary files (a full pipe would
-    block a process while the test waits for another)."""
+def _start(role: str, path: str, devices: int, script: str = __file__,
+           **kw) -> subprocess.Popen:
+    """`script`'s __main__ (this file's by default) as `role`; its output goes to temporary
+    files (a full pipe would block a process while the test waits for another)."""
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([sys.executable, __file__, role, path, json.dumps(kw)],
+    proc = subprocess.Popen([sys.executable, script, role, path, json.dumps(kw)],
                             env=_env(devices), stdout=out, stderr=err)
     proc.logs = (out, err)
     return proc
@@ -53,10 +55,12 @@ def _start(role: str, path: str, devices: int, **kw) -> subprocess.Popen:
 
 def _finish(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[tuple]:
     """(returncode, stdout, stderr) of each; all are killed if any overruns the timeout."""
-    deadline, results = time.monotonic() + timeout, []
+    deadline, results, overran = time.monotonic() + timeout, [], False
     try:
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        overran = True
     finally:
         for p in procs:
             if p.poll() is None:
@@ -68,6 +72,8 @@ def _finish(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[tup
                 texts.append(f.read())
                 f.close()
             results.append((p.returncode, *texts))
+    assert not overran, f"over {timeout} s; last stderr:\n" + "\n".join(
+        r[2][-1500:] for r in results)
     return results
 
 
@@ -83,26 +89,58 @@ def checkpoint(make_tiny_checkpoint) -> str:
     return make_tiny_checkpoint("llama", num_attention_heads=8, num_key_value_heads=8)
 
 
-@pytest.mark.slow
-def test_two_hosts_tp8_match_one_process(checkpoint):
-    port = _free_port()
-    hosts = _finish([_start("leader", checkpoint, 4, nnodes=2, node_rank=0, master_port=port),
-                     _start("follower", checkpoint, 4, nnodes=2, node_rank=1, master_port=port,
-                            headless=True)])
-    two = _report(hosts[0])
-    calls = int(hosts[1][1].strip().splitlines()[-1])
+@pytest.fixture(scope="module")
+def one_process(checkpoint) -> tuple[dict, dict]:
+    """One process's reports: on 8 devices (TP 8, the same program) and on 1."""
     one8, one1 = (_report(r) for r in _finish([_start("leader", checkpoint, 8),
                                                 _start("leader", checkpoint, 1,
                                                        tensor_parallel_size=1)]))
-    assert two["devices"] == one8["devices"] == 8 and one1["devices"] == 1
-    assert two["processes"] == 2 and one8["processes"] == 1
-    assert two["tokens"] == one8["tokens"] == one1["tokens"]
-    assert all(len(t) == NEW for t in two["tokens"])
-    assert two["preemptions"] > 0 and two["steps"] > len(two["tokens"])  # batching + preemption
-    assert calls == two["channel_calls"] > 0  # the follower ran every call rank 0 sent
-    print(f"\n2 processes: {two['tokens_per_s']:.0f} tokens/s, channel per call (wall, CPU) "
-          f"{two['channel_us'][0]:.0f}, {two['channel_us'][1]:.0f} us; 1 process, 8 devices: "
-          f"{one8['tokens_per_s']:.0f} tokens/s; 1 device: {one1['tokens_per_s']:.0f} tokens/s")
+    assert one8["devices"] == 8 and one1["devices"] == 1 and one8["processes"] == 1
+    return one8, one1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hosts", [2, 4])
+def test_hosts_tp8_match_one_process(checkpoint, one_process, hosts):
+    """2 processes x 4 devices, and 4 x 2: TP 8 over all of them."""
+    port, devices = _free_port(), 8 // hosts
+    results = _finish(
+        [_start("leader", checkpoint, devices, nnodes=hosts, node_rank=0, master_port=port)]
+        + [_start("follower", checkpoint, devices, nnodes=hosts, node_rank=rank,
+                  master_port=port, headless=True) for rank in range(1, hosts)],
+        timeout=TIMEOUT * hosts / 2)  # each host loads and compiles on the same 2 cores
+    assert [r[0] for r in results] == [0] * hosts, "\n".join(
+        f"rank {i} (exit {r[0]}): {r[2][-1500:]}" for i, r in enumerate(results))
+    many = _report(results[0])
+    calls = [int(r[1].strip().splitlines()[-1]) for r in results[1:]]
+    one8, one1 = one_process
+    assert many["devices"] == 8 and many["processes"] == hosts
+    assert many["tokens"] == one8["tokens"] == one1["tokens"]
+    assert all(len(t) == NEW for t in many["tokens"])
+    assert many["preemptions"] > 0 and many["steps"] > len(many["tokens"])  # batching, preemption
+    assert calls == [many["channel_calls"]] * (hosts - 1)  # every follower ran every call
+    assert many["channel_calls"] > 0
+    print(f"\n{hosts} processes: {many['tokens_per_s']:.0f} tokens/s, channel per call (wall, "
+          f"CPU) {many['channel_us'][0]:.0f}, {many['channel_us'][1]:.0f} us; 1 process, 8 "
+          f"devices: {one8['tokens_per_s']:.0f} tokens/s; 1 device: "
+          f"{one1['tokens_per_s']:.0f} tokens/s")
+
+
+def wait_healthy(url: str, procs: list[subprocess.Popen], logs: list) -> None:
+    """Until `url` answers /health (bounded); fails with a log's tail if a process ends."""
+    import httpx
+
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        for p, log in zip(procs, logs):
+            assert p.poll() is None, open(log.name).read()[-3000:]
+        assert time.monotonic() < deadline, open(logs[0].name).read()[-3000:]
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1.0)
 
 
 def _serve(log, path: str, port: int, master_port: int, *flags: str) -> subprocess.Popen:
@@ -134,17 +172,7 @@ def test_server_on_rank_0_and_a_hung_follower(checkpoint, tmp_path):
     body = {"model": checkpoint, "prompt": [5, 17, 99, 3], "max_tokens": NEW,
             "temperature": 0.0, "ignore_eos": True}
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            assert leader.poll() is None, tail(0)
-            assert follower.poll() is None, tail(1)
-            assert time.monotonic() < deadline, tail(0)
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1.0)
+        wait_healthy(url, [leader, follower], logs)
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == NEW
@@ -158,12 +186,17 @@ def test_server_on_rank_0_and_a_hung_follower(checkpoint, tmp_path):
         assert time.monotonic() - t < 20 + 30  # the heartbeat timeout, then a prompt exit
         assert "Host lost" in tail(0)
     finally:
-        for p in (leader, follower):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+        stop_all([leader, follower], logs)
+
+
+def stop_all(procs: list[subprocess.Popen], logs: list) -> None:
+    """Kill those of `procs` still running (only these: the test started them), close logs."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for f in logs:
+        f.close()
 
 
 # --- the processes --------------------------------------------------------------------------

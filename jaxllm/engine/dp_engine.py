@@ -1,6 +1,8 @@
 """Data parallelism (`--data-parallel-size N`): N engine replicas, each on its own sub-mesh of
 --tensor-parallel-size devices, behind one engine interface (what `LLM` and the API server
-use), with a router choosing each request's replica (jaxllm/engine/dp_router.py).
+use), with a router choosing each request's replica (jaxllm/engine/dp_router.py). With
+--data-parallel-size-local L < N, replicas L .. N-1 run on other nodes and are driven over a
+socket (jaxllm/engine/dp_remote.py); a lost one fails its requests and the rest serve on.
 
 Each replica is a whole `LLMEngine` (scheduler, KV cache, weights, compiled programs) on its
 devices, so replicas share nothing and a request runs exactly as on one engine: outputs equal
@@ -10,14 +12,16 @@ thread (a step's device work releases the GIL), so replicas' devices run at once
 
 from __future__ import annotations
 
+import atexit
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Union
 
-import jax
-
-from jaxllm.config import ConfigError, EngineArgs
+from jaxllm.config import EngineArgs
+from jaxllm.engine.dp_node import local_replicas
+from jaxllm.engine.dp_remote import RemoteReplica, accept_replicas, listen
 from jaxllm.engine.dp_router import PrefixAffinityRouter
+from jaxllm.engine.errors import ReplicaLostError
 from jaxllm.engine.engine import LLMEngine, PromptType
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
@@ -33,20 +37,31 @@ def make_engine(args: EngineArgs):
     return DataParallelEngine(args) if args.data_parallel_size > 1 else LLMEngine(args)
 
 
+def _alive(replica) -> bool:
+    return getattr(replica, "alive", True)  # a local replica is never lost
+
+
+def _step(replica) -> list:
+    """A replica's step; a remote one lost during it has no outputs (its requests fail)."""
+    try:
+        return replica.step()
+    except ReplicaLostError:
+        return []
+
+
 class DataParallelEngine:
-    step_leader = None  # data parallelism runs on one host
+    step_leader = None  # no replica spans hosts (each node's are its own JAX processes)
 
     def __init__(self, args: EngineArgs):
-        n, tp = args.data_parallel_size, args.tensor_parallel_size
         t0 = time.perf_counter()
-        devices = jax.devices()
-        if n * tp > len(devices):
-            raise ConfigError(
-                f"--data-parallel-size={n}: {n} replicas x --tensor-parallel-size {tp} need "
-                f"{n * tp} devices, but {len(devices)} {devices[0].platform.upper()} device(s) "
-                f"are visible (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-        self.replicas = [LLMEngine(args, devices=devices[i * tp:(i + 1) * tp])
-                         for i in range(n)]
+        server = listen(args) if args.data_parallel_local < args.data_parallel_size else None
+        try:
+            self.replicas = local_replicas(args)
+            if server is not None:
+                self.replicas += accept_replicas(server, args)
+        finally:
+            if server is not None:
+                server.close()
         first = self.replicas[0]
         self.args = args
         self.model_config = first.model_config
@@ -56,7 +71,10 @@ class DataParallelEngine:
         self.startup_times = dict(first.startup_times, total=time.perf_counter() - t0)
         self.router = PrefixAffinityRouter(args.block_size)
         self._replica_of: dict[str, LLMEngine] = {}
-        self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="jaxllm-dp")
+        self._failed: list[ReplicaLostError] = []
+        self._pool = ThreadPoolExecutor(max_workers=len(self.replicas),
+                                        thread_name_prefix="jaxllm-dp")
+        atexit.register(self.close)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -72,43 +90,75 @@ class DataParallelEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         # tokenized once, here: the router reads the ids the replica will run
         text, ids = self.process_prompt(prompt, params.truncate_prompt_tokens if params else None)
-        i = self.router.choose(ids, [r.stats() for r in self.replicas])
-        replica = self.replicas[i]
-        replica.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
-                            priority, arrival_time)
+        # A replica found lost here never started the request: route it again (the API
+        # node's own replicas are never lost, so this ends).
+        while True:
+            replica = self.replicas[self.router.choose(
+                ids, [r.stats() for r in self.replicas], [_alive(r) for r in self.replicas])]
+            try:
+                replica.add_request(request_id, {"prompt": text, "prompt_token_ids": ids},
+                                    params, priority, arrival_time)
+                break
+            except ReplicaLostError:
+                self._fail_lost()
         self._replica_of[request_id] = replica
 
     def encode(self, request_id: str, prompt: PromptType,
                params: Optional[PoolingParams] = None) -> PoolingRequestOutput:
         """Pooling (--runner pooling) takes no KV-cache place: the replica with the fewest
         unfinished requests runs it."""
-        replica = min(self.replicas, key=LLMEngine.get_num_unfinished_requests)
-        return replica.encode(request_id, prompt, params)
+        while True:
+            replica = min((r for r in self.replicas if _alive(r)),
+                          key=lambda r: r.get_num_unfinished_requests())
+            try:
+                return replica.encode(request_id, prompt, params)
+            except ReplicaLostError:
+                continue
 
     def abort_request(self, request_ids: Union[str, list[str]]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             replica = self._replica_of.pop(rid, None)
             if replica is not None:
-                replica.abort_request(rid)
+                try:
+                    replica.abort_request(rid)
+                except ReplicaLostError:  # lost meanwhile: its other requests fail next step
+                    self._fail_lost()
 
     def has_unfinished_requests(self) -> bool:
-        return any(r.has_unfinished_requests() for r in self.replicas)
+        return bool(self._failed) or any(r.has_unfinished_requests() for r in self.replicas)
 
     def get_num_unfinished_requests(self) -> int:
-        return sum(r.get_num_unfinished_requests() for r in self.replicas)
+        return len(self._failed) + sum(r.get_num_unfinished_requests() for r in self.replicas)
 
     def wait_for_background_compiles(self) -> None:
         for r in self.replicas:
             r.wait_for_background_compiles()
 
-    def step(self) -> list[RequestOutput]:
-        """One step of every replica with work, each in its own thread."""
+    def step(self) -> list[Union[RequestOutput, ReplicaLostError]]:
+        """One step of every replica with work, each in its own thread. The requests of a
+        replica lost meanwhile come out as ReplicaLostError (finished, with their id)."""
         busy = [r for r in self.replicas if r.has_unfinished_requests()]
-        outputs = [o for outs in self._pool.map(LLMEngine.step, busy) for o in outs]
+        outputs = [o for outs in self._pool.map(_step, busy) for o in outs]
         for out in outputs:
             if out.finished:
                 self._replica_of.pop(out.request_id, None)
-        return outputs
+        self._fail_lost()
+        failed, self._failed = self._failed, []
+        return outputs + failed
+
+    def _fail_lost(self) -> None:
+        """Each request of a lost replica becomes a ReplicaLostError, out with the next step."""
+        lost = [(rid, r) for rid, r in self._replica_of.items() if not _alive(r)]
+        for rid, r in lost:
+            del self._replica_of[rid]
+            self._failed.append(ReplicaLostError(
+                f"data-parallel rank {r.rank} is lost: {r.lost_reason}", rid))
+
+    def close(self) -> None:
+        """Tell the other nodes' replicas to stop (they exit 0)."""
+        for r in self.replicas:
+            if isinstance(r, RemoteReplica):
+                r.close()
 
     def stats(self) -> dict[str, Any]:
         """The totals (KV usage over all replicas' blocks), and each replica's own under

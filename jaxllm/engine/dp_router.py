@@ -12,7 +12,7 @@ no replica is asked, so routing costs a few dictionary look-ups per block.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 class PrefixAffinityRouter:
@@ -30,16 +30,19 @@ class PrefixAffinityRouter:
             out.append(h)
         return out
 
-    def choose(self, token_ids: Sequence[int], loads: Sequence[dict]) -> int:
-        """The replica for a prompt, given each replica's `stats()`; remembers the choice."""
+    def choose(self, token_ids: Sequence[int], loads: Sequence[dict],
+               alive: Optional[Sequence[bool]] = None) -> int:
+        """The replica for a prompt, given each replica's `stats()` and which are alive (a
+        lost remote one is never chosen, its prefixes go elsewhere); remembers the choice."""
         def load(i):
             s = loads[i]
             return s["num_waiting"], s["kv_cache_usage"], s["num_running"]
 
-        least = min(range(len(loads)), key=load)
+        live = [i for i in range(len(loads)) if alive is None or alive[i]]
+        least = min(live, key=load)
         hashes = self._prefix_hashes(token_ids)
         owner = next((self._owner[h] for h in reversed(hashes) if h in self._owner), None)
-        if owner is not None and (loads[owner]["num_waiting"]
+        if owner in live and (loads[owner]["num_waiting"]
                                   <= loads[least]["num_waiting"] + self.slack):
             choice = owner
             self.affinity_hits += 1

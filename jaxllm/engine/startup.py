@@ -123,8 +123,11 @@ def join_hosts(args: EngineArgs) -> distributed.Topology:
     topo = distributed.initialize(args.nnodes, args.node_rank, args.master_addr,
                                   args.master_port)
     if topo.multi_host and args.data_parallel_size > 1:
-        raise ConfigError("--data-parallel-size: data parallelism runs on one host so far; on "
-                          "several, use --tensor-parallel-size over all their devices")
+        raise ConfigError("--data-parallel-size: this process joined several hosts with "
+                          "jax.distributed (--nnodes, or a launcher jax detects: SLURM, Open "
+                          "MPI, a multi-host TPU slice), and a replica spanning hosts is not "
+                          "implemented; across hosts give each node its own replicas with "
+                          "--data-parallel-size-local (docs/multi-host.md)")
     if topo.multi_host and args.tensor_parallel_size != jax.device_count():
         raise ConfigError(f"--tensor-parallel-size={args.tensor_parallel_size}: on "
                           f"{topo.num_processes} hosts the mesh must span all "

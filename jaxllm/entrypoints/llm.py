@@ -136,6 +136,8 @@ class LLM:
         t0, n_in, n_out = time.perf_counter(), 0, 0
         while engine.has_unfinished_requests():
             for out in engine.step():
+                if isinstance(out, Exception):  # a lost data-parallel replica's request
+                    raise out
                 if not out.finished:
                     continue
                 done[out.request_id] = out

@@ -28,7 +28,6 @@ import logging
 import os
 import pickle
 import socket
-import struct
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -36,6 +35,7 @@ from typing import Any, Callable, Optional
 import jax
 
 from jaxllm.parallel.distributed import STARTUP_TIMEOUT
+from jaxllm.parallel.wire import no_delay, recv_frame, send_frame
 
 logger = logging.getLogger("jaxllm")
 
@@ -95,25 +95,6 @@ class ArrayTable:
         return self._arrays[n]
 
 
-def _send_frame(sock: socket.socket, data: bytes) -> None:
-    sock.sendall(struct.pack("!Q", len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("the other end closed the step channel")
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv_frame(sock: socket.socket) -> bytes:
-    (n,) = struct.unpack("!Q", _recv_exact(sock, 8))
-    return _recv_exact(sock, n)
-
-
 def _kv_client():
     from jax._src import distributed  # the runtime's key-value store (no public handle yet)
     return distributed.global_state.client
@@ -141,8 +122,7 @@ class StepLeader:
         self._socks = []
         for _ in range(num_followers):
             sock, _ = server.accept()
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._socks.append(sock)
+            self._socks.append(no_delay(sock))
         server.close()
         self._closing = False
         for rank, sock in enumerate(self._socks, start=1):
@@ -158,7 +138,7 @@ class StepLeader:
         data = buf.getvalue()
         with self._lock:
             for sock in self._socks:
-                _send_frame(sock, data)
+                send_frame(sock, data)
         self.call_seconds.append(time.perf_counter() - t)
         self.call_cpu_seconds.append(time.thread_time() - cpu)
         self.calls += 1
@@ -179,7 +159,7 @@ class StepLeader:
         with self._lock:
             for sock in self._socks:
                 try:
-                    _send_frame(sock, _STOP)
+                    send_frame(sock, _STOP)
                 except OSError:
                     pass
 
@@ -211,7 +191,7 @@ class StepFollower:
         host, port = address.rsplit(":", 1)
         self._sock = socket.create_connection((host, int(port)), timeout=startup_timeout)
         self._sock.settimeout(None)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        no_delay(self._sock)
         self._stopped = False
         threading.Thread(target=self._heartbeat, daemon=True, name="jaxllm-heartbeat").start()
 
@@ -220,7 +200,7 @@ class StepFollower:
         self._sock.sendall(_READY)
         while True:
             try:
-                data = _recv_frame(self._sock)
+                data = recv_frame(self._sock)
             except OSError as e:
                 host_lost(f"rank 0's step channel failed: {e}")
             if data == _STOP:

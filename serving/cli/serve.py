@@ -34,9 +34,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> None:
     from jaxllm.config import ConfigError
+    from jaxllm.engine.dp_node import run_dp_node
     from jaxllm.engine.headless import follows_rank_0, run_headless
     try:
         engine_args = EngineArgs.from_cli_args(args)
+        if engine_args.headless and engine_args.data_parallel_size > 1:
+            run_dp_node(engine_args)  # replicas for the API node of a multi-node DP group
+            return
         follower = follows_rank_0(engine_args)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
