@@ -19,6 +19,7 @@ LAYERS = {
     "jaxllm.benchmarks": 6,
     "jaxllm.engine": 5,
     "jaxllm.worker": 4,
+    "jaxllm.spec_decode": 4,   # speculative decoding: proposers, verification, counters
     "jaxllm.loader": 4,        # builds the model for the engine's start-up
     "jaxllm.tokenizer": 4,
     "jaxllm.models": 3,
@@ -31,6 +32,7 @@ LAYERS = {
     "jaxllm.sequence": 0,
     "jaxllm.outputs": 0,
     "jaxllm.structured_output": 0,  # request constraints and the grammar engine (no JAX)
+    "jaxllm.spec_decode.config": 0,  # --speculative-config, read by EngineArgs (no JAX)
 }
 # (importer, imported) pairs allowed to go upward, each with its reason. Keep it empty.
 ALLOWED: dict[tuple[str, str], str] = {}
