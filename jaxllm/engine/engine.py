@@ -366,11 +366,11 @@ class LLMEngine:
             for j, s in enumerate(sampled[seq.seq_id][:n]):
                 self._log_counts[1] += 1
                 self.total_generation_tokens += 1
-                self._record_token(state, s)
+                stopped = self._record_token(state, s, last=j + 1 == n)
                 self._advance_grammar(state, s.token)
-                if seq.is_finished and j + 1 < n:  # a stop string inside accepted drafts:
+                if stopped and j + 1 < n:  # a stop string inside accepted drafts: no token
                     del seq.output_token_ids[item.out_index + j + 1:item.out_index + n]
-                    break                           # no token after it is kept
+                    break                  # after it is kept
             req.metrics.setdefault("first_token_time", now)
             touched[req.request_id] = req
         outputs = []
@@ -400,22 +400,31 @@ class LLMEngine:
         if state.detok is not None:
             state.detok.flush()
 
-    def _record_token(self, state: _SeqState, s) -> None:
+    def _record_token(self, state: _SeqState, s, last: bool = True) -> bool:
+        """Take one kept token. last: it is the step's last kept token (with accepted drafts a
+        step keeps several, and the sequence's status, set by the scheduler, is that after
+        the last). Returns whether a stop string ended the sequence at this token."""
         seq = state.seq
         token = s.token
         if state.logprobs is not None or s.logprob is not None:
             state.cumulative_logprob += float(s.logprob)
         if state.logprobs is not None:
             state.logprobs.append(self._logprob_dict(token, s))
-        if state.detok is not None:
-            # Finished already here = ended by EOS or a stop token, whose text is left out.
-            ended_by_token = seq.status == SequenceStatus.FINISHED_STOPPED
-            _, stop_str = state.detok.add_tokens([token], stop_terminated=ended_by_token)
-            if stop_str is not None and not seq.is_finished:
-                seq.stop_reason = stop_str
+        if state.detok is None:
+            return False
+        # Finished already here = ended by EOS or a stop token, whose text is left out.
+        ended_by_token = last and seq.status == SequenceStatus.FINISHED_STOPPED
+        _, stop_str = state.detok.add_tokens([token], stop_terminated=ended_by_token)
+        stopped = stop_str is not None and not (last and seq.is_finished)
+        if stopped:
+            seq.stop_reason = stop_str
+            if seq.is_finished:  # by a later token of the run: the stop string comes first
+                seq.status = SequenceStatus.FINISHED_STOPPED
+            else:
                 self.scheduler.finish_seqs([seq.seq_id], SequenceStatus.FINISHED_STOPPED)
-            if seq.is_finished:
-                state.detok.flush()
+        if stopped or (last and seq.is_finished):
+            state.detok.flush()
+        return stopped
 
     def _logprob_dict(self, token: int, s) -> dict[int, Logprob]:
         def dec(i):
