@@ -258,6 +258,25 @@ def test_speculator_limits_and_switch_off():
     assert sp.propose([g, pending, prefill]) == {}
 
 
+def test_rejected_drafts_back_off():
+    from jaxllm.sequence import ScheduledSequence, SchedulerOutput
+
+    sp = Speculator(SpeculativeConfig.parse(NGRAM), max_model_len=64)
+    a = seq("a", [1, 2, 3, 4] * 4, max_tokens=100)
+
+    def step(accepted: int) -> bool:
+        d = sp.propose([a]).get("a")
+        if d:
+            item = ScheduledSequence(a, 15, 1 + len(d), [], True, spec_token_ids=d)
+            sp.record(SchedulerOutput([item]), {"a": [0] * (accepted + 1)})
+        return bool(d)
+
+    # Rests of 1, 2, 4, 8 steps after each rejected proposal; an acceptance ends them.
+    assert [step(0) for _ in range(12)] == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0]
+    assert [step(1) for _ in range(9)] == [0] * 7 + [1, 1]
+    assert sp.num_drafts == 6 and sp.num_accepted_tokens == 2
+
+
 @pytest.mark.parametrize("value, match", [
     ('{"method": "eagle", "num_speculative_tokens": 2}', "eagle"),
     ('{"method": "ngram"}', "num_speculative_tokens"),
@@ -282,3 +301,31 @@ def test_speculative_config_flag_and_combinations():
     with pytest.raises(ConfigError, match="--speculative-config.*draft_model"):
         make_proposer(SpeculativeConfig.parse({"model": "/m", "num_speculative_tokens": 2}))
 
+
+
+@pytest.mark.slow  # loads and compiles the real default model (~1 min)
+def test_default_model_greedy_with_accepted_drafts():
+    """SmolLM2: greedy outputs with n-gram drafts equal those without, on prompts that make
+    it repeat text (drafts accepted, runs of several tokens) and on open ones."""
+    llm = LLM(dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64,
+              use_tqdm_on_load=False, disable_log_stats=True,
+              speculative_config={**NGRAM, "num_speculative_tokens": 4})
+    text = ("The quick brown fox jumps over the lazy dog. Speculative decoding checks several "
+            "guessed tokens in one step of the model.")
+    chats = [[{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}],
+             [{"role": "user", "content": "Write a short poem about the sea."}]]
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False) for c in chats]
+    prompts += [tok.encode("def fibonacci(n):")]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    before = counters(llm)
+    spec = ids(gen(llm, prompts, params))
+    after = counters(llm)
+    with plain(llm):
+        want = ids(gen(llm, prompts, params))
+    assert spec == want
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    drafts = after["num_drafts"] - before["num_drafts"]
+    assert accepted > 0 and after["num_accepted_tokens_per_pos"][3] > 0
+    assert 1 + accepted / drafts > 2  # mean acceptance length on this repetitive mix

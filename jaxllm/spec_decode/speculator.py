@@ -4,7 +4,10 @@ Before each schedule the engine asks `Speculator.propose` for drafts of the runn
 that can take them; the scheduler gives a drafted request 1 + k tokens, the runner samples all
 of their positions and keeps the matching prefix (acceptance.py), and `record` counts what was
 proposed and accepted under vLLM's metric names. A step in which nobody has drafts is the
-plain step: speculation costs nothing when lookup finds nothing.
+plain step: speculation costs nothing when lookup finds nothing. When lookup finds drafts
+that the model rejects, each costs a wider step for nothing, so a request whose drafts were
+all rejected rests from proposing for 1, 2, 4, ... up to MAX_BACKOFF steps (reset by any
+acceptance): on text where guesses keep failing speculation all but switches itself off.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import numpy as np
 from jaxllm.sequence import SchedulerOutput, Sequence, SequenceStatus
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.proposer import Proposer, make_proposer
+
+MAX_BACKOFF = 16  # steps a request rests at most after its drafts were all rejected
 
 
 class Speculator:
@@ -28,6 +33,7 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k  # drafts accepted at position 0, 1, ...
         self.num_steps = 0           # steps collected (with drafts or not)
+        self._rest: dict[str, list[int]] = {}  # seq_id -> [steps left to rest, last rest]
 
     def propose(self, running: list[Sequence]) -> dict[str, list[int]]:
         """{seq_id: drafts} for the running requests that decode with all tokens known and
@@ -38,7 +44,8 @@ class Speculator:
         if not running or (off is not None and len(running) >= off):
             return {}
         seqs = [s for s in running if s.status == SequenceStatus.RUNNING and s.grammar is None
-                and s.num_tokens - s.num_computed_tokens == 1 and not s.has_pending]
+                and s.num_tokens - s.num_computed_tokens == 1 and not s.has_pending
+                and not self._resting(s.seq_id)]
         if not seqs:
             return {}
         limits = np.array([min(self.max_model_len - s.num_tokens,
@@ -56,12 +63,29 @@ class Speculator:
             self.num_drafts += 1
             self.num_draft_tokens += len(s.spec_token_ids)
             self.num_accepted_tokens += accepted
+            self._backoff(s.seq.seq_id, accepted)
             for j in range(accepted):
                 self.accepted_per_pos[j] += 1
         self.num_steps += 1
 
     def free(self, seq_id: str) -> None:
         self.proposer.free(seq_id)
+        self._rest.pop(seq_id, None)
+
+    def _resting(self, seq_id: str) -> bool:
+        rest = self._rest.get(seq_id)
+        if rest is None or rest[0] == 0:
+            return False
+        rest[0] -= 1
+        return True
+
+    def _backoff(self, seq_id: str, accepted: int) -> None:
+        if accepted:
+            self._rest.pop(seq_id, None)
+            return
+        last = self._rest.get(seq_id, [0, 0])[1]
+        rest = min(2 * last, MAX_BACKOFF) if last else 1
+        self._rest[seq_id] = [rest, rest]
 
     def stats(self) -> dict:
         """The counters, named as vLLM's spec_decode metrics (without the prefix)."""
