@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -59,12 +60,13 @@ def main():
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
 
     from jaxllm import LLM
 
     kw = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024,
-              disable_log_stats=True, use_tqdm_on_load=False)
+              disable_log_stats=True, use_tqdm_on_load=False, dtype=args.dtype)
     if args.model:
         kw["model"] = args.model
     spec_cfg = {"method": "ngram", "num_speculative_tokens": args.k,
@@ -85,6 +87,7 @@ def main():
     med = {name: float(np.median(v)) for name, v in rates.items()}
     print(json.dumps({
         "model": args.model or "SmolLM2-135M-Instruct", "workload": args.workload,
+        "dtype": args.dtype, "load_average": os.getloadavg()[0],
         "speculative_config": spec_cfg, "prompt_tokens": len(prompt["prompt_token_ids"]),
         "max_tokens": args.max_tokens, "same_tokens": outputs["plain"] == outputs["ngram"],
         "decode_tokens_per_s": {n: [round(x, 1) for x in v] for n, v in rates.items()},

@@ -157,49 +157,49 @@ def test_mixed_batch_grammar_logprobs_and_drafts(llm, prompts):
     assert any(n > 0 and any(g for g, _ in step) for step in seen for _, n in step)
 
 
-def accepted_runs(llm, prompt, params):
-    """The outputs, and the output indices emitted as accepted drafts (not a run's last)."""
-    runs, inside = [], set()
+def accepted_runs(llm, prompts, params):
+    """The outputs, and per output the indices emitted as accepted drafts (not a run's last
+    token, so a stop there must drop the rest of the run)."""
+    runs = []
     remove = llm.llm_engine.runner.add_step_hook(
         lambda e: e.kind == "collect" and runs.extend(
-            (len(e.steps[0].sched.scheduled[0].seq.output_token_ids), len(r))
-            for r in e.sampled.values() if len(r) > 1))
+            (s.seq.seq_id, s.out_index, len(e.sampled[s.seq.seq_id]))
+            for s in e.steps[0].sched.scheduled if len(e.sampled.get(s.seq.seq_id, ())) > 1))
     try:
-        out = gen(llm, [prompt], params)[0].outputs[0]
+        outs = gen(llm, prompts, params)
     finally:
         remove()
-    for start, n in runs:  # the placeholder sits at start - 1 while the step is collected
-        inside.update(range(start - 1, start - 1 + n - 1))
-    return out, sorted(inside)
+    inside = {o.request_id: set() for o in outs}
+    for seq_id, start, n in runs:
+        inside[seq_id].update(range(start, start + n - 1))
+    return [(o.outputs[0], sorted(inside[o.request_id])) for o in outs]
 
 
 def test_stops_and_max_tokens_inside_an_accepted_run(llm, prompts):
     def params(max_tokens=40, **kw):
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, **COPY, **kw)
 
-    free, inside = accepted_runs(llm, prompts[0], params())
-    tokens, text = free.token_ids, free.text
-    # An index in an accepted run (not its last token) whose token appears there first.
-    idx = next(i for i in inside if tokens.index(tokens[i]) == i and i > 0)
+    def run(prompt, **kw):
+        return gen(llm, [prompt], params(**kw))[0].outputs[0]
 
-    def run(**kw):
-        return gen(llm, [prompts[0]], params(**kw))[0].outputs[0]
-
-    out = run(stop_token_ids=[tokens[idx]])
+    runs = accepted_runs(llm, prompts, params())
+    # A stop token first output inside an accepted run (not as its last token).
+    p, tokens, idx = next((p, o.token_ids, i) for p, (o, inside) in zip(prompts, runs)
+                          for i in inside if o.token_ids.index(o.token_ids[i]) == i)
+    out = run(p, stop_token_ids=[tokens[idx]])
     assert out.token_ids == tokens[:idx + 1] and out.finish_reason == "stop"
-    out = run(max_tokens=idx + 1)
+    out = run(p, max_tokens=idx + 1)
     assert out.token_ids == tokens[:idx + 1] and out.finish_reason == "length"
-    out = run(max_tokens=idx + 1, stop=["\x00never"])
-    assert out.token_ids == tokens[:idx + 1]
     # A stop string ending inside a run: the run's tokens after it are dropped.
     tok = llm.get_tokenizer()
-    prefixes = [(i, tok.decode(tokens[:i + 1])) for i in inside]
-    i, prefix = next((i, t) for i, t in prefixes if text.startswith(t) and t[-2:].strip()
-                     and "\ufffd" not in t[-2:])
-    stop = prefix[-2:]
-    out = run(stop=[stop])
+    p, o, i, prefix = next(
+        (p, o, i, t) for p, (o, inside) in zip(prompts, runs) for i in inside
+        for t in [tok.decode(o.token_ids[:i + 1])]
+        if o.text.startswith(t) and t[-2:].strip() and "\ufffd" not in t[-2:])
+    stop, text = prefix[-2:], o.text
+    out = run(p, stop=[stop])
     assert out.text == text[:text.index(stop)] and out.finish_reason == "stop"
-    assert len(out.token_ids) <= i + 1 and out.token_ids == tokens[:len(out.token_ids)]
+    assert len(out.token_ids) <= i + 1 and out.token_ids == o.token_ids[:len(out.token_ids)]
 
 
 def test_prefix_cache_only_holds_accepted_tokens(llm, prompts):
