@@ -258,6 +258,26 @@ def test_speculator_limits_and_switch_off():
     assert sp.propose([g, pending, prefill]) == {}
 
 
+def test_drafts_take_only_free_blocks():
+    from jaxllm.engine.kv_cache_manager import KVCacheManager
+    from jaxllm.engine.scheduler import Scheduler
+
+    sched = Scheduler(KVCacheManager(4, 4), max_num_seqs=4, max_num_batched_tokens=64,
+                      max_model_len=16, block_size=4)
+    a, b = (Sequence(i, [1, 2, 3], SamplingParams(max_tokens=10)) for i in "ab")
+    for x in (a, b):
+        sched.add_seq(x)
+    sched.update_from_output(sched.schedule(), {"a": [7], "b": [8]})  # a block each
+    out = sched.schedule({"a": [1, 2, 3, 4, 5, 6], "b": [1, 2]})
+    # a's drafts take the two free blocks; b's would need a third: b decodes alone.
+    assert [(s.seq.seq_id, s.num_tokens, s.spec_token_ids) for s in out.scheduled] == \
+        [("a", 7, [1, 2, 3, 4, 5, 6]), ("b", 1, [])]
+    assert out.preempted_ids == [] and sched.kv.num_free_blocks == 0
+    sched.update_from_output(out, {"a": [1, 2, 9], "b": [5]})  # a: 2 drafts accepted
+    assert a.output_token_ids == [7, 1, 2, 9] and a.num_computed_tokens == 6
+    assert b.output_token_ids == [8, 5] and b.num_computed_tokens == 4
+
+
 def test_rejected_drafts_back_off():
     from jaxllm.sequence import ScheduledSequence, SchedulerOutput
 

@@ -85,7 +85,8 @@ class Scheduler:
 
     def schedule(self, drafts: Optional[dict[str, list[int]]] = None) -> SchedulerOutput:
         """drafts: speculative tokens of running decode sequences, computed after their last
-        token if the budget and the KV cache allow (the budget may cut them short)."""
+        token where the budget and free KV blocks allow (the budget may cut them short; they
+        never cause a preemption)."""
         drafts = drafts or {}
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledSequence] = {}
@@ -96,7 +97,9 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             spec = drafts.get(seq.seq_id, ())
-            n = min(seq.num_tokens - seq.num_computed_tokens + len(spec), budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if spec and n < budget and self.kv.allocate_slots(seq, min(n + len(spec), budget)):
+                n = min(n + len(spec), budget)  # drafts only take free blocks: never preempt
             while not self.kv.allocate_slots(seq, n):
                 victim = self._preempt()
                 preempted.append(victim.seq_id)
