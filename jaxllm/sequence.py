@@ -112,6 +112,9 @@ class ScheduledSequence:
     block_ids: list[int]  # the KV manager's live block table, valid for this step
     sample: bool      # the step reaches the last known token, so its next token is sampled
     out_index: int = -1  # where advance() put the PENDING placeholder of the sampled token
+    # Speculative draft tokens computed after the known ones (the last num_tokens of the
+    # step); their positions are verified, and only the accepted ones count as computed.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -62,6 +62,7 @@ class EngineStatsCollector:
                     hits / queries if queries else 0.0)
         yield counter("jaxllm:num_preemptions", "Requests preempted (KV cache ran out).",
                       s["num_preemptions"])
+        yield from self._spec_decode_counters(s, counter)
         yield from self._replica_gauges(s.get("replicas", ()))
         if "expert_load" in s:  # --enable-expert-load-metrics
             c = CounterMetricFamily("jaxllm:moe_expert_tokens", "Tokens routed to an expert of "
@@ -72,6 +73,22 @@ class EngineStatsCollector:
                 for expert, n in enumerate(counts):
                     c.add_metric([self.model_name, str(layer), str(expert)], int(n))
             yield c
+
+    def _spec_decode_counters(self, s, counter):
+        """With --speculative-config: vLLM's spec_decode counters (acceptance rate = accepted
+        / draft tokens; mean acceptance length = 1 + accepted / drafts)."""
+        if "spec_decode_num_drafts" not in s:
+            return
+        for key, doc in (("num_drafts", "Requests-steps that carried draft tokens."),
+                         ("num_draft_tokens", "Draft tokens proposed."),
+                         ("num_accepted_tokens", "Draft tokens accepted.")):
+            yield counter(f"jaxllm:spec_decode_{key}", doc, s[f"spec_decode_{key}"])
+        c = CounterMetricFamily("jaxllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted at each position.",
+                                labels=["model_name", "position"])
+        for pos, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+            c.add_metric([self.model_name, str(pos)], n)
+        yield c
 
     def _replica_gauges(self, replicas):
         """With --data-parallel-size: each replica's load (the totals above sum them)."""

@@ -44,7 +44,7 @@ class FakeModel:
         for s in out.scheduled:
             toks, ids = s.seq.all_token_ids, s.block_ids
             if toks[-1] == PENDING:
-                toks[-1] = in_flight[s.seq.seq_id]
+                toks[-1] = in_flight[s.seq.seq_id][0]
             assert len(ids) * bs >= s.start + s.num_tokens
             for p in range(s.start, s.start + s.num_tokens):
                 assert self.kv.blocks[ids[p // bs]].ref_cnt == 1  # never write a shared block
@@ -53,7 +53,7 @@ class FakeModel:
             if s.sample:
                 last = s.start + s.num_tokens - 1
                 # 1..VOCAB: never EOS, so only explicit scripts stop on it
-                sampled[s.seq.seq_id] = 1 + self.cache[ids[last // bs], last % bs] % VOCAB
+                sampled[s.seq.seq_id] = [1 + self.cache[ids[last // bs], last % bs] % VOCAB]
         return sampled
 
 
@@ -68,7 +68,7 @@ def scripted(sched, tokens):
     """Step once, sampling tokens[request_id] for every request that samples."""
     out = sched.schedule()
     sched.update_from_output(
-        out, {s.seq.seq_id: tokens[s.seq.seq_id] for s in out.scheduled
+        out, {s.seq.seq_id: [tokens[s.seq.seq_id]] for s in out.scheduled
               if s.sample})
     return out, [s.seq for s in out.scheduled if s.seq.is_finished]
 
@@ -219,8 +219,8 @@ def test_abort_frees_blocks_at_once():
     sched.abort_seqs(["a", "unknown"])  # between schedule() and update_from_output()
     assert a.status == SequenceStatus.FINISHED_ABORTED and a.status.finish_reason == "abort"
     assert sched.kv.num_free_blocks == 16 - 6 and sched.num_running == 2
-    kept = sched.update_from_output(out, {"b": 7, "c": 7})
-    assert kept == {"b", "c"} and a.output_token_ids == [] and b.output_token_ids == [7]
+    kept = sched.update_from_output(out, {"b": [7], "c": [7]})
+    assert kept == {"b": 1, "c": 1} and a.output_token_ids == [] and b.output_token_ids == [7]
     sched.add_seq(req("d", range(1, 5)))
     sched.abort_seqs(["d"])  # still waiting
     assert sched.num_waiting == 0
@@ -377,7 +377,7 @@ def test_async_token_stop_drops_the_token_in_flight():
     assert plan(out2) == [("a", 4, 1, True)]
     sched.advance(out2)
     assert a.output_token_ids == [-1, -1]
-    assert sched.resolve(out1, {"a": 9}) == {"a"}  # a stop token: a finishes, step 2 is void
+    assert sched.resolve(out1, {"a": [9]}) == {"a": 1}  # a stop token: step 2 is void
     assert a.output_token_ids == [9] and a.status.finish_reason == "stop"
-    assert sched.resolve(out2, {"a": 3}) == set() and a.output_token_ids == [9]
+    assert sched.resolve(out2, {"a": [3]}) == {} and a.output_token_ids == [9]
     assert sched.kv.num_free_blocks == 64 and not sched.has_unfinished_seqs()

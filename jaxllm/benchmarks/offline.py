@@ -69,3 +69,19 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
             "decode_s_per_token": float(decode),
             "decode_tokens_per_s": batch_size / decode if decode > 0 else float("inf"),
             "peak_rss_gib": peak_rss_gib()}
+
+
+def spec_decode_summary(stats: dict) -> dict:
+    """With --speculative-config, from engine.stats() (the whole run): acceptance rate
+    (accepted / draft tokens), mean acceptance length (1 + accepted / drafts, vLLM's), and
+    output tokens per step (every request of a step counted). {} without speculation."""
+    if "spec_decode_num_drafts" not in stats:
+        return {}
+    drafts, proposed = stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"]
+    accepted, steps = stats["spec_decode_num_accepted_tokens"], stats["spec_decode_num_steps"]
+    return {"spec_decode": {
+        "num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
+        "accepted_per_position": stats["spec_decode_num_accepted_tokens_per_pos"],
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "tokens_per_step": stats["generation_tokens_total"] / steps if steps else 0.0}}

@@ -25,6 +25,7 @@ from jaxllm.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingReq
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxllm.sequence import Sequence, SequenceStatus
+from jaxllm.spec_decode.speculator import Speculator
 from jaxllm.worker.pooler import Pooler, pool
 
 logger = logging.getLogger("jaxllm")
@@ -96,6 +97,8 @@ class LLMEngine:
         self.startup_times = dict(parts.startup_times, total=time.perf_counter() - t0)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
                                  self.eos_token_ids, args.structured_outputs_config)
+        self.speculator = (None if args.speculative_config is None else Speculator(
+            args.speculative_config, self.model_config.max_model_len))
         self._requests: dict[str, Request] = {}
         self._seq_owner: dict[str, Request] = {}
         self._inflight = None  # async scheduling: the dispatched step (or burst) not read yet
@@ -233,6 +236,8 @@ class LLMEngine:
             self.scheduler.abort_seqs(seq_ids)
             for sid in seq_ids:
                 self._seq_owner.pop(sid, None)
+                if self.speculator is not None:
+                    self.speculator.free(sid)
 
     def wait_for_background_compiles(self) -> None:
         """Block until the programs warm-up left to the background are compiled (the server
@@ -267,7 +272,9 @@ class LLMEngine:
             if prev is not None and not self._can_overlap():
                 outputs += self._complete(prev)  # penalties need the real previous tokens
                 prev = None
-            sched = self.scheduler.schedule()
+            drafts = (self.speculator.propose(self.scheduler.running)
+                      if self.speculator is not None else None)
+            sched = self.scheduler.schedule(drafts)
             cur = self.runner.dispatch(sched, _last(prev)) if sched.scheduled else None
             if cur is not None:
                 self.scheduler.advance(sched)
@@ -324,8 +331,10 @@ class LLMEngine:
         return self.runner.dispatch_burst(steps, _last(prev))
 
     def _can_overlap(self) -> bool:
-        """The next step's sampling may not read output tokens still in flight."""
-        return not any(_reads_output_history(r.sampling_params) for r in self.scheduler.running)
+        """The next step's sampling may not read output tokens still in flight, nor may its
+        drafts be proposed without them (speculation turns the overlap off)."""
+        return self.speculator is None and not any(
+            _reads_output_history(r.sampling_params) for r in self.scheduler.running)
 
     def _complete(self, step) -> list[RequestOutput]:
         """Read a dispatched step's (or a burst's steps') tokens and turn them into outputs."""
@@ -339,7 +348,10 @@ class LLMEngine:
                 # A recompute after preemption rewrites the same values.
                 req.prompt_logprobs[first:first + len(positions)] = [
                     self._logprob_dict(s.token, s) for s in positions]
-        kept = self.scheduler.resolve(sched, {rid: s.token for rid, s in sampled.items()})
+        if self.speculator is not None:
+            self.speculator.record(sched, sampled)
+        kept = self.scheduler.resolve(sched, {rid: [s.token for s in results]
+                                              for rid, results in sampled.items()})
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for item in sched.scheduled:
@@ -349,11 +361,16 @@ class LLMEngine:
             req = self._seq_owner.get(seq.seq_id)
             if req is None or seq.seq_id not in kept:
                 continue
-            self._log_counts[1] += 1
-            self.total_generation_tokens += 1
             state = next(c for c in req.seqs if c.seq is seq)
-            self._record_token(state, sampled[seq.seq_id])
-            self._advance_grammar(state, sampled[seq.seq_id].token)
+            n = kept[seq.seq_id]
+            for j, s in enumerate(sampled[seq.seq_id][:n]):
+                self._log_counts[1] += 1
+                self.total_generation_tokens += 1
+                stopped = self._record_token(state, s, last=j + 1 == n)
+                self._advance_grammar(state, s.token)
+                if stopped and j + 1 < n:  # a stop string inside accepted drafts: no token
+                    del seq.output_token_ids[item.out_index + j + 1:item.out_index + n]
+                    break                  # after it is kept
             req.metrics.setdefault("first_token_time", now)
             touched[req.request_id] = req
         outputs = []
@@ -364,6 +381,8 @@ class LLMEngine:
                 self._requests.pop(req.request_id, None)
                 for c in req.seqs:
                     self._seq_owner.pop(c.seq.seq_id, None)
+                    if self.speculator is not None:
+                        self.speculator.free(c.seq.seq_id)
                 self.total_prompt_tokens += len(req.prompt_token_ids)
             if done or req.params.output_kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._make_output(req, done))
@@ -381,22 +400,31 @@ class LLMEngine:
         if state.detok is not None:
             state.detok.flush()
 
-    def _record_token(self, state: _SeqState, s) -> None:
+    def _record_token(self, state: _SeqState, s, last: bool = True) -> bool:
+        """Take one kept token. last: it is the step's last kept token (with accepted drafts a
+        step keeps several, and the sequence's status, set by the scheduler, is that after
+        the last). Returns whether a stop string ended the sequence at this token."""
         seq = state.seq
         token = s.token
         if state.logprobs is not None or s.logprob is not None:
             state.cumulative_logprob += float(s.logprob)
         if state.logprobs is not None:
             state.logprobs.append(self._logprob_dict(token, s))
-        if state.detok is not None:
-            # Finished already here = ended by EOS or a stop token, whose text is left out.
-            ended_by_token = seq.status == SequenceStatus.FINISHED_STOPPED
-            _, stop_str = state.detok.add_tokens([token], stop_terminated=ended_by_token)
-            if stop_str is not None and not seq.is_finished:
-                seq.stop_reason = stop_str
+        if state.detok is None:
+            return False
+        # Finished already here = ended by EOS or a stop token, whose text is left out.
+        ended_by_token = last and seq.status == SequenceStatus.FINISHED_STOPPED
+        _, stop_str = state.detok.add_tokens([token], stop_terminated=ended_by_token)
+        stopped = stop_str is not None and not (last and seq.is_finished)
+        if stopped:
+            seq.stop_reason = stop_str
+            if seq.is_finished:  # by a later token of the run: the stop string comes first
+                seq.status = SequenceStatus.FINISHED_STOPPED
+            else:
                 self.scheduler.finish_seqs([seq.seq_id], SequenceStatus.FINISHED_STOPPED)
-            if seq.is_finished:
-                state.detok.flush()
+        if stopped or (last and seq.is_finished):
+            state.detok.flush()
+        return stopped
 
     def _logprob_dict(self, token: int, s) -> dict[int, Logprob]:
         def dec(i):
@@ -447,6 +475,7 @@ class LLMEngine:
             "num_total_blocks": kv.num_blocks,
             "prompt_tokens_total": self.total_prompt_tokens,
             "generation_tokens_total": self.total_generation_tokens,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }
         load = self.runner.expert_load
         if load is not None:  # --enable-expert-load-metrics: {MoE layer: tokens per expert}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import Iterable
+from typing import Iterable, Optional
 
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.sequence import (PENDING, ScheduledSequence, SchedulerOutput, Sequence,
@@ -83,7 +83,11 @@ class Scheduler:
             self.waiting = [w for w in self.waiting if not w[1].is_finished]
             heapq.heapify(self.waiting)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Optional[dict[str, list[int]]] = None) -> SchedulerOutput:
+        """drafts: speculative tokens of running decode sequences, computed after their last
+        token where the budget and free KV blocks allow (the budget may cut them short; they
+        never cause a preemption)."""
+        drafts = drafts or {}
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledSequence] = {}
         preempted: list[str] = []
@@ -92,7 +96,10 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            spec = drafts.get(seq.seq_id, ())
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if spec and n < budget and self.kv.allocate_slots(seq, min(n + len(spec), budget)):
+                n = min(n + len(spec), budget)  # drafts only take free blocks: never preempt
             while not self.kv.allocate_slots(seq, n):
                 victim = self._preempt()
                 preempted.append(victim.seq_id)
@@ -101,7 +108,7 @@ class Scheduler:
                 if victim is seq:  # nothing ranks below it; others may still fit
                     break
             if seq.status == SequenceStatus.RUNNING:
-                scheduled[seq.seq_id] = self._scheduled(seq, n)
+                scheduled[seq.seq_id] = self._scheduled(seq, n, spec)
                 budget -= n
         # As vLLM: admit nobody in a step that had to preempt, or the victim would bounce back.
         while not preempted and self.waiting and budget and len(self.running) < self.max_num_seqs:
@@ -131,7 +138,7 @@ class Scheduler:
             seq = s.seq
             if seq.status != SequenceStatus.RUNNING:  # finished from outside since schedule()
                 continue
-            seq.num_computed_tokens += s.num_tokens
+            seq.num_computed_tokens += s.num_tokens - len(s.spec_token_ids)  # drafts: resolve
             self.kv.cache_blocks(seq)
             if s.sample:
                 s.out_index = len(seq.output_token_ids)
@@ -142,28 +149,48 @@ class Scheduler:
                     self.finish_seqs([seq.seq_id], SequenceStatus.FINISHED_LENGTH,
                                          drop_pending=False)  # its last token is in flight
 
-    def resolve(self, sched: SchedulerOutput, sampled: dict[str, int]) -> set[str]:
-        """Put the sampled tokens of an advanced step in place of their placeholders and apply
-        the token stops (EOS, stop_token_ids, once min_tokens are out). Returns the ids whose
-        token was kept: not those finished from outside meanwhile (their placeholder is gone)."""
-        kept = set()
+    def resolve(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> dict[str, int]:
+        """Put the tokens of an advanced step in place of their placeholders (a speculating
+        sequence emits its accepted drafts and one more: several tokens) and apply the stops:
+        EOS, stop_token_ids (once min_tokens are out), max_tokens and max_model_len; no token
+        after a stop is kept. The accepted drafts' KV now counts as computed (and cacheable).
+        Returns {seq_id: tokens kept}, without those finished from outside meanwhile (their
+        placeholder is gone)."""
+        kept = {}
         for s in sched.scheduled:
             seq, i = s.seq, s.out_index
             if i < 0 or i >= len(seq.output_token_ids) or seq.output_token_ids[i] != PENDING:
                 continue
-            token = seq.output_token_ids[i] = sampled[seq.seq_id]
-            kept.add(seq.seq_id)
-            sp = seq.sampling_params
-            if seq.is_finished or i + 1 < sp.min_tokens:
-                continue
+            tokens = sampled[seq.seq_id]
+            seq.output_token_ids[i] = tokens[0]
+            n = 1
+            while not self._stops(seq, i + n - 1) and n < len(tokens):
+                seq.output_token_ids.insert(i + n, tokens[n])  # later placeholders stay after
+                n += 1
+            kept[seq.seq_id] = n
+            if not seq.is_finished and n > 1:
+                seq.num_computed_tokens += n - 1  # the accepted drafts' KV is the tokens'
+                self.kv.cache_blocks(seq)
+        return kept
+
+    def _stops(self, seq: Sequence, i: int) -> bool:
+        """Whether output token i (just placed) ends the sequence; finishes it if so."""
+        if seq.is_finished:  # on length at advance(), or from outside
+            return True
+        sp, token = seq.sampling_params, seq.output_token_ids[i]
+        if i + 1 >= sp.min_tokens:
             if not sp.ignore_eos and token in seq.eos_token_ids:
                 self._finish(seq, SequenceStatus.FINISHED_STOPPED)
             elif token in sp.stop_token_ids:
                 seq.stop_reason = token
                 self._finish(seq, SequenceStatus.FINISHED_STOPPED)
-        return kept
+        if not seq.is_finished and ((sp.max_tokens is not None and i + 1 >= sp.max_tokens)
+                                    or seq.num_prompt_tokens + i + 1 >= self.max_model_len):
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+        return seq.is_finished
 
-    def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int]) -> set[str]:
+    def update_from_output(self, sched: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> dict[str, int]:
         """advance() and resolve() at once, for a step whose tokens are already known."""
         self.advance(sched)
         return self.resolve(sched, sampled)
@@ -198,10 +225,12 @@ class Scheduler:
                 "--max-num-batched-tokens.", victim.seq_id, self.num_preemptions)
         return victim
 
-    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSequence:
+    def _scheduled(self, seq: Sequence, n: int, drafts=()) -> ScheduledSequence:
         start = seq.num_computed_tokens
+        num_spec = max(0, start + n - seq.num_tokens)
         return ScheduledSequence(seq, start, n, self.kv.get_block_ids(seq.seq_id),
-                                sample=start + n == seq.num_tokens)
+                                 sample=start + n >= seq.num_tokens,
+                                 spec_token_ids=list(drafts[:num_spec]))
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Finish on a token stop; the step after, if already dispatched, loses its token."""

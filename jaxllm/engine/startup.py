@@ -182,7 +182,8 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
                          kv_cache_dtype=dtype, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=max_tokens, max_logprobs=args.max_logprobs,
                          enforce_eager=args.enforce_eager, executable_dir=executable_dir,
-                         num_scheduler_steps=args.num_scheduler_steps)
+                         num_scheduler_steps=args.num_scheduler_steps,
+                         num_speculative_tokens=_num_speculative_tokens(args, runner_type))
     times["kv_cache"] = time.perf_counter() - t
     follower = None
     if topo.multi_host:
@@ -198,6 +199,16 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
     defaults = {k: v for k, v in gen.items() if k != "eos_token_id"}
     return EngineParts(mc, tokenizer, frozenset(eos), defaults, runner, num_blocks, times,
                        runner_type, pooler_config, follower)
+
+
+def _num_speculative_tokens(args: EngineArgs, runner_type: str) -> int:
+    spec = args.speculative_config
+    if spec is None:
+        return 0
+    if runner_type == "pooling":
+        raise ConfigError("--speculative-config: the pooling runner generates no tokens to "
+                          "speculate on; drop the flag or use --runner generate")
+    return spec.num_speculative_tokens
 
 
 def _connect_hosts(topo: distributed.Topology, runner: ModelRunner, args: EngineArgs):

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
 from jaxllm.layers.attention import AttentionMetadata
 from jaxllm.sequence import PENDING, SchedulerOutput, Sequence
+from jaxllm.spec_decode.acceptance import draft_views
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -38,8 +39,8 @@ class StepInputs(NamedTuple):
     token_ids: Any        # int32 [T]; a PENDING token is read on the device from prev_tokens
     positions: Any        # int32 [T]
     metadata: AttentionMetadata
-    logits_indices: Any   # int32 [max_num_seqs]: the flat rows whose next token is sampled
-    prev_tokens: Any      # int32 [max_num_seqs]: the previous step's samples (device array)
+    logits_indices: Any   # int32 [num_rows]: the flat rows whose next token is sampled
+    prev_tokens: Any      # int32 [num_rows]: the previous step's samples (device array)
     from_prev: Any        # int32 [T]: row of prev_tokens to take the token from, -1 = none
 
 
@@ -55,7 +56,9 @@ class PromptRows:
 @dataclass
 class PreparedStep:
     inputs: StepInputs
-    seqs: list[Sequence]  # the sequences sampled, in row order
+    # The sequences sampled, in row order; a sequence with drafts has one row per verified
+    # position (acceptance.draft_views: itself with the drafts before that position).
+    seqs: list[Sequence]
     prompt_rows: list[PromptRows]
 
 
@@ -63,8 +66,11 @@ class InputBatcher:
     """Bucket choice and packing for one model runner's fixed shapes."""
 
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
-                 max_model_len: int, enforce_eager: bool, decode_programs: bool):
+                 max_model_len: int, enforce_eager: bool, decode_programs: bool,
+                 num_rows: Optional[int] = None):
+        """num_rows: sampled rows per step (max_num_seqs, times 1 + k with k drafts each)."""
         self.max_num_seqs = max_num_seqs
+        self.num_rows = num_rows or max_num_seqs
         self.block_size = block_size
         self.blocks_per_seq = math.ceil(max_model_len / block_size)
         self.enforce_eager = enforce_eager
@@ -75,6 +81,10 @@ class InputBatcher:
         # a prompt chunk start at 16, since tiny prefills gain nothing from their own program.
         self.decode_buckets = pow2_buckets(1, min(max_num_seqs, max_num_batched_tokens))
         self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
+        # Without decode programs every bucket is a general one: a small mixed step (a few
+        # decodes with drafts) takes the smallest that fits.
+        self.mixed_buckets = (self.token_buckets if decode_programs
+                              else sorted({*self.decode_buckets, *self.token_buckets}))
 
     def forward_shapes(self) -> list[tuple[int, bool]]:
         """(T, decode_only) of every forward program warm-up compiles."""
@@ -89,7 +99,7 @@ class InputBatcher:
         items = sched.scheduled
         num_tokens = sum(it.num_tokens for it in items)
         decode_only = num_tokens == len(items)
-        buckets = self.decode_buckets if decode_only else self.token_buckets
+        buckets = self.decode_buckets if decode_only else self.mixed_buckets
         T = num_tokens if self.enforce_eager else bucket(num_tokens, buckets)
         S, bs = self.max_num_seqs, self.block_size
         token_ids = np.zeros(T, np.int32)
@@ -102,10 +112,12 @@ class InputBatcher:
         prev_rows = {s.seq_id: i for i, s in enumerate(prev_seqs)}
         rows, prompt_rows, t = [], [], 0
         for i, it in enumerate(items):
-            seq, n, start = it.seq, it.num_tokens, it.start
-            token_ids[t:t + n] = _token_slice(seq, start, n)
-            if token_ids[t + n - 1] == PENDING:  # only the last output token can be in flight
-                from_prev[t + n - 1] = prev_rows[seq.seq_id]
+            seq, n, start, spec = it.seq, it.num_tokens, it.start, it.spec_token_ids
+            known = n - len(spec)  # the drafts follow the sequence's known tokens
+            token_ids[t:t + known] = _token_slice(seq, start, known)
+            token_ids[t + known:t + n] = spec
+            if token_ids[t + known - 1] == PENDING:  # only the last output token is in flight
+                from_prev[t + known - 1] = prev_rows[seq.seq_id]
             pos = np.arange(start, start + n, dtype=np.int32)
             positions[t:t + n] = pos
             blocks = np.asarray(it.block_ids, np.int32)
@@ -119,11 +131,12 @@ class InputBatcher:
             t += n
             cu[i + 1] = t
             if it.sample:
-                rows.append((seq, t - 1))
+                rows += [(view, t - len(spec) - 1 + j)
+                         for j, view in enumerate(draft_views(seq, spec))]
         cu[len(items) + 1:] = t
         md = AttentionMetadata(slots, kv_lens, tables, cu, np.array([len(items)], np.int32),
                                decode_only=decode_only and self.decode_programs)
-        logits_indices = np.zeros(S, np.int32)
+        logits_indices = np.zeros(self.num_rows, np.int32)
         logits_indices[:len(rows)] = [r[1] for r in rows]
         inputs = StepInputs(token_ids, positions, md, logits_indices, prev_tokens, from_prev)
         return PreparedStep(inputs, [r[0] for r in rows], prompt_rows)
@@ -135,7 +148,7 @@ class InputBatcher:
                                np.zeros((S, self.blocks_per_seq), np.int32),
                                np.zeros(S + 1, np.int32), np.zeros(1, np.int32),
                                decode_only=decode_only)
-        return StepInputs(z, z, md, np.zeros(S, np.int32), prev_tokens, z)
+        return StepInputs(z, z, md, np.zeros(self.num_rows, np.int32), prev_tokens, z)
 
 
 def prompt_logprob_targets(T: int, prompt_rows: list[PromptRows]):

@@ -2,11 +2,12 @@
 (`collect`).
 
 Two compiled functions run every step, each over a small set of shapes known at start-up:
-  forward(state, kv_cache, token_ids[T], positions[T], metadata, logits_indices[max_num_seqs])
-      -> (hidden rows to sample [max_num_seqs, E], all hidden states [T, E], kv_cache,
+  forward(state, kv_cache, token_ids[T], positions[T], metadata, logits_indices[R])
+      -> (hidden rows to sample [R, E], all hidden states [T, E], kv_cache,
           expert load [MoE layers, experts] with --enable-expert-load-metrics, else None)
-      T is a power-of-two token bucket; every other input has a fixed size (max_num_seqs rows,
-      the full block-table width), so T alone picks the program. The cache is donated.
+      T is a power-of-two token bucket; every other input has a fixed size (R = max_num_seqs
+      sampled rows, times 1 + k with k speculative tokens; max_num_seqs rows of metadata, the
+      full block-table width), so T alone picks the program. The cache is donated.
   sample(state, rows, num_rows, sampling tensors) -> sampled tokens (+ logprobs)
       for the first num_rows rows (a dynamic count: the cost follows it, the shape does not);
       the sampler's static variant picks the program (see jaxllm/layers/sampler.py).
@@ -18,6 +19,9 @@ A third serves only steps that compute prompt_logprobs, so it is compiled on fir
 A fourth runs num_scheduler_steps decode steps (forward and sampler) in one call (`burst`).
 The only device-to-host transfers per step are the sampler's output and, when asked, that one's
 (the expert load, when counted, is read in the same transfer as the sampler's output).
+Speculative drafts need no program of their own: a drafted sequence's positions are rows of
+the same sampler call, and `collect` keeps the prefix matching the drafts (jaxllm/spec_decode/
+acceptance.py says why that is exact).
 `dispatch` launches a step and `collect` reads it, so the engine can schedule and dispatch step
 N+1 (its in-flight input tokens read on the device from step N's sampler output) before reading
 step N (async scheduling).
@@ -45,6 +49,7 @@ from jaxllm.layers.attention import empty_kv_caches, kv_cache_shardings
 from jaxllm.layers.sampler import LOGIT_ROWS, SamplerOutput, gathered_token_logprobs, sample_rows
 from jaxllm.layers.sampling_tensors import EXTRA_PENALTY_IDS, SamplingTensors, warmup_tensors
 from jaxllm.sequence import SchedulerOutput, Sequence
+from jaxllm.spec_decode.acceptance import num_accepted
 from jaxllm.worker.compile_manager import CompileManager, ProgramKey
 from jaxllm.worker.executable_cache import ExecutableCache
 from jaxllm.worker.input_batch import (InputBatcher, PromptRows, StepInputs, bucket,
@@ -89,7 +94,7 @@ class StepEvent:
     kind: str
     steps: list[Inflight]
     chained: bool = False  # launched before the step it follows was read (async scheduling)
-    sampled: Optional[dict] = None          # collect: seq_id -> SampleResult
+    sampled: Optional[dict] = None          # collect: seq_id -> [SampleResult, ...]
     prompt_logprobs: Optional[dict] = None  # collect: seq_id -> (first, [SampleResult, ...])
 
 
@@ -97,7 +102,8 @@ class ModelRunner:
     def __init__(self, model, model_config, mesh, *, num_blocks: int, block_size: int,
                  kv_cache_dtype, max_num_seqs: int, max_num_batched_tokens: int,
                  max_logprobs: int, enforce_eager: bool = False,
-                 executable_dir: Optional[str] = None, num_scheduler_steps: int = 1):
+                 executable_dir: Optional[str] = None, num_scheduler_steps: int = 1,
+                 num_speculative_tokens: int = 0):
         self.model_config = model_config
         self.num_scheduler_steps = num_scheduler_steps
         self.mesh = mesh
@@ -105,6 +111,7 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_logprobs = max_logprobs
         self.enforce_eager = enforce_eager
+        self.num_rows = max_num_seqs * (1 + num_speculative_tokens)  # sampled rows per step
         backend = model.backend
         self.input_batch = InputBatcher(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -112,7 +119,7 @@ class ModelRunner:
             enforce_eager=enforce_eager,
             # Decode steps get programs of their own (decode tiling) unless the attention is
             # the same for every step: then a decode step of T tokens runs the bucket T one.
-            decode_programs=backend.decode_programs(kv_cache_dtype))
+            decode_programs=backend.decode_programs(kv_cache_dtype), num_rows=self.num_rows)
         self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
         self.graphdef, state = nnx.split(model)
         self.state = backend.relayout(state, model_config)  # the weights as its ops read them
@@ -131,7 +138,7 @@ class ModelRunner:
                                 out_shardings=(self.rows_sharding, self.rows_sharding,
                                                kv_sharding, self.rows_sharding))
         self._sample = jax.jit(self._sample_fn, out_shardings=self.rows_sharding)
-        self._no_prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32),
+        self._no_prev_tokens = jax.device_put(np.zeros(self.num_rows, np.int32),
                                               self.rows_sharding)
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn)
         self._burst = jax.jit(self._burst_fn, donate_argnums=(1,),
@@ -224,7 +231,7 @@ class ModelRunner:
                                         self._prev_tokens(prev))
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        return SamplingTensors.from_seqs(seqs, pad_to=self.max_num_seqs,
+        return SamplingTensors.from_seqs(seqs, pad_to=self.num_rows,
                                          vocab_size=self.model_config.vocab_size,
                                          max_logprobs=self.max_logprobs,
                                          penalty_width=self.penalty_width)
@@ -295,16 +302,22 @@ class ModelRunner:
         self._notify(StepEvent("burst", inflights, chained=prev is not None))
         return inflights
 
-    def collect(self, step: Inflight) -> tuple[dict[str, SampleResult], dict[str, tuple]]:
-        """Wait for a dispatched step. Returns the sampled token (and logprobs) of each sequence
-        that samples, and {seq_id: (first, [SampleResult per prompt token first, first + 1,
-        ...])} for the prompt positions computed for prompt_logprobs."""
-        sampled = {}
+    def collect(self, step: Inflight) -> tuple[dict[str, list[SampleResult]], dict[str, tuple]]:
+        """Wait for a dispatched step. Returns the sampled tokens (and logprobs) of each
+        sequence that samples: one, or with drafts the accepted ones and the token after
+        them; and {seq_id: (first, [SampleResult per prompt token first, first + 1, ...])}
+        for the prompt positions computed for prompt_logprobs."""
+        sampled: dict[str, list[SampleResult]] = {}
         if step.expert_load is not None:
             self._unread_loads.append(step.expert_load)
         if step.out is not None:
             out, loads = jax.device_get((step.out, self._unread_loads))
-            sampled = {seq.seq_id: _result(out, i, seq) for i, seq in enumerate(step.seqs)}
+            for i, seq in enumerate(step.seqs):
+                sampled.setdefault(seq.seq_id, []).append(_result(out, i, seq))
+            for s in step.sched.scheduled:
+                rows = sampled.get(s.seq.seq_id)
+                if s.spec_token_ids and rows:
+                    del rows[num_accepted([r.token for r in rows], s.spec_token_ids) + 1:]
             if loads:  # one transfer with the tokens: counting adds no wait of its own
                 self.expert_load += np.sum(loads, axis=0)
                 self._unread_loads = []
@@ -331,7 +344,7 @@ class ModelRunner:
         if self.enforce_eager:
             return
         cm, shapes = self.compile_manager, self.input_batch.forward_shapes()
-        tensors = warmup_tensors(self.max_num_seqs, self.model_config.vocab_size,
+        tensors = warmup_tensors(self.num_rows, self.model_config.vocab_size,
                                  max_logprobs=self.max_logprobs,
                                  penalty_width=self.penalty_width)
         if greedy_only:

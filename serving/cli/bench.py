@@ -88,20 +88,20 @@ def _load(args):
 
 
 def _latency(args) -> None:
-    from jaxllm.benchmarks.offline import run_latency
+    from jaxllm.benchmarks.offline import run_latency, spec_decode_summary
 
     llm, engine_args, startup = _load(args)
     res = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.num_iters,
                       args.num_iters_warmup, engine_args.seed)
-    _report(args, {"startup_s": startup, **res})
+    _report(args, {"startup_s": startup, **res, **spec_decode_summary(llm.llm_engine.stats())})
 
 
 def _throughput(args) -> None:
-    from jaxllm.benchmarks.offline import make_requests, run_throughput
+    from jaxllm.benchmarks.offline import make_requests, run_throughput, spec_decode_summary
 
     llm, engine_args, startup = _load(args)
     res = run_throughput(llm, make_requests(llm, args, engine_args.seed))
-    _report(args, {"startup_s": startup, **res})
+    _report(args, {"startup_s": startup, **res, **spec_decode_summary(llm.llm_engine.stats())})
 
 
 def _serve(args) -> None:

@@ -1,0 +1,96 @@
+"""The engine's side of speculative decoding: who gets drafts this step, and the counters.
+
+Before each schedule the engine asks `Speculator.propose` for drafts of the running requests
+that can take them; the scheduler gives a drafted request 1 + k tokens, the runner samples all
+of their positions and keeps the matching prefix (acceptance.py), and `record` counts what was
+proposed and accepted under vLLM's metric names. A step in which nobody has drafts is the
+plain step: speculation costs nothing when lookup finds nothing. When lookup finds drafts
+that the model rejects, each costs a wider step for nothing, so a request whose drafts were
+all rejected rests from proposing for 1, 2, 4, ... up to MAX_BACKOFF steps (reset by any
+acceptance): on text where guesses keep failing speculation all but switches itself off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxllm.sequence import SchedulerOutput, Sequence, SequenceStatus
+from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.spec_decode.proposer import Proposer, make_proposer
+
+MAX_BACKOFF = 16  # steps a request rests at most after its drafts were all rejected
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 proposer: Proposer | None = None):
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.max_model_len = min(max_model_len, config.max_model_len or max_model_len)
+        self.proposer = proposer if proposer is not None else make_proposer(config)
+        self.num_drafts = 0          # requests-steps that carried drafts
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.k  # drafts accepted at position 0, 1, ...
+        self.num_steps = 0           # steps collected (with drafts or not)
+        self._rest: dict[str, list[int]] = {}  # seq_id -> [steps left to rest, last rest]
+
+    def propose(self, running: list[Sequence]) -> dict[str, list[int]]:
+        """{seq_id: drafts} for the running requests that decode with all tokens known and
+        no grammar (whose mask would need the drafts fed to its matcher), unless
+        disable_by_batch_size requests or more run. Drafts never run past max_tokens or
+        max_model_len: the step's last token (accepted run plus one) still fits."""
+        off = self.config.disable_by_batch_size
+        if not running or (off is not None and len(running) >= off):
+            return {}
+        seqs = [s for s in running if s.status == SequenceStatus.RUNNING and s.grammar is None
+                and s.num_tokens - s.num_computed_tokens == 1 and not s.has_pending
+                and not self._resting(s.seq_id)]
+        if not seqs:
+            return {}
+        limits = np.array([min(self.max_model_len - s.num_tokens,
+                               (s.sampling_params.max_tokens or self.max_model_len)
+                               - s.num_output_tokens) - 1 for s in seqs], np.int64)
+        drafts, counts = self.proposer.propose(seqs, self.k, np.clip(limits, 0, self.k))
+        return {s.seq_id: drafts[r, :counts[r]].tolist() for r, s in enumerate(seqs)
+                if counts[r] > 0}
+
+    def record(self, sched: SchedulerOutput, sampled: dict[str, list]) -> None:
+        """Count a collected step, its drafts and how many of each position were accepted."""
+        drafted = [s for s in sched.scheduled if s.spec_token_ids and s.seq.seq_id in sampled]
+        for s in drafted:
+            accepted = len(sampled[s.seq.seq_id]) - 1
+            self.num_drafts += 1
+            self.num_draft_tokens += len(s.spec_token_ids)
+            self.num_accepted_tokens += accepted
+            self._backoff(s.seq.seq_id, accepted)
+            for j in range(accepted):
+                self.accepted_per_pos[j] += 1
+        self.num_steps += 1
+
+    def free(self, seq_id: str) -> None:
+        self.proposer.free(seq_id)
+        self._rest.pop(seq_id, None)
+
+    def _resting(self, seq_id: str) -> bool:
+        rest = self._rest.get(seq_id)
+        if rest is None or rest[0] == 0:
+            return False
+        rest[0] -= 1
+        return True
+
+    def _backoff(self, seq_id: str, accepted: int) -> None:
+        if accepted:
+            self._rest.pop(seq_id, None)
+            return
+        last = self._rest.get(seq_id, [0, 0])[1]
+        rest = min(2 * last, MAX_BACKOFF) if last else 1
+        self._rest[seq_id] = [rest, rest]
+
+    def stats(self) -> dict:
+        """The counters, named as vLLM's spec_decode metrics (without the prefix)."""
+        return {"spec_decode_num_drafts": self.num_drafts,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+                "spec_decode_num_steps": self.num_steps}

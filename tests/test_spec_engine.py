@@ -1,0 +1,351 @@
+"""N-gram speculative decoding through the engine (issue 27): outputs equal plain decoding
+(greedy against transformers; seeded sampling token for token; unseeded sampling in
+distribution), with preemption, prefix caching, mixed batches, stops inside accepted runs,
+the counters on /metrics, and the refusals of what it cannot do."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.config import ConfigError, EngineArgs
+from jaxllm.sequence import Sequence, SequenceStatus
+from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.spec_decode.speculator import Speculator
+from jaxllm.structured_output import StructuredOutputsParams as SO
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+# A repetition penalty below 1 makes the random tiny model copy what it has seen, so its
+# outputs repeat and lookups are accepted (runs of 2 and 3 drafts, not only single ones).
+COPY = dict(repetition_penalty=0.2, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _fail_on_recompile(monkeypatch):
+    monkeypatch.setenv("JAXLLM_FAIL_ON_RECOMPILE", "1")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    # 64 blocks of 4 tokens: 8 running sequences of up to ~90 tokens preempt each other.
+    return LLM(tiny_llama, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
+               block_size=4, num_gpu_blocks_override=64, use_tqdm_on_load=False, seed=0,
+               disable_log_stats=True, speculative_config=NGRAM)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return ([rng.integers(3, 500, size=int(rng.integers(3, 40))).tolist() for _ in range(14)]
+            + [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8])
+
+
+@contextlib.contextmanager
+def plain(llm):
+    """The same engine without speculation (its steps are then the plain steps)."""
+    eng = llm.llm_engine
+    spec, eng.speculator = eng.speculator, None
+    try:
+        yield
+    finally:
+        eng.speculator = spec
+
+
+def counters(llm) -> dict:
+    s = llm.llm_engine.stats()
+    return {k.removeprefix("spec_decode_"): v for k, v in s.items() if k.startswith("spec_")}
+
+
+def gen(llm, prompts, params):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_matches_transformers_under_preemption(llm, tiny_llama, prompts):
+    from test_engine import hf_greedy
+
+    before = counters(llm)
+    outs = gen(llm, prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    after = counters(llm)
+    assert ids(outs) == hf_greedy(tiny_llama, prompts, 24)
+    assert after["num_accepted_tokens"] > before["num_accepted_tokens"]
+    eng = llm.llm_engine
+    assert eng.scheduler.num_preemptions > 0 and eng.kv_cache_manager.usage == 0.0
+
+
+def test_seeded_sampling_is_token_for_token_plain(llm, prompts):
+    """Every sampling parameter, logprobs included: token i uses the uniform of (seed, i) on
+    the same distribution with or without drafts, so the outputs are identical."""
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=32, logprobs=2,
+                             top_k=[0, 20][i % 2], top_p=[1.0, 0.9][i % 3 % 2],
+                             min_p=0.02 * (i % 2), frequency_penalty=0.3 * (i % 3 == 0),
+                             logit_bias={7: 1.5}, min_tokens=3, **COPY)
+              for i in range(len(prompts))]
+    before = counters(llm)
+    spec = gen(llm, prompts, params)
+    after = counters(llm)
+    with plain(llm):
+        want = gen(llm, prompts, params)
+    assert ids(spec) == ids(want)
+    for a, b in zip(spec, want):  # the same up to the batch's rounding
+        for got, ref in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert got.keys() == ref.keys()
+            assert [lp.rank for lp in got.values()] == [lp.rank for lp in ref.values()]
+            np.testing.assert_allclose([lp.logprob for lp in got.values()],
+                                       [lp.logprob for lp in ref.values()], atol=1e-3)
+    per_pos = np.subtract(after["num_accepted_tokens_per_pos"],
+                          before["num_accepted_tokens_per_pos"])
+    assert per_pos[1] > 0  # runs of two accepted drafts were verified on sampled rows
+
+
+def test_sampled_distribution_equals_plain(llm):
+    """Unseeded outputs are draws: a two-sample chi-square test on the second and third
+    tokens (each over its 7 commonest values and the rest) between disjoint seed ranges."""
+    n, prompt = 400, [[5, 6, 7, 8] * 5]
+    params = lambda first: [SamplingParams(temperature=1.0, top_k=6, max_tokens=3, seed=first + i,  # noqa
+                                           **COPY) for i in range(n)]
+    with plain(llm):
+        want = np.array(ids(gen(llm, prompt * n, params(0))))
+    before = counters(llm)
+    got = np.array(ids(gen(llm, prompt * n, params(n))))
+    assert counters(llm)["num_accepted_tokens"] > before["num_accepted_tokens"]
+    for pos in (1, 2):
+        values, counts = np.unique(np.r_[want[:, pos], got[:, pos]], return_counts=True)
+        top = values[np.argsort(-counts)[:7]]
+        table = np.array([[np.sum(x[:, pos] == v) for v in top] + [np.sum(~np.isin(x[:, pos], top))]
+                          for x in (want, got)], float)
+        table = table[:, table.sum(0) > 0]
+        expect = table.sum(0) * 0.5  # equal sample sizes
+        chi2 = ((table - expect) ** 2 / expect).sum()
+        assert table.shape[1] >= 4, "the test needs several outcomes"
+        assert chi2 < 29.9  # <= 7 dof, P(chi2 > 29.9) <= 1e-4
+
+
+def test_mixed_batch_grammar_logprobs_and_drafts(llm, prompts):
+    """Rows with a grammar take no drafts, rows with logprobs or n > 1 do; all in one batch."""
+    params = [SamplingParams(temperature=0.0, max_tokens=20, **COPY),
+              SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=SO(
+                  choice=["Paris", "London"])),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=20, logprobs=1,
+                             prompt_logprobs=1, **COPY),
+              SamplingParams(temperature=0.7, seed=9, n=2, max_tokens=20, **COPY)]
+    ps = prompts[-2:] + prompts[:2]
+    seen = []
+    remove = llm.llm_engine.runner.add_step_hook(
+        lambda e: e.kind == "dispatch" and seen.append(
+            [(s.seq.grammar is not None, len(s.spec_token_ids)) for s in e.steps[0].sched.scheduled]))
+    try:
+        spec = gen(llm, ps, params)
+    finally:
+        remove()
+    with plain(llm):
+        want = gen(llm, ps, params)
+    assert [[o.token_ids for o in r.outputs] for r in spec] == \
+        [[o.token_ids for o in r.outputs] for r in want]
+    assert spec[1].outputs[0].text in ("Paris", "London")
+    assert spec[2].prompt_logprobs is not None and spec[2].prompt_logprobs[1:] == \
+        want[2].prompt_logprobs[1:]
+    assert all(n == 0 for step in seen for g, n in step if g)
+    assert any(g for step in seen for g, _ in step)
+    assert any(n > 0 and any(g for g, _ in step) for step in seen for _, n in step)
+
+
+def accepted_runs(llm, prompts, params):
+    """The outputs, and per output the indices emitted as accepted drafts (not a run's last
+    token, so a stop there must drop the rest of the run)."""
+    runs = []
+    remove = llm.llm_engine.runner.add_step_hook(
+        lambda e: e.kind == "collect" and runs.extend(
+            (s.seq.seq_id, s.out_index, len(e.sampled[s.seq.seq_id]))
+            for s in e.steps[0].sched.scheduled if len(e.sampled.get(s.seq.seq_id, ())) > 1))
+    try:
+        outs = gen(llm, prompts, params)
+    finally:
+        remove()
+    inside = {o.request_id: set() for o in outs}
+    for seq_id, start, n in runs:
+        inside[seq_id].update(range(start, start + n - 1))
+    return [(o.outputs[0], sorted(inside[o.request_id])) for o in outs]
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run(llm, prompts):
+    def params(max_tokens=40, **kw):
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, **COPY, **kw)
+
+    def run(prompt, **kw):
+        return gen(llm, [prompt], params(**kw))[0].outputs[0]
+
+    runs = accepted_runs(llm, prompts, params())
+    # A stop token first output inside an accepted run (not as its last token).
+    p, tokens, idx = next((p, o.token_ids, i) for p, (o, inside) in zip(prompts, runs)
+                          for i in inside if o.token_ids.index(o.token_ids[i]) == i)
+    out = run(p, stop_token_ids=[tokens[idx]])
+    assert out.token_ids == tokens[:idx + 1] and out.finish_reason == "stop"
+    out = run(p, max_tokens=idx + 1)
+    assert out.token_ids == tokens[:idx + 1] and out.finish_reason == "length"
+    # A stop string ending inside a run: the run's tokens after it are dropped.
+    tok = llm.get_tokenizer()
+    p, o, i, prefix = next(
+        (p, o, i, t) for p, (o, inside) in zip(prompts, runs) for i in inside
+        for t in [tok.decode(o.token_ids[:i + 1])]
+        if o.text.startswith(t) and t[-2:].strip() and "\ufffd" not in t[-2:])
+    stop, text = prefix[-2:], o.text
+    out = run(p, stop=[stop])
+    assert out.text == text[:text.index(stop)] and out.finish_reason == "stop"
+    assert len(out.token_ids) <= i + 1 and out.token_ids == o.token_ids[:len(out.token_ids)]
+
+
+def test_prefix_cache_only_holds_accepted_tokens(llm, prompts):
+    """A second request whose prompt is the first's prompt plus output hits the cache for
+    the blocks the first wrote, drafts included, and decodes as without the cache."""
+    p = SamplingParams(temperature=0.0, max_tokens=30, **COPY)
+    first = gen(llm, [prompts[-1]], p)[0].outputs[0].token_ids
+    again = gen(llm, [prompts[-1] + first], p)[0]
+    assert again.num_cached_tokens >= 4 * ((len(prompts[-1]) + len(first) - 1) // 4) - 4
+    llm.llm_engine.kv_cache_manager.reset_prefix_cache()
+    cold = gen(llm, [prompts[-1] + first], p)[0]
+    assert cold.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_metrics_exposition(llm, prompts):
+    from serving.metrics import ServerMetrics
+
+    gen(llm, prompts[-2:], SamplingParams(temperature=0.0, max_tokens=20, **COPY))
+    s = counters(llm)
+    text = ServerMetrics(llm.llm_engine, "m").exposition().decode()
+    assert s["num_drafts"] > 0 and s["num_accepted_tokens"] > 0
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert f'vllm:spec_decode_{name}_total{{model_name="m"}} {float(s[name])}' in text
+    for pos, n in enumerate(s["num_accepted_tokens_per_pos"]):
+        assert (f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",'
+                f'position="{pos}"}} {float(n)}') in text
+    assert sum(s["num_accepted_tokens_per_pos"]) == s["num_accepted_tokens"]
+
+
+# --- host-only: the proposer's choices and the flag -----------------------------------------
+
+def seq(seq_id, tokens, out=(), **sp):
+    s = Sequence(seq_id, list(tokens), SamplingParams(**sp), status=SequenceStatus.RUNNING)
+    s.output_token_ids = list(out)
+    s.num_computed_tokens = s.num_tokens - 1
+    return s
+
+
+def test_speculator_limits_and_switch_off():
+    cfg = SpeculativeConfig.parse({**NGRAM, "disable_by_batch_size": 3})
+    sp = Speculator(cfg, max_model_len=64)
+    rep = [1, 2, 3, 4] * 4
+    a, b = seq("a", rep, max_tokens=100), seq("b", rep, out=[1], max_tokens=3)
+    c = seq("c", [9, 8, 7, 6])  # nothing to look up
+    assert sp.propose([a, b, c]) == {}  # 3 running >= disable_by_batch_size
+    assert sp.propose([a, b]) == {"a": [1, 2, 3], "b": [2]}  # b: 1 out + 1 draft + 1 = 3
+    assert sp.propose([a, c]) == {"a": [1, 2, 3]}
+    long = seq("l", (rep * 4)[:62])  # 62 tokens of max_model_len 64
+    assert sp.propose([long]) == {"l": [3]}  # 62 + 1 draft + 1 = 64
+    g = seq("g", rep)
+    g.grammar = object()  # a grammar's mask would need the drafts fed to its matcher
+    pending = seq("p", rep, out=[-1])
+    prefill = seq("f", rep)
+    prefill.num_computed_tokens = 0
+    assert sp.propose([g, pending, prefill]) == {}
+
+
+def test_drafts_take_only_free_blocks():
+    from jaxllm.engine.kv_cache_manager import KVCacheManager
+    from jaxllm.engine.scheduler import Scheduler
+
+    sched = Scheduler(KVCacheManager(4, 4), max_num_seqs=4, max_num_batched_tokens=64,
+                      max_model_len=16, block_size=4)
+    a, b = (Sequence(i, [1, 2, 3], SamplingParams(max_tokens=10)) for i in "ab")
+    for x in (a, b):
+        sched.add_seq(x)
+    sched.update_from_output(sched.schedule(), {"a": [7], "b": [8]})  # a block each
+    out = sched.schedule({"a": [1, 2, 3, 4, 5, 6], "b": [1, 2]})
+    # a's drafts take the two free blocks; b's would need a third: b decodes alone.
+    assert [(s.seq.seq_id, s.num_tokens, s.spec_token_ids) for s in out.scheduled] == \
+        [("a", 7, [1, 2, 3, 4, 5, 6]), ("b", 1, [])]
+    assert out.preempted_ids == [] and sched.kv.num_free_blocks == 0
+    sched.update_from_output(out, {"a": [1, 2, 9], "b": [5]})  # a: 2 drafts accepted
+    assert a.output_token_ids == [7, 1, 2, 9] and a.num_computed_tokens == 6
+    assert b.output_token_ids == [8, 5] and b.num_computed_tokens == 4
+
+
+def test_rejected_drafts_back_off():
+    from jaxllm.sequence import ScheduledSequence, SchedulerOutput
+
+    sp = Speculator(SpeculativeConfig.parse(NGRAM), max_model_len=64)
+    a = seq("a", [1, 2, 3, 4] * 4, max_tokens=100)
+
+    def step(accepted: int) -> bool:
+        d = sp.propose([a]).get("a")
+        if d:
+            item = ScheduledSequence(a, 15, 1 + len(d), [], True, spec_token_ids=d)
+            sp.record(SchedulerOutput([item]), {"a": [0] * (accepted + 1)})
+        return bool(d)
+
+    # Rests of 1, 2, 4, 8 steps after each rejected proposal; an acceptance ends them.
+    assert [step(0) for _ in range(12)] == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0]
+    assert [step(1) for _ in range(9)] == [0] * 7 + [1, 1]
+    assert sp.num_drafts == 6 and sp.num_accepted_tokens == 2
+
+
+@pytest.mark.parametrize("value, match", [
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "eagle"),
+    ('{"method": "ngram"}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}', "foo"),
+    ("{not json", "JSON"),
+])
+def test_bad_speculative_config_is_refused_by_name(value, match):
+    with pytest.raises(ConfigError, match=f"--speculative-config.*{match}"):
+        EngineArgs(speculative_config=value)
+
+
+def test_speculative_config_flag_and_combinations():
+    from serving.cli.serve import parse_args
+
+    args = EngineArgs.from_cli_args(parse_args(["m", "-sc", '{"model": "ngram", '
+                                                '"num_speculative_tokens": 2}']))
+    assert args.speculative_config == SpeculativeConfig("ngram", 2, prompt_lookup_max=5,
+                                                        prompt_lookup_min=5)
+    with pytest.raises(ConfigError, match="--speculative-config.*--num-scheduler-steps"):
+        EngineArgs(speculative_config=NGRAM, num_scheduler_steps=4)
+    from jaxllm.spec_decode.proposer import make_proposer
+    with pytest.raises(ConfigError, match="--speculative-config.*draft_model"):
+        make_proposer(SpeculativeConfig.parse({"model": "/m", "num_speculative_tokens": 2}))
+
+
+
+@pytest.mark.slow  # loads and compiles the real default model (~1 min)
+def test_default_model_greedy_with_accepted_drafts():
+    """SmolLM2: greedy outputs with n-gram drafts equal those without, on prompts that make
+    it repeat text (drafts accepted, runs of several tokens) and on open ones."""
+    llm = LLM(dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64,
+              use_tqdm_on_load=False, disable_log_stats=True,
+              speculative_config={**NGRAM, "num_speculative_tokens": 4})
+    text = ("The quick brown fox jumps over the lazy dog. Speculative decoding checks several "
+            "guessed tokens in one step of the model.")
+    chats = [[{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}],
+             [{"role": "user", "content": "Write a short poem about the sea."}]]
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False) for c in chats]
+    prompts += [tok.encode("def fibonacci(n):")]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    before = counters(llm)
+    spec = ids(gen(llm, prompts, params))
+    after = counters(llm)
+    with plain(llm):
+        want = ids(gen(llm, prompts, params))
+    assert spec == want
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    drafts = after["num_drafts"] - before["num_drafts"]
+    assert accepted > 0 and after["num_accepted_tokens_per_pos"][3] > 0
+    assert 1 + accepted / drafts > 2  # mean acceptance length on this repetitive mix
