@@ -48,3 +48,18 @@ def split_stage(model: Decoder, start: int, end: int, mesh: Mesh) -> Decoder:
         sharding = named_sharding(mesh, var.get_metadata()["out_sharding"], var.shape)
         var.set_value(jax.device_put(value, sharding))
     return nnx.merge(nnx.graphdef(stage), state)
+
+
+def stage_forward(stage: Decoder, kv_caches, x: jax.Array, positions: jax.Array, md,
+                  logits_indices: jax.Array):
+    """One stage's part of a step. x: token ids [T] (the first stage embeds them) or the
+    hidden states [T, E] the stage before handed on. A stage before the last returns its
+    hidden states and caches; the last (it has the final norm) returns as the whole model's
+    forward does: the rows to sample [len(logits_indices), E], all final hidden states, and
+    its caches."""
+    h = stage.embed_tokens(x) if x.ndim == 1 else x
+    h, kv_caches = stage.run_layers(h, kv_caches, positions, md)
+    if stage.final_norm is None:
+        return h, kv_caches
+    hidden = stage.apply_final_norm(h)
+    return hidden[logits_indices], hidden, kv_caches

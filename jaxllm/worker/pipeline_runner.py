@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.layers.attention import empty_kv_caches, kv_cache_shardings
+from jaxllm.models.pipeline_stage import stage_forward
 from jaxllm.worker.compile_manager import ProgramKey
 from jaxllm.worker.input_batch import StepInputs
 from jaxllm.worker.model_runner import ModelRunner
@@ -83,16 +84,8 @@ class PipelineRunner(ModelRunner):
         return self.num_stages
 
     def _stage_fn(self, s: int, state, kv_cache, x, positions, md, logits_indices):
-        """Stage s: token ids (stage 0) or the hidden states entering its first layer -> those
-        leaving its last layer; the last stage returns the sampler's rows, the final hidden
-        states and its cache as the whole model's forward does."""
-        model = nnx.merge(self.stage_graphdefs[s], state)
-        h = model.embed_tokens(x) if s == 0 else x
-        h, kv_cache = model.run_layers(h, kv_cache, positions, md)
-        if s < self.num_stages - 1:
-            return h, kv_cache
-        hidden = model.apply_final_norm(h)
-        return hidden[logits_indices], hidden, kv_cache
+        return stage_forward(nnx.merge(self.stage_graphdefs[s], state), kv_cache, x,
+                             positions, md, logits_indices)
 
     def _stage_args(self, s: int, x, inputs: StepInputs) -> tuple:
         return (self.stage_states[s], self.stage_kv[s], x, inputs.positions, inputs.metadata,
