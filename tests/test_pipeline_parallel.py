@@ -157,6 +157,10 @@ def test_pipeline_engines_match_single_device(make_tiny_checkpoint):
         # A stage holds its layers only: less than the whole model's weights on a device.
         assert all(m["weight_bytes_per_device"] < base["weight_bytes"] for m in mem), name
         assert run["preemptions"] > 0, name
+    # Middle stages hold no embedding and no LM head: less than the first and last stage.
+    middle = report["pp4"]["memory"][1:3]
+    assert all(m["weight_bytes_per_device"] < report["pp4"]["memory"][0]["weight_bytes_per_device"]
+               for m in middle)
     # While steps are in flight the stages work at once (the timeline of the PP 2 run).
     timeline = report["pp2"]["timeline"]
     assert timeline["steps"] > 10
