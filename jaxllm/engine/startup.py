@@ -183,6 +183,10 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_tokens,
                        max_logprobs=args.max_logprobs, enforce_eager=args.enforce_eager,
                        num_scheduler_steps=args.num_scheduler_steps)
+    if meshes is not None and pooler_config is not None:
+        raise ConfigError(f"--pipeline-parallel-size={pp}: the pooling runner (--runner auto "
+                          f"chose it for this sentence-transformers folder) is not implemented "
+                          f"with a pipeline; give --runner generate or drop the flag")
     if meshes is not None:
         from jaxllm.engine.pp_engine import build_pipeline_runner
         runner, num_blocks = build_pipeline_runner(args, model, mc, meshes, runner_args)
