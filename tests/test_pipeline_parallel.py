@@ -167,6 +167,43 @@ def test_pipeline_engines_match_single_device(make_tiny_checkpoint):
     assert timeline["overlap_fraction"] > 0.05, timeline
 
 
+@pytest.mark.slow
+def test_moe_stages_split_layer_groups(make_tiny_checkpoint):
+    """Qwen2-MoE with a dense layer between MoE ones (three layer groups): stage 0 gets layers
+    0-1 (a MoE and the dense group), stage 1 layer 2; eager steps, same tokens as one device."""
+    path = make_tiny_checkpoint("qwen2_moe")
+    proc = run_with_host_devices(2, [__file__, path, "moe"], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["layers"] == [2, 1]
+    assert report["pp2"] == report["base"] and len(report["base"]) == 3
+
+
+def _moe_child(path: str) -> dict:
+    from jaxllm import SamplingParams
+    from jaxllm.config import EngineArgs
+    from jaxllm.engine.engine import LLMEngine
+    from jaxllm.engine.pp_engine import PipelineEngine
+
+    report = {}
+    for name, cls, pp in (("base", LLMEngine, 1), ("pp2", PipelineEngine, 2)):
+        engine = cls(EngineArgs(model=path, dtype="float32", enforce_eager=True,
+                                max_model_len=64, num_gpu_blocks_override=8,
+                                attention_backend="reference", use_tqdm_on_load=False,
+                                max_num_batched_tokens=8, pipeline_parallel_size=pp))
+        for i, p in enumerate([list(range(5, 15)), [30, 31], [40, 41, 42, 43, 44]]):
+            engine.add_request(str(i), {"prompt_token_ids": p},
+                               SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        out = {}
+        while engine.has_unfinished_requests():
+            out.update((o.request_id, o.outputs[0].token_ids) for o in engine.step()
+                       if o.finished)
+        report[name] = out
+        if pp > 1:
+            report["layers"] = [m["layers"] for m in engine.runner.memory_report()]
+    return report
+
+
 def _child(path: str) -> dict:
     import time
 
@@ -210,4 +247,4 @@ def _child(path: str) -> dict:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    print(json.dumps(_child(sys.argv[1])))
+    print(json.dumps(_moe_child(sys.argv[1]) if sys.argv[2:] == ["moe"] else _child(sys.argv[1])))

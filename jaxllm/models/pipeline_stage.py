@@ -34,8 +34,9 @@ def split_stage(model: Decoder, start: int, end: int, mesh: Mesh) -> Decoder:
     stage = abstract_decoder(cfg, model.backend, first=start == 0,
                              last=end == model.cfg.num_layers)
     # Stage group j is the j-th group of the model that meets [start, end), cut to it.
-    cuts = [(i, max(start, g.first) - g.first, min(end, g.first + g.count) - g.first)
-            for i, g in enumerate(model.groups) if max(start, g.first) < min(end, g.first + g.count)]
+    spans = [(i, g.first, max(start, g.first), min(end, g.first + g.count))
+             for i, g in enumerate(model.groups)]
+    cuts = [(i, a - first, b - first) for i, first, a, b in spans if a < b]
     full = dict(nnx.to_flat_state(nnx.state(model)))
     state = nnx.state(stage)
     for path, var in nnx.to_flat_state(state):

@@ -142,18 +142,12 @@ class PipelineRunner(ModelRunner):
 
     def memory_report(self) -> list[dict]:
         """Per stage: its layers, and the weight and KV-cache bytes on one of its devices."""
-        def per_device(tree) -> int:
-            device = None
-            total = 0
-            for leaf in jax.tree.leaves(tree):
-                shard = leaf.addressable_shards[0] if device is None else next(
-                    sh for sh in leaf.addressable_shards if sh.device == device)
-                device = shard.device
-                total += shard.data.nbytes
-            return total
+        def per_device(tree, device) -> int:
+            return sum(sh.data.nbytes for leaf in jax.tree.leaves(tree)
+                       for sh in leaf.addressable_shards if sh.device == device)
 
         return [{"stage": s, "layers": sum(int(c.k.shape[0]) for c in self.stage_kv[s]),
                  "devices": [d.id for d in mesh.devices.flat],
-                 "weight_bytes_per_device": per_device(self.stage_states[s]),
-                 "kv_bytes_per_device": per_device(self.stage_kv[s])}
+                 "weight_bytes_per_device": per_device(self.stage_states[s], mesh.devices.flat[0]),
+                 "kv_bytes_per_device": per_device(self.stage_kv[s], mesh.devices.flat[0])}
                 for s, mesh in enumerate(self.meshes)]
