@@ -111,7 +111,11 @@ class EngineArgs:
                                   "(ignore it) or a folder.", default="auto")
     tensor_parallel_size: int = _arg("Devices along the tensor-parallel ('model') mesh axis.",
                                      default=1)
-    pipeline_parallel_size: int = _arg("Pipeline stages.", default=1)
+    pipeline_parallel_size: int = _arg(
+        "Pipeline stages, each on its own --tensor-parallel-size devices holding a contiguous "
+        "share of the layers (vLLM's split; $JAXLLM_PP_LAYER_PARTITION or "
+        "$VLLM_PP_LAYER_PARTITION, e.g. '12,10,10', overrides it); up to this many steps are "
+        "in flight so the stages work at once.", default=1)
     data_parallel_size: int = _arg("Engine replicas, each on its own --tensor-parallel-size "
                                    "devices, behind one server; a router sends each request "
                                    "to the replica holding its prompt's prefix, else the "
@@ -273,9 +277,8 @@ class EngineArgs:
             bad("headless", "rank 0 serves the API; --headless is for the other --node-rank's")
         if self.distributed_timeout_seconds < 1:
             bad("distributed_timeout_seconds", "must be positive")
-        if self.pipeline_parallel_size != 1:
-            bad("pipeline_parallel_size", "pipeline parallelism is not implemented yet; "
-                "use --tensor-parallel-size")
+        if self.pipeline_parallel_size > 1:
+            self._validate_pipeline()
         self._validate_data_parallel(bad)
         if self.quantization is not None:
             bad("quantization", "no quantization method is implemented yet")
@@ -339,6 +342,26 @@ class EngineArgs:
         """Replicas this node runs (--data-parallel-size-local, default all of them)."""
         return (self.data_parallel_size if self.data_parallel_size_local is None
                 else self.data_parallel_size_local)
+
+    def _validate_pipeline(self) -> None:
+        """What --pipeline-parallel-size does not combine with yet, refused by name."""
+        for name, on, why in (
+                ("data_parallel_size", self.data_parallel_size > 1, "replicas of a pipeline"),
+                ("nnodes", self.nnodes > 1, "stages on several hosts"),
+                ("enable_expert_parallel", self.enable_expert_parallel,
+                 "experts sharded inside a stage"),
+                ("num_scheduler_steps", self.num_scheduler_steps > 1,
+                 "multi-step programs (the pipeline already keeps the stages busy)"),
+                ("speculative_config", self.speculative_config is not None,
+                 "speculative decoding"),
+                ("enable_expert_load_metrics", self.enable_expert_load_metrics,
+                 "counting expert loads across stages"),
+                ("runner", self.runner == "pooling" or self.convert == "embed",
+                 "the pooling runner")):
+            if on:
+                raise ConfigError(f"--pipeline-parallel-size={self.pipeline_parallel_size} with "
+                                  f"--{_flag(name)}={getattr(self, name)!r}: {why} is not "
+                                  f"implemented; drop one of the two")
 
     def _validate_structured_outputs(self) -> None:
         from jaxllm.structured_output.params import BACKENDS

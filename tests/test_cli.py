@@ -96,7 +96,8 @@ def test_busy_port_fails_fast_with_a_clear_message():
 
 
 def test_bad_engine_flag_is_one_line():
-    r = jaxllm("serve", "--port", "0", "--pipeline-parallel-size", "2", timeout=120)
+    r = jaxllm("serve", "--port", "0", "--pipeline-parallel-size", "2", "-dp", "2",
+               timeout=120)
     assert r.returncode != 0
     assert "--pipeline-parallel-size" in r.stderr and "Traceback" not in r.stderr
 

@@ -381,3 +381,24 @@ def test_async_token_stop_drops_the_token_in_flight():
     assert a.output_token_ids == [9] and a.status.finish_reason == "stop"
     assert sched.resolve(out2, {"a": [3]}) == {} and a.output_token_ids == [9]
     assert sched.kv.num_free_blocks == 64 and not sched.has_unfinished_seqs()
+
+
+def test_pipeline_depth_schedules_disjoint_sequences_in_flight():
+    """With pipeline_depth 2 (pipeline parallelism, 2 steps in flight), a step takes at most
+    half the sequences and leaves out those whose token is still in flight; once the tokens
+    are back they run again."""
+    s = make()
+    s.pipeline_depth = 2
+    for i in range(4):
+        s.add_seq(req(f"r{i}", [1, 2, 3], max_tokens=5))
+    first = s.schedule()
+    s.advance(first)
+    second = s.schedule()
+    s.advance(second)
+    ids = lambda out: {it.seq.seq_id for it in out.scheduled}  # noqa: E731
+    assert ids(first) == {"r0", "r1"} and ids(second) == {"r2", "r3"}
+    assert not s.schedule().scheduled  # every token is in flight
+    s.resolve(first, {"r0": 7, "r1": 8})
+    third = s.schedule()
+    assert ids(third) == {"r0", "r1"}
+    assert [it.seq.all_token_ids[-1] for it in third.scheduled] == [7, 8]

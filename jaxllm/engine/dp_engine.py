@@ -33,7 +33,11 @@ _SUMMED = ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_h
 
 
 def make_engine(args: EngineArgs):
-    """The engine for these arguments: one LLMEngine, or N replicas behind a router."""
+    """The engine for these arguments: one LLMEngine, a pipeline of stages, or N replicas
+    behind a router."""
+    if args.pipeline_parallel_size > 1:
+        from jaxllm.engine.pp_engine import PipelineEngine
+        return PipelineEngine(args)
     return DataParallelEngine(args) if args.data_parallel_size > 1 else LLMEngine(args)
 
 

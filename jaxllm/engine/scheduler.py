@@ -45,6 +45,10 @@ class Scheduler:
         self.waiting: list[tuple] = []          # heap of (key, sequence)
         self._order = 0
         self.num_preemptions = 0
+        # Pipeline parallelism (jaxllm/engine/pp_engine.py) keeps this many steps in flight:
+        # above 1, a step leaves out sequences whose sampled token is still in flight (the
+        # steps in flight hold disjoint sequences) and takes at most 1/depth of them all.
+        self.pipeline_depth = 1
 
     @property
     def num_running(self) -> int:
@@ -91,11 +95,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledSequence] = {}
         preempted: list[str] = []
+        cap = -(-len(self.seqs) // self.pipeline_depth)  # sequences in this step, at most
         for seq in list(self.running):
-            if budget == 0:
+            if budget == 0 or len(scheduled) >= cap:
                 break
-            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
-                continue
+            if seq.status != SequenceStatus.RUNNING or self._in_flight(seq):
+                continue  # preempted earlier in this loop, or its token is not back yet
             spec = drafts.get(seq.seq_id, ())
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if spec and n < budget and self.kv.allocate_slots(seq, min(n + len(spec), budget)):
@@ -111,8 +116,11 @@ class Scheduler:
                 scheduled[seq.seq_id] = self._scheduled(seq, n, spec)
                 budget -= n
         # As vLLM: admit nobody in a step that had to preempt, or the victim would bounce back.
-        while not preempted and self.waiting and budget and len(self.running) < self.max_num_seqs:
+        while (not preempted and self.waiting and budget and len(scheduled) < cap
+               and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0][1]
+            if self._in_flight(seq):
+                break  # preempted with its token in flight: it comes back first
             blocks, num_cached = self.kv.get_computed_blocks(seq)
             n = seq.num_tokens - num_cached
             if n > budget and not self.chunked_prefill:
@@ -203,6 +211,10 @@ class Scheduler:
         order = -self._order if front else self._order
         key = (seq.priority, seq.arrival_time, order) if self.policy == "priority" else (order,)
         heapq.heappush(self.waiting, (key, seq))
+
+    def _in_flight(self, seq: Sequence) -> bool:
+        return (self.pipeline_depth > 1 and bool(seq.output_token_ids)
+                and seq.output_token_ids[-1] == PENDING)
 
     def _preempt(self) -> Sequence:
         """Preempt the last-admitted running sequence (fcfs) or the lowest-priority one, latest

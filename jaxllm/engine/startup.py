@@ -23,6 +23,7 @@ from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.loader import load_model
 from jaxllm.parallel import distributed
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.pipeline import stage_meshes
 from jaxllm.parallel.step_channel import StepFollower, StepLeader
 from jaxllm.tokenizer import get_tokenizer, load_generation_config
 from jaxllm.worker.model_runner import ModelRunner
@@ -76,9 +77,14 @@ def kv_cache_dtype(args: EngineArgs, model_dtype, attention_backend: str) -> Any
     return dtype
 
 
-def num_kv_blocks(args: EngineArgs, mc, dtype) -> int:
-    """Blocks that fit the KV budget; fails early when one max_model_len sequence cannot fit."""
-    per_block = (2 * mc.num_layers * mc.num_kv_heads * args.block_size * mc.head_dim
+def num_kv_blocks(args: EngineArgs, mc, dtype, layers: Optional[int] = None,
+                  device=None) -> int:
+    """Blocks that fit the KV budget; fails early when one max_model_len sequence cannot fit.
+    A pipeline stage sizes its `layers` on its own devices (`device`, the first of them): a
+    budget given as a total (CPU, --kv-cache-memory-bytes) is shared in proportion to layers,
+    an accelerator's free memory is the stage's own."""
+    layers = mc.num_layers if layers is None else layers
+    per_block = (2 * layers * mc.num_kv_heads * args.block_size * mc.head_dim
                  * jnp.dtype(dtype).itemsize)
     if args.num_gpu_blocks_override is not None:
         num, source = args.num_gpu_blocks_override, "--num-gpu-blocks-override"
@@ -88,7 +94,9 @@ def num_kv_blocks(args: EngineArgs, mc, dtype) -> int:
         elif jax.default_backend() == "cpu":
             budget, source = cpu_kv_cache_bytes(), "JAXLLM_CPU_KVCACHE_SPACE"
         else:
-            budget, source = _device_kv_budget(args), "--gpu-memory-utilization"
+            budget, source = _device_kv_budget(args, device), "--gpu-memory-utilization"
+        if source != "--gpu-memory-utilization":  # a total: each stage's share
+            budget = budget * layers // mc.num_layers
         # More blocks than max_num_seqs full-length sequences can hold would only feed the
         # prefix cache; cap there so small models do not allocate the whole budget.
         cap = args.max_num_seqs * math.ceil(mc.max_model_len / args.block_size)
@@ -106,9 +114,9 @@ def num_kv_blocks(args: EngineArgs, mc, dtype) -> int:
     return num
 
 
-def _device_kv_budget(args: EngineArgs) -> int:
+def _device_kv_budget(args: EngineArgs, device=None) -> int:
     """Accelerator memory left for the KV cache after weights, per device, times devices used."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = (device or jax.devices()[0]).memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit:
         raise ConfigError("cannot read device memory; pass --num-gpu-blocks-override or "
@@ -150,7 +158,10 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
     path = resolve_model(args.model)
     args = dataclasses.replace(args, model=path)
     t = time.perf_counter()
-    mesh = make_mesh(args.tensor_parallel_size, devices=devices)
+    pp = args.pipeline_parallel_size
+    # A pipeline loads onto stage 0's sub-mesh, then hands each stage its layers (pp_engine).
+    meshes = stage_meshes(pp, args.tensor_parallel_size, devices) if pp > 1 else None
+    mesh = meshes[0] if meshes else make_mesh(args.tensor_parallel_size, devices=devices)
     model, mc = load_model(args, mesh)
     times["load"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -168,22 +179,31 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
                           "expert loads (only the generate runner's steps do)")
     pooler_config = (read_pooler_config(path, args.pooler_config) if runner_type == "pooling"
                      else None)
-    # Pooling runs each prompt with a scratch cache of its own (jaxllm/worker/pooler.py): the
-    # step's cache only needs the minimum, and its programs no warm-up.
-    num_blocks = (math.ceil(mc.max_model_len / args.block_size) if pooler_config
-                  else num_kv_blocks(args, mc, dtype))
     max_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     if not args.chunked_prefill:
         max_tokens = max(max_tokens, mc.max_model_len)  # a whole prompt must fit one step
     if max_tokens < args.max_num_seqs:
         max_tokens = args.max_num_seqs
     t = time.perf_counter()
-    runner = ModelRunner(model, mc, mesh, num_blocks=num_blocks, block_size=args.block_size,
-                         kv_cache_dtype=dtype, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=max_tokens, max_logprobs=args.max_logprobs,
-                         enforce_eager=args.enforce_eager, executable_dir=executable_dir,
-                         num_scheduler_steps=args.num_scheduler_steps,
-                         num_speculative_tokens=_num_speculative_tokens(args, runner_type))
+    runner_args = dict(kv_cache_dtype=dtype, block_size=args.block_size,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_tokens,
+                       max_logprobs=args.max_logprobs, enforce_eager=args.enforce_eager,
+                       num_scheduler_steps=args.num_scheduler_steps,
+                       num_speculative_tokens=_num_speculative_tokens(args, runner_type))
+    if meshes is not None and pooler_config is not None:
+        raise ConfigError(f"--pipeline-parallel-size={pp}: the pooling runner (--runner auto "
+                          f"chose it for this sentence-transformers folder) is not implemented "
+                          f"with a pipeline; give --runner generate or drop the flag")
+    if meshes is not None:
+        from jaxllm.engine.pp_engine import build_pipeline_runner
+        runner, num_blocks = build_pipeline_runner(args, model, mc, meshes, runner_args)
+    else:
+        # Pooling runs each prompt with a scratch cache of its own (jaxllm/worker/pooler.py):
+        # the step's cache only needs the minimum, and its programs no warm-up.
+        num_blocks = (math.ceil(mc.max_model_len / args.block_size) if pooler_config
+                      else num_kv_blocks(args, mc, dtype))
+        runner = ModelRunner(model, mc, mesh, num_blocks=num_blocks,
+                             executable_dir=executable_dir, **runner_args)
     times["kv_cache"] = time.perf_counter() - t
     follower = None
     if topo.multi_host:

@@ -51,9 +51,13 @@ def layer_groups(cfg: ModelConfig) -> tuple[LayerGroup, ...]:
 
 class Decoder(nnx.Module):
     """token ids + positions + paged KV caches -> final hidden states; `compute_logits` ->
-    logits. `seed` only picks the initial (dummy) weights; real ones come from the loader."""
+    logits. `seed` only picks the initial (dummy) weights; real ones come from the loader.
+    A pipeline stage (jaxllm/models/pipeline_stage.py) is a Decoder of its layers only, with
+    the embedding if `first` (or `last` with tied embeddings) and the final norm and LM head
+    if `last`: a stage holds no weight it does not use."""
 
-    def __init__(self, cfg: ModelConfig, backend: Backend = ReferenceBackend(), seed: int = 0):
+    def __init__(self, cfg: ModelConfig, backend: Backend = ReferenceBackend(), seed: int = 0,
+                 *, first: bool = True, last: bool = True):
         if cfg.activation not in ACTIVATIONS:
             raise ConfigError(f"activation {cfg.activation!r} is not supported (supported: "
                               f"{', '.join(ACTIVATIONS)})")
@@ -61,12 +65,13 @@ class Decoder(nnx.Module):
         self.backend = backend
         self.groups = layer_groups(cfg)
         V, E, dt = cfg.vocab_size, cfg.hidden_size, cfg.jnp_dtype
-        self.embed = dummy_weight(seed, "embed", (V, E), ("vocab", "embed"), dt)
+        self.embed = (dummy_weight(seed, "embed", (V, E), ("vocab", "embed"), dt)
+                      if first or (last and cfg.tie_word_embeddings) else None)
         self.layers = nnx.List([GROUP_KINDS[g.kind](cfg, seed, g.count,
                                                     prefix=f"{i}/" if i else "")
                                 for i, g in enumerate(self.groups)])
-        self.final_norm = constant(1.0 - cfg.norm_offset, (E,), ("embed",), dt)
-        self.lm_head = (None if cfg.tie_word_embeddings
+        self.final_norm = constant(1.0 - cfg.norm_offset, (E,), ("embed",), dt) if last else None
+        self.lm_head = (None if cfg.tie_word_embeddings or not last
                         else dummy_weight(seed, "lm_head", (V, E), ("vocab", "embed"), dt))
 
     def __call__(self, kv_caches: tuple[KVCache, ...], token_ids: jax.Array, positions: jax.Array,
@@ -156,10 +161,12 @@ class Decoder(nnx.Module):
         return self.backend.greedy_head(self._head(), self.cfg.vocab_size)
 
 
-def abstract_decoder(cfg: ModelConfig, backend: Backend = ReferenceBackend()) -> Decoder:
-    """The module with shapes only (nothing allocated); the loader fills in the weights."""
+def abstract_decoder(cfg: ModelConfig, backend: Backend = ReferenceBackend(), **stage
+                     ) -> Decoder:
+    """The module with shapes only (nothing allocated); the loader fills in the weights.
+    stage: Decoder's `first`/`last` (a pipeline stage's parts)."""
     with nnx.use_eager_sharding(False):
-        return nnx.eval_shape(lambda: Decoder(cfg, backend))
+        return nnx.eval_shape(lambda: Decoder(cfg, backend, **stage))
 
 
 def init_decoder(cfg: ModelConfig, seed: int = 0, backend: Backend = ReferenceBackend(),

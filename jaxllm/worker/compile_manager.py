@@ -35,6 +35,7 @@ class ProgramKey(NamedTuple):
     decode_only: bool = False  # forward: the decode-only attention tiling
     steps: int = 1             # burst: steps per call
     sampler: Any = None        # sample, burst: the SamplingTensors tree structure (its variant)
+    stage: int = 0             # forward: the pipeline stage (jaxllm/worker/pipeline_runner.py)
 
 
 # (key, function, example arguments): what to compile.

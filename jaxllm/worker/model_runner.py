@@ -242,8 +242,7 @@ class ModelRunner:
         step = self._prepare(sched, prev)
         inputs = step.inputs
         key = ProgramKey("forward", inputs.token_ids.shape[0], inputs.metadata.decode_only)
-        rows, hidden, self.kv_cache, load = self.compile_manager.run(
-            key, self._forward, self.state, self.kv_cache, *inputs)
+        rows, hidden, load = self._run_forward(key, inputs)
         prompt = self._compute_prompt_logprobs(hidden, step.prompt_rows) \
             if step.prompt_rows else None
         out = None
@@ -255,6 +254,13 @@ class ModelRunner:
         inflight = Inflight(sched, step.seqs, out, step.prompt_rows, prompt, load)
         self._notify(StepEvent("dispatch", [inflight], chained=prev is not None))
         return inflight
+
+    def _run_forward(self, key: ProgramKey, inputs: StepInputs):
+        """Launch the forward program(s) of a step: (rows to sample, all hidden states, expert
+        load or None), the KV cache updated (a pipeline runs one program per stage here)."""
+        rows, hidden, self.kv_cache, load = self.compile_manager.run(
+            key, self._forward, self.state, self.kv_cache, *inputs)
+        return rows, hidden, load
 
     def prepare_burst_step(self, sched: SchedulerOutput, prev: Optional[Inflight]) -> BurstStep:
         """One step of a burst, prepared on the host as it is scheduled (before the scheduler
@@ -352,12 +358,8 @@ class ModelRunner:
         plain = [t for is_plain, t in tensors if is_plain]
 
         def jobs():
-            for T, decode_only in shapes:
-                args = (self.state, self.kv_cache,
-                        *self.input_batch.padding(T, decode_only, self._no_prev_tokens))
-                yield ProgramKey("forward", T, decode_only), self._forward, args
-            rows = jax.eval_shape(self._forward_fn, *args)[0]
-            rows = jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=self.rows_sharding)
+            yield from self._forward_jobs(shapes)
+            rows = self._rows_spec()
             for is_plain, t in tensors:
                 key = ProgramKey("sample", sampler=jax.tree_util.tree_structure(t))
                 if is_plain:
@@ -365,7 +367,7 @@ class ModelRunner:
                 else:
                     cm.defer(key, self._sample, (self.state, rows, np.int32(0), t))
 
-        cm.compile_now(jobs(), total=len(shapes) + len(plain))
+        cm.compile_now(jobs(), total=len(shapes) * self.programs_per_step + len(plain))
         K = self.num_scheduler_steps
         for t in plain if K > 1 else ():  # multi-step programs, after the rest
             for T in self.input_batch.decode_buckets:
@@ -376,6 +378,22 @@ class ModelRunner:
                     "executable cache", len(shapes), self.input_batch.token_buckets,
                     self.input_batch.decode_buckets, len(plain), len(cm.deferred()),
                     cm.programs_from_cache)
+
+    programs_per_step = 1  # forward programs per step (a pipeline's: one per stage)
+
+    def _forward_jobs(self, shapes: list[tuple[int, bool]]):
+        """(key, function, example arguments) of the forward program of each shape."""
+        for T, decode_only in shapes:
+            args = (self.state, self.kv_cache,
+                    *self.input_batch.padding(T, decode_only, self._no_prev_tokens))
+            yield ProgramKey("forward", T, decode_only), self._forward, args
+
+    def _rows_spec(self) -> jax.ShapeDtypeStruct:
+        """The rows forward hands the sampler (what warm-up compiles the sampler for)."""
+        args = (self.state, self.kv_cache,
+                *self.input_batch.padding(1, False, self._no_prev_tokens))
+        rows = jax.eval_shape(self._forward_fn, *args)[0]
+        return jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=self.rows_sharding)
 
 
 def _result(out, i: int, seq: Sequence) -> SampleResult:

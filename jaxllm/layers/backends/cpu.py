@@ -117,6 +117,7 @@ def pack_native(state, cfg):
             shape = (L, E, -1) if e_in else (L, -1, E)
             group[name] = jax.tree.map(lambda w: pack(w, shape), group[name])
     head = "lm_head" if "lm_head" in state else "embed"
-    state[head] = jax.tree.map(lambda w: pack(w.T, (1, E, -1)), state[head])
+    if head in state:  # a middle pipeline stage has neither
+        state[head] = jax.tree.map(lambda w: pack(w.T, (1, E, -1)), state[head])
     return state
 
