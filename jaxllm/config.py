@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
+from jaxllm.json_object import json_object
 from jaxllm.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("jaxllm")
@@ -45,23 +46,6 @@ def parse_size(value: Union[str, int, None]) -> Optional[int]:
     mult = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3,
             "K": 1024, "M": 1024**2, "G": 1024**3}[unit]
     return int(num * mult)
-
-
-def json_object(value: Union[str, dict, None], what: str = "value",
-                kind: str = "JSON object") -> Optional[dict]:
-    """A JSON object given as text or already a dict -> dict (None stays None). Shared by every
-    option that takes one (flags here, `--speculative-config`, structured-output schemas) so they
-    refuse the same mistakes with the same words, naming `what`."""
-    if value is None or isinstance(value, dict):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{what} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} must be a {kind}, got {value!r}")
-    return value
 
 
 def parse_speculative_config(value) -> Optional[SpeculativeConfig]:

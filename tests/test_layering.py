@@ -27,7 +27,8 @@ LAYERS = {
     "jaxllm.layers": 2,
     "jaxllm.parallel": 1,
     "pallas_kernels": 1,
-    "jaxllm.config": 0,        # host types: no JAX, importable from anywhere
+    "jaxllm.config": 0,
+    "jaxllm.json_object": 0,        # host types: no JAX, importable from anywhere
     "jaxllm.sampling_params": 0,
     "jaxllm.pooling_params": 0,
     "jaxllm.sequence": 0,

@@ -398,7 +398,7 @@ def test_pipeline_depth_schedules_disjoint_sequences_in_flight():
     ids = lambda out: {it.seq.seq_id for it in out.scheduled}  # noqa: E731
     assert ids(first) == {"r0", "r1"} and ids(second) == {"r2", "r3"}
     assert not s.schedule().scheduled  # every token is in flight
-    s.resolve(first, {"r0": 7, "r1": 8})
+    s.resolve(first, {"r0": [7], "r1": [8]})
     third = s.schedule()
     assert ids(third) == {"r0", "r1"}
     assert [it.seq.all_token_ids[-1] for it in third.scheduled] == [7, 8]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Union
 
-from jaxllm.config import json_object
+from jaxllm.json_object import json_object
 
 # vLLM's default n-gram window when neither bound is given.
 _DEFAULT_LOOKUP = 5

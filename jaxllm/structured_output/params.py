@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional, Union
 
-from jaxllm.config import json_object
+from jaxllm.json_object import json_object
 
 # vLLM's backend names. Only llguidance is installed (see backend.py for why); "guidance" is
 # vLLM's name for it and "auto" picks it. The others are refused by name.
