@@ -352,3 +352,38 @@ def test_default_model_greedy_with_accepted_drafts():
     drafts = after["num_drafts"] - before["num_drafts"]
     assert drafts > 0 and accepted > 0
     assert after["num_accepted_tokens_per_pos"][3] > 0  # whole runs of 4 drafts accepted
+
+
+@pytest.mark.slow  # three engines and a draft compile: ~30 s
+def test_draft_model_through_the_engine(make_tiny_checkpoint):
+    """--speculative-config {"model": ...}: the target as its own draft has every draft
+    accepted; a smaller random draft (same vocabulary) almost none; both give plain decoding's
+    tokens, greedy and seeded, and the draft's cache is empty once the requests finish."""
+    target = make_tiny_checkpoint("llama", seed=3)
+    small = make_tiny_checkpoint("llama", seed=7, num_hidden_layers=1, hidden_size=32,
+                                 intermediate_size=48, num_attention_heads=2,
+                                 num_key_value_heads=1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (5, 17, 9, 30, 3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True)]
+    args = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, block_size=4,
+                max_model_len=128, use_tqdm_on_load=False, disable_log_stats=True)
+
+    def run(spec):
+        llm = LLM(target, **args, **({"speculative_config": spec} if spec else {}))
+        out = [ids(gen(llm, prompts, params[0]))]
+        greedy = counters(llm) if spec else None  # after the greedy requests only
+        return out + [ids(gen(llm, prompts, params[1]))], greedy, llm
+
+    want, _, _ = run(None)
+    for draft in (target, small):
+        got, greedy, llm = run({"model": draft, "num_speculative_tokens": 3})
+        assert got == want, draft
+        assert greedy["num_draft_tokens"] > 0
+        if draft == target:  # greedy drafts of the same weights: all accepted
+            assert greedy["num_accepted_tokens"] == greedy["num_draft_tokens"]
+        else:
+            assert greedy["num_accepted_tokens"] < greedy["num_draft_tokens"]
+        proposer = llm.llm_engine.speculator.proposer
+        assert proposer.kv.num_free_blocks == proposer.kv.num_blocks

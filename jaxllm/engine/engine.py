@@ -25,7 +25,6 @@ from jaxllm.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingReq
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxllm.sequence import Sequence, SequenceStatus
-from jaxllm.spec_decode.speculator import Speculator
 from jaxllm.worker.pooler import Pooler, pool
 
 logger = logging.getLogger("jaxllm")
@@ -73,6 +72,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, devices: Optional[list] = None):
         """devices: the ones this engine's mesh uses (a data-parallel replica's share)."""
         from jaxllm.engine.startup import build_engine_parts
+        from jaxllm.spec_decode.draft_model import build_speculator
         self.args = args
         t0 = time.perf_counter()
         parts = build_engine_parts(args, devices=devices)
@@ -97,8 +97,8 @@ class LLMEngine:
         self.startup_times = dict(parts.startup_times, total=time.perf_counter() - t0)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
                                  self.eos_token_ids, args.structured_outputs_config)
-        self.speculator = (None if args.speculative_config is None else Speculator(
-            args.speculative_config, self.model_config.max_model_len))
+        self.speculator = build_speculator(args, self.model_config, self.runner,
+                                           parts.num_blocks)
         self._requests: dict[str, Request] = {}
         self._seq_owner: dict[str, Request] = {}
         self._inflight = None  # async scheduling: the dispatched step (or burst) not read yet

@@ -14,8 +14,8 @@ given x != d: the same as drawing x ~ p and accepting iff x == d. By induction o
 each emitted token has the target's law given the tokens before it. Stronger still, a seeded
 request draws the very tokens it draws without speculation, since token i always uses the
 uniform of (seed, i) on the same distribution. Greedy rows are the special case p = argmax.
-(jaxllm/spec_decode/rejection.py implements the general min(1, p/q) rule for a draft that
-samples, which no proposer here does.)
+Both proposers (n-gram lookup, and a draft model's argmax) make such deterministic guesses, so
+no general min(1, p/q) rule for a sampling draft is needed.
 """
 
 from __future__ import annotations

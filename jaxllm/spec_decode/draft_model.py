@@ -42,6 +42,7 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.sequence import PENDING, ScheduledSequence, SchedulerOutput, Sequence
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.draft_load import draft_engine_args, load_draft
+from jaxllm.spec_decode.speculator import Speculator
 from jaxllm.worker.model_runner import ModelRunner
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -202,3 +203,17 @@ def _valid_prefix(row: _Row, tokens: list[int]) -> int:
     while i < n and row.fed[i] == tokens[i]:
         i += 1
     return i
+
+
+def build_speculator(args: EngineArgs, target: ModelConfig, runner,
+                     num_blocks: int) -> Optional[Speculator]:
+    """The engine's speculator for `--speculative-config` (None without it): n-gram lookup on
+    the host, or a draft model on the target's first device with a cache no larger than the
+    target's (num_blocks)."""
+    spec = args.speculative_config
+    if spec is None:
+        return None
+    proposer = (DraftModelProposer(spec, args, target, devices=list(runner.mesh.devices.flat),
+                                   target_num_blocks=num_blocks)
+                if spec.method == "draft_model" else None)
+    return Speculator(spec, target.max_model_len, proposer=proposer)

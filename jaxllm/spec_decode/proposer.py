@@ -49,7 +49,9 @@ class NgramProposer:
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The host-only proposer of `config`. A draft model needs the engine's arguments, devices
+    and cache size: jaxllm/spec_decode/draft_model.py's build_speculator makes that one."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ConfigError(f"--speculative-config: method {config.method!r} is not available in "
-                      f"this build yet (use method 'ngram')")
+    raise ConfigError(f"--speculative-config: method {config.method!r} needs the engine's "
+                      f"model and devices (build_speculator), not make_proposer")
