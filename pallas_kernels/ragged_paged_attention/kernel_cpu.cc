@@ -212,8 +212,11 @@ static void Task(const Step<C>& st, int64_t s, int64_t h0, int64_t h1, int64_t i
         f(h, g, n);
       }
   };
-  for (int64_t b0 = start(std::max<int64_t>(p0, 0)) / BS, last = p1 / BS; b0 <= last;
-       b0 += kBlockPages) {
+  // Blocks start at multiples of kBlockPages pages, not at the task's first key: a query's
+  // softmax then runs over the same blocks (the same rescalings) whichever queries share its
+  // task, so chunked prefill and decode give it the same bits (batch invariance: issue 26).
+  const int64_t first_block = start(std::max<int64_t>(p0, 0)) / BS / kBlockPages * kBlockPages;
+  for (int64_t b0 = first_block, last = p1 / BS; b0 <= last; b0 += kBlockPages) {
     const int64_t nb = std::min(kBlockPages, last + 1 - b0), base = b0 * BS;
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t pos = p0 + i;
