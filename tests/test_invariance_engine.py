@@ -135,26 +135,42 @@ CONFIGS = {
 }
 
 
+def check_batches(solo_engine, engine, rng: random.Random, label: str) -> None:
+    """Random batches of 1-48 of 48 random requests on `engine`: six targets' tokens and
+    logprobs equal their solo runs on `solo_engine`; each batch runs twice (the second time
+    from the prefix cache where caching is on)."""
+    prompts, params = random_requests(rng, 48)
+    solo = {i: run(solo_engine, [prompts[i]], params[i])[0] for i in rng.sample(range(48), 6)}
+    for n in (1, rng.randint(2, 20), 48):
+        idx = rng.sample(sorted(solo), min(n, len(solo)))
+        idx += rng.sample([i for i in range(48) if i not in idx], n - len(idx))
+        rng.shuffle(idx)
+        for _ in range(2):
+            got = run(engine, [prompts[i] for i in idx], [params[i] for i in idx])
+            for i, g in zip(idx, got):
+                if i in solo:
+                    assert g == solo[i], (label, n, i)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
 def test_randomized_batches_equal_solo_runs(llm, config):
-    """Random batches of 1-48 mixed requests under each engine configuration: every request's
-    tokens and logprobs equal its solo run on the base engine; a second pass over the same
-    prompts (prefix-cache hits where caching is on) gives them again."""
-    rng = random.Random(zlib.crc32(config.encode()))
-    prompts, params = random_requests(rng, 48)
-    solo = {i: run(llm, [prompts[i]], params[i])[0] for i in rng.sample(range(48), 6)}
+    """Under each engine configuration, random batches give every target its solo run's bits
+    on the base engine."""
     other = LLM(seed=7, **{**BASE, **CONFIGS[config]})
     try:
-        for n in (1, rng.randint(2, 20), 48):
-            idx = rng.sample(sorted(solo), min(n, len(solo)))
-            idx += rng.sample([i for i in range(48) if i not in idx], n - len(idx))
-            rng.shuffle(idx)
-            for _ in range(2):  # the second pass reads the prompts' blocks from the prefix cache
-                got = run(other, [prompts[i] for i in idx], [params[i] for i in idx])
-                for i, g in zip(idx, got):
-                    if i in solo:
-                        assert g == solo[i], (config, n, i)
+        check_batches(llm, other, random.Random(zlib.crc32(config.encode())), config)
     finally:
         del other
+        gc.collect()
+
+
+@pytest.mark.slow
+def test_float32_batches_equal_solo_runs():
+    """The same in float32 (solo and batched runs on one float32 engine)."""
+    f32 = LLM(seed=7, dtype="float32", **BASE)
+    try:
+        check_batches(f32, f32, random.Random(32), "float32")
+    finally:
+        del f32
         gc.collect()
