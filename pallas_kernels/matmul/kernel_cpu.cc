@@ -217,7 +217,7 @@ static void Micro(const float* a, int64_t lda, int64_t K, const float* b, float*
     std::memcpy(&w0, b + k * kNr, sizeof w0);
     std::memcpy(&w1, b + k * kNr + 8, sizeof w1);
     for (int r = 0; r < R; ++r) {
-      const v8 av = v8{} + a[r * lda + k];
+      const v8 av = Splat8(a[r * lda + k]);
       acc[r][0] = Fma8(av, w0, acc[r][0]);
       acc[r][1] = Fma8(av, w1, acc[r][1]);
     }
