@@ -6,12 +6,15 @@ positions, a prompt in other chunks) and compares them bitwise; a check that mer
 a tolerance would let the per-M rounding differences these tests exist to catch through.
 """
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxllm.layers.sampler import sample_rows
+from jaxllm.models.params import rms_norm
 from jaxllm.layers.sampling_tensors import SamplingTensors
 from pallas_kernels.activation import kernel_cpu as activation_cpu
 from pallas_kernels.matmul import kernel_cpu as matmul_cpu
@@ -47,6 +50,24 @@ def test_matmul_rows_do_not_depend_on_m(w_dtype, x_dtype, k, n):
     want = np.asarray(x, np.float32) @ np.asarray(jax.lax.bitcast_convert_type(w, jnp.bfloat16)
                                                   if w_dtype == "bits" else w, np.float32)[0]
     np.testing.assert_allclose(np.asarray(kinds["f32"](x)), want, rtol=1e-4, atol=1e-4 * k)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rms_norm_rows_do_not_depend_on_t(dtype):
+    """The XLA RMSNorm between the kernels: a decode step's token count (1-48) sets its row
+    count, and XLA:CPU's own mean summed 2-7 rows in another order than 1 or 8+."""
+    cfg = SimpleNamespace(norm_offset=0.0, rms_norm_eps=1e-5)
+    f = jax.jit(lambda x, w: rms_norm(x, w, cfg))
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((64, 576), np.float32) * 3, dtype)
+    w = jnp.asarray(rng.random(576) + 0.5, dtype)
+    full = np.asarray(f(x, w).astype(jnp.float32))
+    for t in range(1, 17):
+        np.testing.assert_array_equal(np.asarray(f(x[:t], w).astype(jnp.float32)), full[:t],
+                                      err_msg=f"t={t}")
+    xf = np.asarray(x, np.float64)  # and it is the RMSNorm (to rounding)
+    want = xf / np.sqrt((xf * xf).mean(-1, keepdims=True) + 1e-5) * np.asarray(w, np.float64)
+    np.testing.assert_allclose(full, want, rtol=1e-2 if dtype == "bfloat16" else 1e-5)
 
 
 def test_silu_mul_rows_do_not_depend_on_t():
@@ -147,3 +168,29 @@ def test_sampled_row_does_not_depend_on_batch():
             for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(out)):
                 np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(b)[at],
                                               err_msg=f"{kind} n={n}")
+
+
+def test_backends_say_why_they_are_not_batch_invariant():
+    """What --batch-invariant refuses: the XLA backends, the CPU backend without its native
+    matmul, with a cache dtype its attention kernel does not take, or with MoE layers."""
+    from jaxllm.layers.backends.cpu import CpuBackend
+    from jaxllm.layers.backends.pallas import PallasBackend
+    from jaxllm.layers.backends.reference import ReferenceBackend
+
+    dense, moe = SimpleNamespace(moe_layers=()), SimpleNamespace(moe_layers=(False, True))
+    assert CpuBackend().batch_variance(dense, jnp.bfloat16) is None
+    assert CpuBackend().batch_variance(dense, jnp.float32) is None
+    for backend in (ReferenceBackend(), PallasBackend()):
+        assert "XLA dots" in backend.batch_variance(dense, jnp.float32)
+    assert "native matmul" in CpuBackend(native_matmul=False).batch_variance(dense, jnp.float32)
+    assert "float8_e4m3fn KV cache" in CpuBackend().batch_variance(dense, jnp.float8_e4m3fn)
+    assert "mixture-of-experts" in CpuBackend().batch_variance(moe, jnp.float32)
+
+
+def test_batch_invariant_flag_refuses_the_reference_backend(tiny_llama):
+    from jaxllm import LLM
+    from jaxllm.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--batch-invariant: .*reference backend's XLA dots"):
+        LLM(tiny_llama, attention_backend="reference", batch_invariant=True,
+            max_model_len=64, max_num_seqs=2, num_gpu_blocks_override=16)

@@ -159,6 +159,10 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
         eos = {tokenizer.eos_token_id}
     times["tokenizer"] = time.perf_counter() - t
     dtype = kv_cache_dtype(args, mc.jnp_dtype, model.attention_backend)
+    why = model.backend.batch_variance(mc, dtype)
+    if why is not None and args.batch_invariant:
+        raise ConfigError(f"--batch-invariant: outputs would depend on the batch here: {why}")
+    logger.info("Batch invariant: %s", "yes" if why is None else f"no ({why})")
     runner_type = args.runner_type(path)
     pooler_config = (read_pooler_config(path, args.pooler_config) if runner_type == "pooling"
                      else None)

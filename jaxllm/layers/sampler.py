@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxllm.layers.reductions import rowsum
 from jaxllm.layers.sampling_tensors import SamplingTensors
 
 _ROWS = 8          # rows sampled together (a lax.map step, a sample_rows group)
@@ -222,7 +223,7 @@ def _sample_rows(logits, t):
 def _token_logprobs(logits, token_ids, num_top):
     x = _pad_vocab(logits)
     m = jnp.max(x, -1)
-    lse = m + jnp.log(_rowsum(jnp.exp(x - m[:, None])))
+    lse = m + jnp.log(rowsum(jnp.exp(x - m[:, None])))
     chosen = jnp.take_along_axis(x, token_ids[:, None], 1)
     ranks = jnp.sum(jnp.where(x >= chosen, 1.0, 0.0), -1).astype(jnp.int32)
     top_v, top_i = _top_candidates(x, num_top)
@@ -265,19 +266,6 @@ def _top_candidates(x, k):
     return vals, ids
 
 
-def _rowsum(x):
-    """Sum over the last axis as a fixed tree of elementwise adds (halves added until one is
-    left, zero-padded to a power of two): the same bits for a row whatever the other axes hold.
-    XLA's own reduce picks its order by shape (f32 rows summed alone differed from the same
-    rows among 8), which made a row's logprobs and draw depend on its batch (issue 26)."""
-    n = x.shape[-1]
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << max(n - 1, 0).bit_length()) - n)])
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
-
-
 def _cumsum(w):
     """Row cumsum [S, n] as a Hillis-Steele scan of shifted elementwise adds: per row the same
     bits whatever S (a triangular matmul's order followed the dot's shape, and jnp.cumsum's
@@ -303,13 +291,13 @@ def _block_mass(x, temp, m, tau):
     S, V = x.shape
     s = x / temp[:, None]
     e = jnp.where(s >= tau[:, None], jnp.exp(s - m[:, None]), 0.0)
-    return _rowsum(e.reshape(S, V // _BLOCK, _BLOCK))
+    return rowsum(e.reshape(S, V // _BLOCK, _BLOCK))
 
 
 def _draw(x, temp, m, tau, mass, u):
     """Inverse-CDF draw over the whole vocabulary: pick a block by mass, then a token in it."""
     S, V = x.shape
-    target = u * _rowsum(mass)
+    target = u * rowsum(mass)
     b = _first_above(mass, target)
     before = jnp.take_along_axis(_cumsum(mass) - mass, b[:, None], 1)[:, 0]
     s = jnp.take_along_axis(x.reshape(S, -1, _BLOCK), b[:, None, None], 1)[:, 0] / temp[:, None]
@@ -339,14 +327,14 @@ def _random_tokens(x, t):
 
     # top_p on the candidates: keep while the mass strictly above a token is < p * Z.
     ec = jnp.where(sc >= tau[:, None], jnp.exp(sc - m[:, None]), 0.0)
-    z = jnp.where(inside, _rowsum(ec), _rowsum(mass))
+    z = jnp.where(inside, rowsum(ec), rowsum(mass))
     above = _cumsum(ec) - ec
     top_p_on, big_k = p < 1, k > C
     keep = (ec > 0) & (~top_p_on[:, None] | (above < (p * z)[:, None]))
     cut = jnp.take_along_axis(sc, jnp.maximum(keep.sum(-1) - 1, 0)[:, None], 1)[:, 0]
     cand_ok = inside | (top_p_on & ~big_k & (sc[:, -1] < cut))
     w = jnp.where(sc >= jnp.maximum(tau, cut)[:, None], ec, 0.0)
-    from_cand = jnp.take_along_axis(cand_ids, _first_above(w, u * _rowsum(w))[:, None], 1)[:, 0]
+    from_cand = jnp.take_along_axis(cand_ids, _first_above(w, u * rowsum(w))[:, None], 1)[:, 0]
     tokens = jnp.where(cand_ok, from_cand, _draw(x, temp, m, tau, mass, u))
 
     # Rows whose cut lies beyond the candidates: exact threshold by bisection, one row at a time.
