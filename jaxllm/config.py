@@ -173,6 +173,12 @@ class EngineArgs:
                                   "compiler, plus the pure-JAX reference) on one device, else "
                                   "'reference' (pure JAX).", choices=ATTENTION_BACKENDS,
                                   default="auto")
+    batch_invariant: bool = _arg("Require that a request's tokens and logprobs never depend on "
+                                 "the rest of its batch (vLLM's VLLM_BATCH_INVARIANT=1): "
+                                 "start-up fails, naming the reason, where they could (the "
+                                 "reference and Pallas backends, MoE experts). The native CPU "
+                                 "backend gives them with or without this flag.",
+                                 default=False)
     quantization: Optional[str] = _arg("Weight quantization method (none supported yet; GGUF "
                                        "weights are dequantized at load).", default=None)
     served_model_name: Optional[list] = _arg("Name(s) the API serves the model under.",

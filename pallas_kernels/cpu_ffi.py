@@ -25,6 +25,13 @@ import jax
 logger = logging.getLogger("jaxllm")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# Not -ffast-math: its reassociation lets the compiler sum the same terms in a different order
+# in each inlined copy of a loop (a kernel's streaming and blocked paths, say), and batch
+# invariance needs every element summed in one order whatever the path (issue 26). The parts
+# that keep results exact to the source are kept: no errno or traps, and a * b + c may fuse
+# (deterministically, per expression; the matmul writes its FMAs out).
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
+         "-fPIC", "-shared", "-std=c++17")
 
 
 def _cache_dir() -> str:
@@ -59,15 +66,15 @@ def build(source: str) -> Optional[str]:
     for header in sorted(set(headers)):  # what the sources include
         with open(header, "rb") as f:
             src += f.read()
-    key = hashlib.sha256(src + _cpu_id().encode() + jax.__version__.encode()).hexdigest()[:16]
+    flags = " ".join(FLAGS).encode()
+    key = hashlib.sha256(src + flags + _cpu_id().encode() + jax.__version__.encode()).hexdigest()[:16]
     out = os.path.join(_cache_dir(), f"{name}_{key}.so")
     if os.path.exists(out):
         return out
     os.makedirs(_cache_dir(), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
         tmp_out = os.path.join(tmp, "lib.so")
-        cmd = [cxx, "-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c++17",
-               f"-I{jax.ffi.include_dir()}", f"-I{_HERE}", source, "-o", tmp_out]
+        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{_HERE}", source, "-o", tmp_out]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             logger.warning("building %s failed (%s); falling back to the pure-JAX path:\n%s",

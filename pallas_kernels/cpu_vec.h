@@ -11,6 +11,10 @@ typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
+// x in all 8 lanes, as one broadcast: `v8{} + x` is an add the compiler must keep without
+// -ffast-math (0 + -0 is +0), one per use in an inner loop.
+static inline v8 Splat8(float x) { return v8{x, x, x, x, x, x, x, x}; }
+
 // 8 values as f32: f32 as they are, bf16 (its bits) widened and shifted.
 static inline v8 Load8(const float* p) {
   v8 x;

@@ -173,6 +173,10 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
         eos = {tokenizer.eos_token_id}
     times["tokenizer"] = time.perf_counter() - t
     dtype = kv_cache_dtype(args, mc.jnp_dtype, model.attention_backend)
+    why = model.backend.batch_variance(mc, dtype)
+    if why is not None and args.batch_invariant:
+        raise ConfigError(f"--batch-invariant: outputs would depend on the batch here: {why}")
+    logger.info("Batch invariant: %s", "yes" if why is None else f"no ({why})")
     runner_type = args.runner_type(path)
     if runner_type == "pooling" and args.enable_expert_load_metrics:
         raise ConfigError("--enable-expert-load-metrics: the pooling runner does not count "

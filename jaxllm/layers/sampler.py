@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxllm.layers.reductions import rowsum
 from jaxllm.layers.sampling_tensors import SamplingTensors
 
 _ROWS = 8          # rows sampled together (a lax.map step, a sample_rows group)
@@ -222,7 +223,7 @@ def _sample_rows(logits, t):
 def _token_logprobs(logits, token_ids, num_top):
     x = _pad_vocab(logits)
     m = jnp.max(x, -1)
-    lse = m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), -1))
+    lse = m + jnp.log(rowsum(jnp.exp(x - m[:, None])))
     chosen = jnp.take_along_axis(x, token_ids[:, None], 1)
     ranks = jnp.sum(jnp.where(x >= chosen, 1.0, 0.0), -1).astype(jnp.int32)
     top_v, top_i = _top_candidates(x, num_top)
@@ -265,17 +266,15 @@ def _top_candidates(x, k):
     return vals, ids
 
 
-def _cumsum(w, chunk=128):
-    """Row cumsum [S, n] by triangular matmuls: jnp.cumsum lowers to an associative scan that
-    took ~1 s to compile here."""
-    S, n = w.shape
-    if n <= chunk:
-        tri = jnp.triu(jnp.ones((n, n), w.dtype))
-        return jnp.dot(w, tri, precision=lax.Precision.HIGHEST)
-    wc = jnp.pad(w, ((0, 0), (0, -n % chunk))).reshape(S, -1, chunk)
-    inner = _cumsum(wc.reshape(-1, chunk)).reshape(wc.shape)
-    before = _cumsum(inner[:, :, -1]) - inner[:, :, -1]
-    return (inner + before[:, :, None]).reshape(S, -1)[:, :n]
+def _cumsum(w):
+    """Row cumsum [S, n] as a Hillis-Steele scan of shifted elementwise adds: per row the same
+    bits whatever S (a triangular matmul's order followed the dot's shape, and jnp.cumsum's
+    associative scan took ~1 s to compile here)."""
+    shift = 1
+    while shift < w.shape[1]:
+        w = w + jnp.pad(w[:, :-shift], ((0, 0), (shift, 0)))
+        shift *= 2
+    return w
 
 
 def _first_above(w, target):
@@ -292,13 +291,13 @@ def _block_mass(x, temp, m, tau):
     S, V = x.shape
     s = x / temp[:, None]
     e = jnp.where(s >= tau[:, None], jnp.exp(s - m[:, None]), 0.0)
-    return e.reshape(S, V // _BLOCK, _BLOCK).sum(-1)
+    return rowsum(e.reshape(S, V // _BLOCK, _BLOCK))
 
 
 def _draw(x, temp, m, tau, mass, u):
     """Inverse-CDF draw over the whole vocabulary: pick a block by mass, then a token in it."""
     S, V = x.shape
-    target = u * mass.sum(-1)
+    target = u * rowsum(mass)
     b = _first_above(mass, target)
     before = jnp.take_along_axis(_cumsum(mass) - mass, b[:, None], 1)[:, 0]
     s = jnp.take_along_axis(x.reshape(S, -1, _BLOCK), b[:, None, None], 1)[:, 0] / temp[:, None]
@@ -328,14 +327,14 @@ def _random_tokens(x, t):
 
     # top_p on the candidates: keep while the mass strictly above a token is < p * Z.
     ec = jnp.where(sc >= tau[:, None], jnp.exp(sc - m[:, None]), 0.0)
-    z = jnp.where(inside, ec.sum(-1), mass.sum(-1))
+    z = jnp.where(inside, rowsum(ec), rowsum(mass))
     above = _cumsum(ec) - ec
     top_p_on, big_k = p < 1, k > C
     keep = (ec > 0) & (~top_p_on[:, None] | (above < (p * z)[:, None]))
     cut = jnp.take_along_axis(sc, jnp.maximum(keep.sum(-1) - 1, 0)[:, None], 1)[:, 0]
     cand_ok = inside | (top_p_on & ~big_k & (sc[:, -1] < cut))
     w = jnp.where(sc >= jnp.maximum(tau, cut)[:, None], ec, 0.0)
-    from_cand = jnp.take_along_axis(cand_ids, _first_above(w, u * w.sum(-1))[:, None], 1)[:, 0]
+    from_cand = jnp.take_along_axis(cand_ids, _first_above(w, u * rowsum(w))[:, None], 1)[:, 0]
     tokens = jnp.where(cand_ok, from_cand, _draw(x, temp, m, tau, mass, u))
 
     # Rows whose cut lies beyond the candidates: exact threshold by bisection, one row at a time.

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.layers.reductions import rowsum
 from jaxllm.models.model_config import ModelConfig
 
 
@@ -31,7 +32,8 @@ def rms_norm(x: jax.Array, w: jax.Array, cfg: ModelConfig) -> jax.Array:
     """RMSNorm over the last axis in float32; Gemma's (1 + w) scales in float32 too, Llama's w
     after casting back (both as transformers does it)."""
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    ms = rowsum(xf * xf)[..., None] / x.shape[-1]  # jnp.mean's order varied with the row count
+    y = xf * jax.lax.rsqrt(ms + cfg.rms_norm_eps)
     if cfg.norm_offset:
         return (y * (cfg.norm_offset + w.astype(jnp.float32))).astype(x.dtype)
     return w * y.astype(x.dtype)

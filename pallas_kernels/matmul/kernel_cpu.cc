@@ -10,9 +10,11 @@
 // W is packed (`pack` in kernel_cpu.py): the N columns in S strips of 16, each strip contiguous,
 // the last one zero-padded; f32 strips [K, 16]; bf16 strips [K / 2, 16, 2], rows in pairs (an odd
 // K gets a zero row), the operand layout of vdpbf16ps, which a shift and a mask also split into
-// two f32 rows. Up to 4 rows the tasks stream whole strips (one sequential read each, no partial
-// sums); more rows run the register-blocked `Gemm`, on f32 strips (bf16 ones converted a tile at
-// a time), or `DpGemm`, the bf16 dot product on the strips as they are.
+// two f32 rows. Up to 4 rows the tasks stream whole strips (one sequential read each); more rows
+// run the register-blocked `Gemm`, on f32 strips (bf16 ones converted a tile at a time). Both
+// sum every element in the same order (see `StripRows`), so a row's bits do not depend on M.
+// With AVX512_BF16, bf16 x runs `DpGemm`, the bf16 dot product on the strips as they are, at
+// every M.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -58,62 +60,92 @@ static inline void Rows(const uint16_t* s, int64_t k, __m256* lo, __m256* hi) {
 }
 #endif
 
-// y[m, 0:cols] = x[m] @ strip (one packed strip, cols <= 16 of it stored) for m < R. U
-// independent accumulator pairs per row hide the FMA latency; one sequential read.
+// Every element of y is one chain of fused multiply-adds down K in order, from zero:
+// acc = fma(x[m, k], W[k, n], acc) for k = 0 .. K - 1, whatever M and whichever path runs it
+// (streaming or blocked, f32 or bf16 strips), so a row's result never depends on the rows that
+// share the call (batch invariance: issue 26). Paths differ only in how many chains run side by
+// side. An FMA is exactly rounded, so the vector and scalar forms give the same bits.
+#if defined(__FMA__)
+static inline float FmaF(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+#else
+static inline float FmaF(float a, float b, float c) { return a * b + c; }
+#endif
+static inline v8 Fma8(v8 a, v8 b, v8 c) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+// y[m, 0:cols] = x[m] @ strip for m < R and the U strips s + u * len (cols columns of the
+// last one stored): U strips side by side give a single row 2 U independent chains to hide
+// the FMA latency; one sequential read per strip.
 template <int R, int U, typename T>
-static void StripRows(const float* x, int64_t K, const T* s, float* y, int64_t ldy,
-                      int64_t cols) {
-  float out[R][kNr];
+static void StripRows(const float* x, int64_t K, const T* s, int64_t len, float* y,
+                      int64_t ldy, int64_t cols) {
+  float out[R][U][kNr];
   int64_t k = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   constexpr int kS = kStep<T>;
   __m256 acc[R][U][2];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) acc[r][u][0] = acc[r][u][1] = _mm256_setzero_ps();
-  for (; k + U * kS <= K; k += U * kS)
+  for (; k + kS <= K; k += kS)
     for (int u = 0; u < U; ++u) {
       __m256 lo[kS], hi[kS];
-      Rows(s, k + u * kS, lo, hi);
+      Rows(s + u * len, k, lo, hi);
       for (int t = 0; t < kS; ++t)
         for (int r = 0; r < R; ++r) {
-          const __m256 b = _mm256_set1_ps(x[r * K + k + u * kS + t]);
+          const __m256 b = _mm256_set1_ps(x[r * K + k + t]);
           acc[r][u][0] = _mm256_fmadd_ps(b, lo[t], acc[r][u][0]);
           acc[r][u][1] = _mm256_fmadd_ps(b, hi[t], acc[r][u][1]);
         }
     }
-  for (int r = 0; r < R; ++r) {
-    for (int u = 1; u < U; ++u)
-      for (int h = 0; h < 2; ++h) acc[r][0][h] = _mm256_add_ps(acc[r][0][h], acc[r][u][h]);
-    _mm256_storeu_ps(out[r], acc[r][0][0]), _mm256_storeu_ps(out[r] + 8, acc[r][0][1]);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u)
+      _mm256_storeu_ps(out[r][u], acc[r][u][0]), _mm256_storeu_ps(out[r][u] + 8, acc[r][u][1]);
 #else
-  for (int r = 0; r < R; ++r) std::fill(out[r], out[r] + kNr, 0.f);
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) std::fill(out[r][u], out[r][u] + kNr, 0.f);
 #endif
-  for (; k < K; ++k)
-    for (int64_t j = 0; j < kNr; ++j) {
-      const float w = At(s, k, j);
-      for (int r = 0; r < R; ++r) out[r][j] += x[r * K + k] * w;
-    }
-  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, out[r], sizeof(float) * cols);
+  for (; k < K; ++k)  // the chains' last links (an odd K of bf16 strips), in the same order
+    for (int u = 0; u < U; ++u)
+      for (int64_t j = 0; j < kNr; ++j) {
+        const float w = At(s + u * len, k, j);
+        for (int r = 0; r < R; ++r) out[r][u][j] = FmaF(x[r * K + k], w, out[r][u][j]);
+      }
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u)
+      std::memcpy(y + r * ldy + u * kNr, out[r][u], sizeof(float) * (u < U - 1 ? kNr : cols));
 }
 
 // Few rows, packed W: tasks are runs of whole strips, several per thread so that a thread that
-// starts late takes fewer.
+// starts late takes fewer; a task runs its strips U at a time (U = 4 / M), the rest one by one.
 template <typename T>
 static void KnStream(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
                      const T* w, float* y) {
   const int64_t strips = (N + kNr - 1) / kNr, len = StripRowsOf<T>(K) * kNr;
-  const int64_t per = std::max<int64_t>(1, strips / (4 * pool.num_threads()));
+  const int64_t per = std::max<int64_t>(4, strips / (4 * pool.num_threads()) / 4 * 4);
   ParallelFor(pool, (strips + per - 1) / per, [&](int64_t t) {
-    for (int64_t s = t * per, end = std::min(strips, s + per); s < end; ++s) {
+    const int64_t end = std::min(strips, t * per + per);
+    auto cols = [&](int64_t last) { return std::min(kNr, N - last * kNr); };
+    for (int64_t s = t * per; s < end;) {
       const T* p = w + s * len;
       float* ys = y + s * kNr;
-      const int64_t cols = std::min(kNr, N - s * kNr);
-      switch (M) {
-        case 1: StripRows<1, 4>(x, K, p, ys, N, cols); break;
-        case 2: StripRows<2, 2>(x, K, p, ys, N, cols); break;
-        case 3: StripRows<3, 1>(x, K, p, ys, N, cols); break;
-        default: StripRows<4, 1>(x, K, p, ys, N, cols); break;
+      const int64_t left = end - s;
+      if (M == 1 && left >= 4) {
+        StripRows<1, 4>(x, K, p, len, ys, N, cols(s + 3)), s += 4;
+      } else if (M == 2 && left >= 2) {
+        StripRows<2, 2>(x, K, p, len, ys, N, cols(s + 1)), s += 2;
+      } else {
+        switch (M) {
+          case 1: StripRows<1, 1>(x, K, p, len, ys, N, cols(s)); break;
+          case 2: StripRows<2, 1>(x, K, p, len, ys, N, cols(s)); break;
+          case 3: StripRows<3, 1>(x, K, p, len, ys, N, cols(s)); break;
+          default: StripRows<4, 1>(x, K, p, len, ys, N, cols(s)); break;
+        }
+        ++s;
       }
     }
   });
@@ -167,34 +199,30 @@ static inline void ForRowBlocks(int64_t rows, const F& f) {
   }
 }
 
-// out(r, i) = sum_k a[r * lda + k] * b[k * kNr + i] for r < R, i < cols, k < K (b: one strip);
-// stored to (or, with add, added to) y[r * ldy + i].
+// y[r * ldy + i] = the chains of rows r < R, columns i < cols, run on over k < K (b: one
+// strip) from what y holds (add: the chunks before) or from zero.
 template <int R>
 static void Micro(const float* a, int64_t lda, int64_t K, const float* b, float* y, int64_t ldy,
                   int64_t cols, bool add, const Prefetch& pf) {
   v8 acc[R][2] = {};
+  if (add)
+    for (int r = 0; r < R; ++r) {
+      float in[kNr] = {};
+      std::memcpy(in, y + r * ldy, sizeof(float) * cols);
+      std::memcpy(acc[r], in, sizeof in);
+    }
   for (int64_t k = 0; k < K; ++k) {
     pf.At(k);
     v8 w0, w1;
     std::memcpy(&w0, b + k * kNr, sizeof w0);
     std::memcpy(&w1, b + k * kNr + 8, sizeof w1);
     for (int r = 0; r < R; ++r) {
-      const float av = a[r * lda + k];
-      acc[r][0] += av * w0;
-      acc[r][1] += av * w1;
+      const v8 av = Splat8(a[r * lda + k]);
+      acc[r][0] = Fma8(av, w0, acc[r][0]);
+      acc[r][1] = Fma8(av, w1, acc[r][1]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float out[kNr];
-    std::memcpy(out, acc[r], sizeof out);
-    float* yr = y + r * ldy;
-    if (!add)
-      std::memcpy(yr, out, sizeof(float) * cols);
-    else if (cols == kNr)  // the usual case, as whole vectors
-      for (int64_t i = 0; i < kNr; ++i) yr[i] += out[i];
-    else
-      for (int64_t i = 0; i < cols; ++i) yr[i] += out[i];
-  }
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], sizeof(float) * cols);
 }
 
 #ifdef __AVX512F__
@@ -203,8 +231,10 @@ static void Micro(const float* a, int64_t lda, int64_t K, const float* b, float*
 template <int R>
 static void Micro2(const float* a, int64_t lda, int64_t K, const float* b0, const float* b1,
                    float* y, int64_t ldy, bool add, const Prefetch& pf) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  __m512 acc[R][2];  // the chains, run on from y (add) as in Micro
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h)
+      acc[r][h] = add ? _mm512_loadu_ps(y + r * ldy + h * kNr) : _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     pf.At(k);
     const __m512 w0 = _mm512_loadu_ps(b0 + k * kNr), w1 = _mm512_loadu_ps(b1 + k * kNr);
@@ -214,13 +244,8 @@ static void Micro2(const float* a, int64_t lda, int64_t K, const float* b0, cons
       acc[r][1] = _mm512_fmadd_ps(av, w1, acc[r][1]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float* yr = y + r * ldy;
-    for (int h = 0; h < 2; ++h) {
-      const __m512 v = add ? _mm512_add_ps(acc[r][h], _mm512_loadu_ps(yr + h * kNr)) : acc[r][h];
-      _mm512_storeu_ps(yr + h * kNr, v);
-    }
-  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(y + r * ldy + h * kNr, acc[r][h]);
 }
 #endif
 
@@ -423,21 +448,20 @@ static ffi::Error Matmul(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer
   }
   const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
 #ifdef JAXLLM_DPBF16
-  if (M > kFewRows) {
-    if (K % 2 == 0) {
-      DpGemm(pool, xb, K, M, K, N, wl, out);
-    } else {  // rows of whole pairs
-      std::vector<uint16_t> even(M * (K + 1), 0);
-      for (int64_t m = 0; m < M; ++m) std::memcpy(&even[m * (K + 1)], xb + m * K, 2 * K);
-      DpGemm(pool, even.data(), K + 1, M, K, N, wl, out);
-    }
-    return ffi::Error::Success();
+  if (K % 2 == 0) {
+    DpGemm(pool, xb, K, M, K, N, wl, out);
+  } else {  // rows of whole pairs
+    std::vector<uint16_t> even(M * (K + 1), 0);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(&even[m * (K + 1)], xb + m * K, 2 * K);
+    DpGemm(pool, even.data(), K + 1, M, K, N, wl, out);
   }
-#endif
+  return ffi::Error::Success();
+#else
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = ToF32(xb[i]);
   run(xf.data(), wl);
   return ffi::Error::Success();
+#endif
 }
 
 static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,

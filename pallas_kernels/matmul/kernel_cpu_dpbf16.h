@@ -8,7 +8,8 @@
 #define JAXLLM_DPBF16 1
 // bf16 x against bf16 W, many rows: vdpbf16ps adds the products of a pair of bf16 (k, k + 1) to
 // each f32 lane. The products are exact and the sums f32, as in the f32 path. The strips' pairs
-// are its operand as they are; x is read as pairs in place.
+// are its operand as they are; x is read as pairs in place. It runs every M (few rows too), so
+// that each element is the same chain of vdpbf16ps down K whatever the batch (issue 26).
 constexpr int64_t kDpPc = 1024;  // k-pairs per chunk (rows per block: kMr)
 
 // y[r, 0:cols] (=, or with add +=) sum over pairs p < P of x pairs a[r * lda + 2p ..] times the
@@ -16,9 +17,12 @@ constexpr int64_t kDpPc = 1024;  // k-pairs per chunk (rows per block: kMr)
 template <int R, int S>
 static void DpMicro(const uint16_t* a, int64_t lda, int64_t P, const uint32_t* b, int64_t ldb,
                     float* y, int64_t ldy, int64_t cols, bool add, const Prefetch& pf) {
-  __m512 acc[R][S];
-  for (int r = 0; r < R; ++r)
-    for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
+  __m512 acc[R][S];  // the chains, run on from y (add: the chunks before), as in Micro
+  for (int s = 0; s < S; ++s) {
+    const __mmask16 mask = (1u << std::min(kNr, cols - s * kNr)) - 1;
+    for (int r = 0; r < R; ++r)
+      acc[r][s] = add ? _mm512_maskz_loadu_ps(mask, y + r * ldy + s * kNr) : _mm512_setzero_ps();
+  }
   for (int64_t p = 0; p < P; ++p) {
     pf.At(p);
     __m512bh w[S];
@@ -32,12 +36,7 @@ static void DpMicro(const uint16_t* a, int64_t lda, int64_t P, const uint32_t* b
   }
   for (int s = 0; s < S; ++s) {
     const __mmask16 mask = (1u << std::min(kNr, cols - s * kNr)) - 1;
-    for (int r = 0; r < R; ++r) {
-      float* yp = y + r * ldy + s * kNr;
-      const __m512 v = add ? _mm512_add_ps(acc[r][s], _mm512_maskz_loadu_ps(mask, yp))
-                           : acc[r][s];
-      _mm512_mask_storeu_ps(yp, mask, v);
-    }
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + s * kNr, mask, acc[r][s]);
   }
 }
 

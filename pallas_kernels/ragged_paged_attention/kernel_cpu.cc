@@ -113,7 +113,7 @@ static inline void Softmax(float soft_cap, float* sc, int64_t j0, int64_t j1, fl
                            float& sum, float* acc, int64_t D) {
   if (soft_cap > 0.f)
     for (int64_t j = j0; j < j1; ++j) sc[j] = soft_cap * std::tanh(sc[j] / soft_cap);
-  v8 mv = v8{} + m;
+  v8 mv = Splat8(m);
   int64_t j = j0;
   for (; j + 8 <= j1; j += 8) {
     const v8 x = Load8(sc + j);
@@ -153,7 +153,7 @@ static inline void AddRows(const float* p, int64_t ldp, const C* v, int64_t r0, 
         v8 x[4];
         for (int i = 0; i < 4; ++i) x[i] = Load8(v + j * kD + c + 8 * i);
         for (int h = 0; h < kH; ++h) {
-          const v8 pj = v8{} + p[h * ldp + j];
+          const v8 pj = Splat8(p[h * ldp + j]);
           for (int i = 0; i < 4; ++i) r[h][i] += pj * x[i];
         }
       }
@@ -212,8 +212,11 @@ static void Task(const Step<C>& st, int64_t s, int64_t h0, int64_t h1, int64_t i
         f(h, g, n);
       }
   };
-  for (int64_t b0 = start(std::max<int64_t>(p0, 0)) / BS, last = p1 / BS; b0 <= last;
-       b0 += kBlockPages) {
+  // Blocks start at multiples of kBlockPages pages, not at the task's first key: a query's
+  // softmax then runs over the same blocks (the same rescalings) whichever queries share its
+  // task, so chunked prefill and decode give it the same bits (batch invariance: issue 26).
+  const int64_t first_block = start(std::max<int64_t>(p0, 0)) / BS / kBlockPages * kBlockPages;
+  for (int64_t b0 = first_block, last = p1 / BS; b0 <= last; b0 += kBlockPages) {
     const int64_t nb = std::min(kBlockPages, last + 1 - b0), base = b0 * BS;
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t pos = p0 + i;

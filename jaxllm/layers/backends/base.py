@@ -82,3 +82,9 @@ class Backend:
     def logit_rows(self, cfg, rows: tuple[int, ...]) -> tuple[int, ...]:
         """The LM-head chunk sizes (of `rows`) the sampler should use."""
         raise NotImplementedError
+
+    def batch_variance(self, cfg, cache_dtype) -> Optional[str]:
+        """Why a request's results may depend on the rest of its batch with this backend and
+        model (None: they do not, bit for bit; docs/batch_invariance.md). --batch-invariant
+        refuses to start with the reason."""
+        raise NotImplementedError

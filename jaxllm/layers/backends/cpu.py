@@ -99,6 +99,16 @@ class CpuBackend(ReferenceBackend):
         # The native matmul runs every chunk size at speed.
         return tuple(rows) if self.native_matmul else super().logit_rows(cfg, rows)
 
+    def batch_variance(self, cfg, cache_dtype):
+        if not self.native_matmul:
+            return "the native matmul kernels did not build here (XLA's dots run instead)"
+        if not native_cpu_attention(self.name, cache_dtype):
+            return (f"a {jnp.dtype(cache_dtype).name} KV cache runs the XLA attention (use "
+                    "--kv-cache-dtype auto)")
+        if cfg.moe_layers and any(cfg.moe_layers):
+            return "mixture-of-experts layers run their experts in XLA"
+        return None
+
 
 def pack_native(state, cfg):
     """The state with the four layer projections and the LM head (for tied embeddings the

@@ -160,3 +160,8 @@ class ReferenceBackend(Backend):
         # XLA:CPU runs a bf16 weight against few rows by converting all of it to f32 first
         # (3x slower than 64 rows): bf16 keeps only the largest chunk there.
         return (max(rows),) if _on_cpu() and cfg.jnp_dtype == jnp.bfloat16 else tuple(rows)
+
+    def batch_variance(self, cfg, cache_dtype):
+        return (f"the {self.name} backend's XLA dots pick their summation order by shape, and "
+                "a batch's token count picks the shape; use --attention-backend cpu on one "
+                "CPU device")
