@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 from tqdm.auto import tqdm
 
-from jaxllm.worker.executable_cache import ExecutableCache, compile_lowered
+from jaxllm.worker.executable_cache import ExecutableCache, compile_lowered, mlir_lock
 
 logger = logging.getLogger("jaxllm")
 
@@ -127,7 +127,11 @@ class CompileManager:
     def compile(self, key: ProgramKey, fn, args):
         """The executable of fn(*args): from the executable cache, else compiled (and cached)."""
         cache_key, exe = self._cached(key, args)
-        return exe if exe is not None else self._compile_lowered(cache_key, fn.lower(*args))
+        if exe is not None:
+            return exe
+        with mlir_lock:
+            lowered = fn.lower(*args)
+        return self._compile_lowered(cache_key, lowered)
 
     def compile_now(self, jobs: Iterable[Job], total: int) -> None:
         """Compile jobs on all cores. Lowering (Python, this thread) feeds the compiler threads
@@ -145,7 +149,9 @@ class CompileManager:
             for key, fn, args in jobs:
                 cache_key, exe = self._cached(key, args)
                 if exe is None:
-                    done[key] = pool.submit(compile_one, cache_key, fn.lower(*args))
+                    with mlir_lock:
+                        lowered = fn.lower(*args)
+                    done[key] = pool.submit(compile_one, cache_key, lowered)
                 else:
                     done[key] = Future()
                     done[key].set_result(exe)

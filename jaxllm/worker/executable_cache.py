@@ -30,9 +30,11 @@ logger = logging.getLogger("jaxllm")
 
 _JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # recorded in the compiling thread
 _compiling = threading.local()
-# One load at a time: two threads deserializing XLA:CPU executables at once (the step's thread
-# and the background compiles) crashed the process (a segfault in persistent_load).
-_load_lock = threading.Lock()
+# One load or lowering at a time: two threads deserializing XLA:CPU executables at once (the
+# step's thread and the background compiles) crashed the process (a segfault in
+# persistent_load), and so did one deserializing while another lowered (a segfault in MLIR's
+# op builders). Both only build MLIR/HLO on the host; XLA's compiles still run in parallel.
+mlir_lock = threading.Lock()
 
 
 def _on_jax_event(event: str, **_) -> None:
@@ -127,7 +129,7 @@ class ExecutableCache:
         try:
             with open(path, "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
-            with _load_lock:
+            with mlir_lock:
                 return serialize_executable.deserialize_and_load(
                     payload, in_tree, out_tree, backend=self.devices[0].client,
                     execution_devices=self.devices)
