@@ -23,6 +23,7 @@ from jaxllm.config import ConfigError, EngineArgs
 from jaxllm.engine.dp_remote import STOP, node_fingerprint
 from jaxllm.engine.engine import LLMEngine
 from jaxllm.parallel.distributed import STARTUP_TIMEOUT
+from jaxllm.parallel.mesh import device_groups
 from jaxllm.parallel.step_channel import host_lost
 from jaxllm.parallel.wire import no_delay, recv_frame, send_frame
 
@@ -33,13 +34,9 @@ CALLS = ("add_request", "abort_request", "step", "encode")
 
 def local_replicas(args: EngineArgs) -> list[LLMEngine]:
     """This node's replicas, replica i on local devices i*TP .. (i+1)*TP-1, built in turn."""
-    n, tp, devices = args.data_parallel_local, args.tensor_parallel_size, jax.local_devices()
-    if n * tp > len(devices):
-        raise ConfigError(
-            f"--data-parallel-size-local={n}: {n} replicas x --tensor-parallel-size {tp} need "
-            f"{n * tp} devices, but {len(devices)} {devices[0].platform.upper()} device(s) "
-            f"are visible (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-    return [LLMEngine(args, devices=devices[i * tp:(i + 1) * tp]) for i in range(n)]
+    groups = device_groups("--data-parallel-size-local", args.data_parallel_local, "replicas",
+                           args.tensor_parallel_size, jax.local_devices())
+    return [LLMEngine(args, devices=g) for g in groups]
 
 
 def connect(args: EngineArgs, rank: int, engine: LLMEngine,

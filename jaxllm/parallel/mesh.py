@@ -15,6 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jaxllm.config import ConfigError
+
 MESH_AXES = ("data", "model", "expert")
 
 # logical axis -> mesh axis (None = replicated)
@@ -37,6 +39,18 @@ LOGICAL_AXIS_RULES: dict[str, Optional[str]] = {
     "tokens": None,
     "batch": "data",
 }
+
+
+def device_groups(flag: str, n: int, what: str, tp: int, devices: Sequence) -> list[list]:
+    """n groups of tp consecutive devices (pipeline stages, data-parallel replicas), refused
+    with the numbers, naming `flag`, when fewer than n x tp devices are visible."""
+    devices = list(devices)
+    if n * tp > len(devices):
+        raise ConfigError(
+            f"{flag}={n}: {n} {what} x --tensor-parallel-size {tp} need {n * tp} devices, but "
+            f"{len(devices)} {devices[0].platform.upper()} device(s) are visible (on CPU, set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    return [devices[i * tp:(i + 1) * tp] for i in range(n)]
 
 
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1,

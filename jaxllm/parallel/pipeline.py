@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxllm.config import ConfigError
-from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.mesh import device_groups, make_mesh
 
 PARTITION_ENVS = ("JAXLLM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION")
 
@@ -61,10 +61,6 @@ def stage_layer_ranges(num_layers: int, pp: int,
 def stage_meshes(pp: int, tp: int, devices: Optional[Sequence] = None) -> list[Mesh]:
     """One tp-device mesh per stage, on consecutive devices; refused (with the numbers) when
     fewer than pp x tp devices are visible."""
-    devices = list(devices if devices is not None else jax.devices())
-    if pp * tp > len(devices):
-        raise ConfigError(
-            f"--pipeline-parallel-size={pp}: {pp} stages x --tensor-parallel-size {tp} need "
-            f"{pp * tp} devices, but {len(devices)} {devices[0].platform.upper()} device(s) "
-            f"are visible (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-    return [make_mesh(tp, devices=devices[s * tp:(s + 1) * tp]) for s in range(pp)]
+    groups = device_groups("--pipeline-parallel-size", pp, "stages", tp,
+                           devices if devices is not None else jax.devices())
+    return [make_mesh(tp, devices=g) for g in groups]
