@@ -175,6 +175,7 @@ def test_wrong_key_is_reported(server):
 
 # --- offline commands (each loads the model in its own process) -------------------------------
 
+@pytest.mark.slow  # its own model load (~25 s)
 def test_run_batch_mixed_file(tmp_path, tiny_llama, server, http):
     greedy = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
     lines = [
@@ -234,7 +235,8 @@ def test_generate_matches_the_server(tiny_llama, http):
 
 @pytest.mark.parametrize("mode", [["latency", "--batch-size", "2", "--num-iters", "2",
                                    "--num-iters-warmup", "1", "--seed", "3"],
-                                  ["throughput", "--num-prompts", "5"]])
+                                  pytest.param(["throughput", "--num-prompts", "5"],
+                                               marks=pytest.mark.slow)])  # same path, ~25 s
 def test_offline_bench_runs_and_reports(tiny_llama, tmp_path, mode):
     """`jaxllm bench latency|throughput` end to end, with and without engine flags given."""
     out = tmp_path / "bench.json"

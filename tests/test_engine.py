@@ -240,7 +240,9 @@ def test_async_scheduling_overlaps_and_keeps_outputs(tiny_llama, llm, prompts):
     assert not async_llm.llm_engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("async_scheduling", [
+    pytest.param(False, id="sync", marks=pytest.mark.slow),  # ~20 s; async covers the burst
+    pytest.param(True, id="async")])
 def test_multi_step_keeps_outputs(tiny_llama, llm, prompts, async_scheduling):
     """With num_scheduler_steps=4, runs of plain decode steps go to the device four at a time,
     and every output equals the one-step engine's: seeded sampling, stop tokens and strings

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from test_engine import GREEDY, hf_greedy, mixed_prompts
 
 PROMPTS = mixed_prompts(6, seed=5)
@@ -34,6 +36,7 @@ def _files(d) -> list:
     return sorted(d.iterdir()) if d.exists() else []
 
 
+@pytest.mark.slow  # four cold/warm engine processes (~2 min); the key test below stays fast
 def test_warm_start_loads_programs_and_decodes_the_same(tiny_llama, tmp_path):
     """Cold: every program compiled and saved. A start whose programs come from JAX's
     persistent cache saves none of them (such executables serialize incomplete). Warm: every

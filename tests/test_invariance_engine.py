@@ -180,6 +180,7 @@ def test_float32_batches_equal_solo_runs():
         gc.collect()
 
 
+@pytest.mark.slow  # ~25 s; tests/test_batch_invariance.py checks every kernel by default
 def test_tiny_model_batches_equal_solo_runs(tiny_llama):
     """The tiny model in float32, --batch-invariant: solo runs on one engine against random
     batches on another with a 16-token budget (chunked prompts), no prefix caching; decode

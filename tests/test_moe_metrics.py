@@ -44,7 +44,8 @@ def recount(path: str, sequences: list[list[int]], top_k: int) -> dict[int, np.n
     pytest.param("mixtral", {}, id="mixtral"),
     # a dense layer between two MoE layers (layer labels 0 and 2); multi-step bursts sum
     # their steps' counts on the device
-    pytest.param("qwen2_moe", {"num_scheduler_steps": 4}, id="qwen2moe-mixed-burst"),
+    pytest.param("qwen2_moe", {"num_scheduler_steps": 4}, id="qwen2moe-mixed-burst",
+                 marks=pytest.mark.slow),  # ~20 s
 ])
 def test_expert_load_equals_numpy_recount_of_router_topk(make_tiny_checkpoint, arch, kw):
     from serving.metrics import ServerMetrics

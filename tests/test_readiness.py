@@ -14,7 +14,8 @@ from jaxllm.engine.async_engine import AsyncLLMEngine
 # One step per call (the default): the sampler variants with penalties, logprobs or filters are
 # left to the background; with multi-step scheduling the multi-step programs too (slower).
 @pytest.mark.parametrize("steps,deferred_kinds", [
-    (1, {"sample"}), pytest.param(2, {"sample", "burst"}, marks=pytest.mark.slow)])
+    pytest.param(1, {"sample"}, marks=pytest.mark.slow),  # ~50 s of background compiles
+    pytest.param(2, {"sample", "burst"}, marks=pytest.mark.slow)])
 def test_serving_engine_is_ready_only_when_every_program_is_compiled(tiny_llama, monkeypatch,
                                                                      steps, deferred_kinds):
     monkeypatch.setenv("JAXLLM_FAIL_ON_RECOMPILE", "1")

@@ -213,6 +213,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(server):
         httpx.get(server.url + "/health", timeout=5)
 
 
+@pytest.mark.slow  # its own server (~25 s); the drain test above shares the module's
 def test_sigterm_cancels_what_outlives_the_shutdown_timeout_then_exits_0(tiny_llama,
                                                                          monkeypatch):
     """A stream and a plain request still running when --shutdown-timeout runs out end with
