@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import glob
 import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -61,9 +61,7 @@ def build(source: str) -> Optional[str]:
         return None
     with open(source, "rb") as f:
         src = f.read()
-    headers = glob.glob(os.path.join(_HERE, "*.h")) + glob.glob(
-        os.path.join(os.path.dirname(source), "*.h"))
-    for header in sorted(set(headers)):  # what the sources include
+    for header in _included(source):  # a header's change rebuilds what includes it
         with open(header, "rb") as f:
             src += f.read()
     flags = " ".join(FLAGS).encode()
@@ -82,6 +80,26 @@ def build(source: str) -> Optional[str]:
             return None
         os.replace(tmp_out, out)  # atomic: concurrent builders all end with a whole file
     return out
+
+
+def _included(source: str) -> list[str]:
+    """The headers `source` includes with quotes, and theirs, found as the compiler does (next
+    to the including file, then in pallas_kernels/): one kernel may include another's core."""
+    seen, todo = [], [source]
+    while todo:
+        current = todo.pop()
+        with open(current, encoding="utf-8") as f:
+            names = re.findall(r'^\s*#\s*include\s+"([^"]+)"', f.read(), re.M)
+        here = os.path.dirname(current)
+        for name in names:
+            for d in (here, _HERE):
+                path = os.path.normpath(os.path.join(d, name))
+                if os.path.exists(path):
+                    if path not in seen:
+                        seen.append(path)
+                        todo.append(path)
+                    break
+    return sorted(seen)
 
 
 _locks: dict[str, threading.Lock] = {}

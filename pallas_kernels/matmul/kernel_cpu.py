@@ -70,6 +70,12 @@ def _operand(x: jax.Array, w: jax.Array, n: int) -> jax.Array:
     """x as the kernel takes it, after checking that the kernel is here and n fits w."""
     if not available():
         raise RuntimeError("the CPU matmul kernel could not be built (see the log)")
+    return operand(x, w, n)
+
+
+def operand(x: jax.Array, w: jax.Array, n: int) -> jax.Array:
+    """x as a kernel on packed weights w takes it (bfloat16 against bfloat16 weights, else
+    float32), after checking that n columns fit w's strips."""
     if not STRIP * (w.shape[1] - 1) < n <= STRIP * w.shape[1]:
         raise ValueError(f"packed weights of {w.shape[1]} strips need n in "
                          f"({STRIP * (w.shape[1] - 1)}, {STRIP * w.shape[1]}], got {n}")

@@ -1,4 +1,4 @@
-// Part of kernel_cpu.cc, included after `Out`, `ForTiles`, `ForRowBlocks` and `Prefetch`: the
+// Part of kernel_cpu_core.h, included after `Out`, `ForTiles`, `ForRowBlocks` and `Prefetch`: the
 // native bf16 dot-product GEMM, compiled only where the CPU has AVX512_BF16. A file of its own
 // so that kernel_cpu.cc stays readable at one screenful per path.
 #ifndef JAXLLM_MATMUL_KERNEL_CPU_DPBF16_H_

@@ -1,0 +1,1 @@
+"""Grouped (per-expert) matmuls over stacked packed expert weights."""
