@@ -56,8 +56,9 @@ class MoeLayers(DenseLayers):
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdims=True)
         out = backend.moe(x, ids.astype(jnp.int32), weights, w["experts_gate_up"],
-                          w["experts_down"], activation=cfg.activation, dtype=x.dtype,
-                          expert_parallel=cfg.expert_parallel)
+                          w["experts_down"], layer, experts=cfg.num_experts,
+                          ffn=cfg.moe_intermediate_size, activation=cfg.activation,
+                          dtype=x.dtype, expert_parallel=cfg.expert_parallel)
         if cfg.shared_expert_intermediate_size:
             gate = jax.nn.sigmoid(jnp.dot(x, w["shared_gate"], preferred_element_type=f32))
             out = out + gate * gated_mlp(backend, self.widths(), w, x, layer,

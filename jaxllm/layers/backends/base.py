@@ -50,12 +50,16 @@ class Backend:
         raise NotImplementedError
 
     def moe(self, x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate_up: jax.Array,
-            w_down: jax.Array, *, activation: str, dtype, expert_parallel: bool) -> jax.Array:
+            w_down: jax.Array, layer, *, experts: int, ffn: int, activation: str, dtype,
+            expert_parallel: bool) -> jax.Array:
         """The routed experts of a mixture-of-experts layer: x [T, E], each token's top-k
         expert ids [T, k] (int32) and routing weights [T, k] (float32), the stacked experts
         w_gate_up [X, E, 2, F] and w_down [X, F, E] -> sum_k weight * expert(x), float32
-        [T, E]. No token is dropped. expert_parallel: the experts are sharded over the mesh's
-        `model` axis (else each expert's F is); see `jaxllm.layers.experts`."""
+        [T, E]. No token is dropped. As `project`'s, the weights are a layer's slice, or the
+        whole stack in the backend's layout for `resident` ones (then `layer` picks it; X =
+        `experts`, F = `ffn`, which such a layout may not show). expert_parallel: the experts
+        are sharded over the mesh's `model` axis (else each expert's F is); see
+        `jaxllm.layers.experts`."""
         raise NotImplementedError
 
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,

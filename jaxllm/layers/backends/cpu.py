@@ -20,18 +20,25 @@ import jax.numpy as jnp
 
 from jaxllm.layers.attention import KVCache, native_cpu_attention
 from jaxllm.layers.backends.reference import ReferenceBackend, from_bits
+from jaxllm.layers.experts import experts_sorted
 from pallas_kernels.activation import kernel_cpu as activation_cpu
+from pallas_kernels.grouped_matmul import kernel_cpu as grouped_cpu
 from pallas_kernels.matmul import kernel_cpu as matmul_cpu
 from pallas_kernels.ragged_paged_attention import kernel_cpu as attention_cpu
 
 # The layer projections the native matmul reads packed: whether the hidden size is their input
 # (else their output), which fixes the row-major [L, in, out] view `pack` takes.
 PROJECTIONS = {"qkv": True, "o": False, "gate_up": True, "down": False}
+# The stacked experts of a MoE layer group ([L, X, ...]), which the grouped matmul reads packed
+# (`grouped_cpu.pack`): their row-major [L, X, in, out] view.
+EXPERTS = {"experts_gate_up": lambda L, X, E: (L, X, E, -1),
+           "experts_down": lambda L, X, E: (L, X, -1, E)}
 
 
 def build_projection_kernels() -> bool:
-    """Build (once) the matmul and activation kernels; False if this machine cannot."""
-    return matmul_cpu.available() and activation_cpu.available()
+    """Build (once) the matmul, grouped matmul and activation kernels; False if this machine
+    cannot."""
+    return matmul_cpu.available() and grouped_cpu.available() and activation_cpu.available()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +55,7 @@ class CpuBackend(ReferenceBackend):
 
     @property
     def resident(self) -> frozenset:
-        return frozenset(PROJECTIONS) if self.native_matmul else frozenset()
+        return frozenset(PROJECTIONS) | frozenset(EXPERTS) if self.native_matmul else frozenset()
 
     def relayout(self, state, cfg):
         return super().relayout(pack_native(state, cfg) if self.native_matmul else state, cfg)
@@ -70,6 +77,28 @@ class CpuBackend(ReferenceBackend):
         if self.native_matmul and activation == "silu":
             return activation_cpu.silu_and_mul(gate_up, dtype)
         return super().gated_activation(gate_up, activation, dtype)
+
+    def moe_impl(self, tokens, top_k, experts, dtype):
+        """The native grouped matmul (`grouped`) at every batch size when it builds: it does
+        only the routed work and reads only the experts that have tokens, in place. By
+        scripts/bench_moe.py and scripts/bench_moe_step.py (docs/performance.md, issue 23) it
+        beats every XLA implementation from 1 token (`gather`) to 512 (`tiled`), and the packed
+        experts leave the XLA ones nothing to read."""
+        return "grouped" if self.native_matmul else super().moe_impl(tokens, top_k, experts,
+                                                                      dtype)
+
+    def moe(self, x, ids, weights, w_gate_up, w_down, layer, *, experts, ffn, activation, dtype,
+            expert_parallel):
+        if not self.native_matmul:
+            return super().moe(x, ids, weights, w_gate_up, w_down, layer, experts=experts,
+                               ffn=ffn, activation=activation, dtype=dtype,
+                               expert_parallel=expert_parallel)
+        # One device (`resolve_backend`): every expert is here, whatever expert_parallel says.
+        run = partial(grouped_cpu.grouped_matmul, layer=layer)
+        return experts_sorted(
+            x, ids, weights, experts, lambda xs, sizes: run(xs, w_gate_up, sizes, n=2 * ffn),
+            lambda h, sizes: run(h, w_down, sizes, n=x.shape[1]),
+            lambda gu: self.gated_activation(gu, activation, dtype))
 
     def attention(self, q, k, v, cache, layer, md, *, sm_scale, sliding_window=None,
                   soft_cap=None):
@@ -111,14 +140,16 @@ class CpuBackend(ReferenceBackend):
 
 
 def pack_native(state, cfg):
-    """The state with the four layer projections and the LM head (for tied embeddings the
-    embedding, then looked up in place) in the native matmul's packed layout (strips of 16
-    output columns, `matmul_cpu.pack`): every read is sequential and no step repacks them
-    (measured against row-major weights: projections 15% faster at 1 row and 13-30% at 64,
+    """The state with the four layer projections, the MoE experts (`grouped_cpu.pack`) and the
+    LM head (for tied embeddings the embedding, then looked up in place) in the native matmul's
+    packed layout (strips of 16 output columns, `matmul_cpu.pack`): every read is sequential
+    and no step repacks them (measured against row-major weights: projections 15% faster at 1 row and 13-30% at 64,
     the LM head 38% at 1 row and 2x at 64)."""
     E = cfg.hidden_size
     pack = jax.jit(lambda w, shape: matmul_cpu.pack(w.reshape(shape)), static_argnums=1,
                    donate_argnums=0)
+    pack_experts = jax.jit(lambda w, shape: grouped_cpu.pack(w.reshape(shape)),
+                           static_argnums=1, donate_argnums=0)
     for group in state["layers"].values():
         for name, e_in in PROJECTIONS.items():
             if name not in group:  # a MoE group without a shared expert has no dense MLP
@@ -126,6 +157,10 @@ def pack_native(state, cfg):
             L = jax.tree.leaves(group[name])[0].shape[0]
             shape = (L, E, -1) if e_in else (L, -1, E)
             group[name] = jax.tree.map(lambda w: pack(w, shape), group[name])
+        for name, shape in EXPERTS.items():
+            if name in group:
+                L, X = jax.tree.leaves(group[name])[0].shape[:2]
+                group[name] = jax.tree.map(lambda w: pack_experts(w, shape(L, X, E)), group[name])
     head = "lm_head" if "lm_head" in state else "embed"
     if head in state:  # a middle pipeline stage has neither
         state[head] = jax.tree.map(lambda w: pack(w.T, (1, E, -1)), state[head])

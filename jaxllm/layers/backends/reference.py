@@ -106,8 +106,9 @@ class ReferenceBackend(Backend):
         """The grouped matmul of the `ragged` experts (`jaxllm.layers.experts`)."""
         return ragged_dot(lhs, rhs, group_sizes)
 
-    def moe(self, x, ids, weights, w_gate_up, w_down, *, activation, dtype, expert_parallel):
-        def experts(x, ids, weights, w_gate_up, w_down):
+    def moe(self, x, ids, weights, w_gate_up, w_down, layer, *, experts, ffn, activation,
+            dtype, expert_parallel):
+        def run(x, ids, weights, w_gate_up, w_down):  # the experts' weights: slices
             name = self.moe_impl(*ids.shape, w_gate_up.shape[0], dtype)
             act = lambda gu: self.gated_activation(gu, activation, dtype)  # noqa: E731
             if name == "ragged":
@@ -118,7 +119,7 @@ class ReferenceBackend(Backend):
         n = 1 if self.mesh is None else self.mesh.shape["model"]
         split = w_gate_up.shape[0 if expert_parallel else 3]
         if n == 1 or split % n:  # one device, or replicated (left to XLA's partitioner)
-            return experts(x, ids, weights, w_gate_up, w_down)
+            return run(x, ids, weights, w_gate_up, w_down)
 
         # Tokens stay replicated (each device has the whole batch after attention): every
         # device runs its shard of the experts (or of every expert's FFN) and a psum adds the
@@ -127,7 +128,7 @@ class ReferenceBackend(Backend):
         def shard(x, ids, weights, w_gate_up, w_down):
             if expert_parallel:
                 ids = ids - jax.lax.axis_index("model") * w_gate_up.shape[0]
-            return jax.lax.psum(experts(x, ids, weights, w_gate_up, w_down), "model")
+            return jax.lax.psum(run(x, ids, weights, w_gate_up, w_down), "model")
 
         specs = ((P("model"), P("model")) if expert_parallel
                  else (P(None, None, None, "model"), P(None, "model", None)))
