@@ -1,10 +1,12 @@
 """Times the expert implementations of `jaxllm.layers.experts` on this machine, per batch
-size, for one MoE layer of a Mixtral-ish tiny model (hidden 512, FFN 1024, 8 experts, top-2).
+size, for one MoE layer of a Mixtral-ish tiny model (hidden 512, FFN 1024, 8 experts, top-2),
+and the CPU backend's (`cpu`: the native grouped matmul on packed experts) where it builds.
 
     python scripts/bench_moe.py [--dtype bfloat16] [--tokens 1 8 64 512]
 
-Prints the best-of-N milliseconds per layer call of each implementation; the backend's
-per-batch-size choice (`ReferenceBackend.moe_impl`) is read off this table.
+Prints the best-of-N milliseconds per layer call of each implementation; the backends'
+per-batch-size choice (`ReferenceBackend.moe_impl`, `CpuBackend.moe_impl`) is read off this
+table.
 """
 
 import argparse
@@ -15,7 +17,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.activation.reference import silu_and_mul
+from jaxllm.layers.backends.cpu import CpuBackend, pack_native
 from jaxllm.layers.experts import EXPERT_IMPLS
+
+
+def cpu_backend_impl(w_gu, w_down, dtype):
+    """The CPU backend's experts as an EXPERT_IMPLS entry: its packed copy of the weights (one
+    layer) read in place; None if its kernels do not build here."""
+    cpu = CpuBackend.create()
+    if not cpu.native_matmul:
+        return None
+    X, E, _, F = w_gu.shape
+    cfg = type("Cfg", (), {"hidden_size": E})()
+    packed = pack_native({"layers": {"g": {"experts_gate_up": w_gu[None] + 0,
+                                           "experts_down": w_down[None] + 0}}},
+                         cfg)["layers"]["g"]
+
+    def cpu_experts(x, ids, weights, _gu, _down, act):
+        return cpu.moe(x, ids, weights, packed["experts_gate_up"], packed["experts_down"], 0,
+                       experts=X, ffn=F, activation="silu", dtype=dtype, expert_parallel=False)
+    return cpu_experts
 
 
 def main():
@@ -34,7 +55,11 @@ def main():
     w_gu = jnp.asarray(rng.normal(size=(X, E, 2, F)) * 0.05, dt)
     w_down = jnp.asarray(rng.normal(size=(X, F, E)) * 0.05, dt)
     act = lambda gu: silu_and_mul(gu, dt)  # noqa: E731
-    print(f"{'T':>5} " + " ".join(f"{n:>9}" for n in EXPERT_IMPLS) + "   (ms, best of "
+    impls = dict(EXPERT_IMPLS)
+    cpu = cpu_backend_impl(w_gu, w_down, dt)
+    if cpu is not None:
+        impls["cpu"] = cpu
+    print(f"{'T':>5} " + " ".join(f"{n:>9}" for n in impls) + "   (ms, best of "
           f"{a.repeats}; {a.dtype}, E={E} F={F} X={X} k={k})")
     for T in a.tokens:
         x = jnp.asarray(rng.normal(size=(T, E)), dt)
@@ -42,7 +67,7 @@ def main():
                           jnp.int32)
         w = jnp.asarray(rng.random((T, k)), jnp.float32)
         times, outs = [], []
-        for impl in EXPERT_IMPLS.values():
+        for impl in impls.values():
             f = jax.jit(lambda x, i, w, g, d, impl=impl: impl(x, i, w, g, d, act))
             try:
                 outs.append(np.asarray(f(x, ids, w, w_gu, w_down)))
