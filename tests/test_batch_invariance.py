@@ -170,9 +170,35 @@ def test_sampled_row_does_not_depend_on_batch():
                                               err_msg=f"{kind} n={n}")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_layer_rows_do_not_depend_on_t(make_tiny_checkpoint, load, dtype):
+    """A MoE layer's MLP on the CPU backend (router and shared-expert gate in the native
+    matmul, experts in the grouped matmul, a shared expert) gives each token the same bits
+    alone and among 1-70 others in any order."""
+    from flax import nnx
+
+    model, cfg, _ = load(make_tiny_checkpoint("qwen2_moe"), dtype=dtype)
+    assert model.backend.name == "cpu" and model.backend.batch_variance(cfg, dtype) is None
+    # The weights as the runner holds them (packed; resident, so read with the layer index)
+    nnx.update(model, model.backend.relayout(nnx.split(model)[1], cfg))
+    group = next(g for g, grp in zip(model.layers, model.groups) if grp.kind == "moe")
+    w = {k: v[...] for k, v in vars(group).items() if isinstance(v, nnx.Param)}
+    assert set(w) >= {"router", "experts_gate_up", "shared_gate", "gate_up"}
+    f = jax.jit(lambda x: group.mlp(model.backend, w, x, jnp.int32(0))[0])
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((max(ROWS), cfg.hidden_size)), dtype)
+    full = np.asarray(f(x).astype(jnp.float32))
+    assert np.abs(full).max() > 0
+    for t in ROWS:
+        rows = rng.permutation(max(ROWS))[:t]
+        np.testing.assert_array_equal(np.asarray(f(x[rows]).astype(jnp.float32)), full[rows],
+                                      err_msg=f"t={t}")
+
+
 def test_backends_say_why_they_are_not_batch_invariant():
     """What --batch-invariant refuses: the XLA backends, the CPU backend without its native
-    matmul, with a cache dtype its attention kernel does not take, or with MoE layers."""
+    matmul, or with a cache dtype its attention kernel does not take (MoE layers it runs
+    invariant: `test_moe_layer_rows_do_not_depend_on_t`)."""
     from jaxllm.layers.backends.cpu import CpuBackend
     from jaxllm.layers.backends.pallas import PallasBackend
     from jaxllm.layers.backends.reference import ReferenceBackend
@@ -184,7 +210,8 @@ def test_backends_say_why_they_are_not_batch_invariant():
         assert "XLA dots" in backend.batch_variance(dense, jnp.float32)
     assert "native matmul" in CpuBackend(native_matmul=False).batch_variance(dense, jnp.float32)
     assert "float8_e4m3fn KV cache" in CpuBackend().batch_variance(dense, jnp.float8_e4m3fn)
-    assert "mixture-of-experts" in CpuBackend().batch_variance(moe, jnp.float32)
+    assert CpuBackend().batch_variance(moe, jnp.float32) is None
+    assert "native matmul" in CpuBackend(native_matmul=False).batch_variance(moe, jnp.float32)
 
 
 def test_batch_invariant_flag_refuses_the_reference_backend(tiny_llama):

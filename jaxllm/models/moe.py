@@ -45,12 +45,18 @@ class MoeLayers(DenseLayers):
             self.shared_gate = weight("shared_gate", (L, E, 1), ("layers", "embed", None), dt)
 
     def widths(self) -> dict[str, int]:
-        return {**super().widths(), "gate_up": 2 * self.cfg.shared_expert_intermediate_size}
+        cfg = self.cfg
+        return {**super().widths(), "gate_up": 2 * cfg.shared_expert_intermediate_size,
+                "router": cfg.num_experts, "shared_gate": 1}
 
     def mlp(self, backend: Backend, w: dict, x: jax.Array, layer
             ) -> tuple[jax.Array, Optional[jax.Array]]:
         cfg, f32 = self.cfg, jnp.float32
-        logits = jnp.dot(x, w["router"], preferred_element_type=f32)  # tiny: not a projection
+        # Through the backend's projections, as the experts are: on the CPU backend the native
+        # matmul, whose rows do not depend on the batch (XLA's dot may sum them by shape).
+        project = lambda name: backend.project(  # noqa: E731
+            x, w[name], layer, n=self.widths()[name], out_dtype=f32)
+        logits = project("router")
         probs = jax.nn.softmax(logits, axis=-1)
         weights, ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)
         if cfg.norm_topk_prob:
@@ -60,7 +66,7 @@ class MoeLayers(DenseLayers):
                           ffn=cfg.moe_intermediate_size, activation=cfg.activation,
                           dtype=x.dtype, expert_parallel=cfg.expert_parallel)
         if cfg.shared_expert_intermediate_size:
-            gate = jax.nn.sigmoid(jnp.dot(x, w["shared_gate"], preferred_element_type=f32))
+            gate = jax.nn.sigmoid(project("shared_gate"))
             out = out + gate * gated_mlp(backend, self.widths(), w, x, layer,
                                          cfg.activation).astype(f32)
         return out.astype(x.dtype), ids if cfg.count_expert_load else None

@@ -28,7 +28,8 @@ from pallas_kernels.ragged_paged_attention import kernel_cpu as attention_cpu
 
 # The layer projections the native matmul reads packed: whether the hidden size is their input
 # (else their output), which fixes the row-major [L, in, out] view `pack` takes.
-PROJECTIONS = {"qkv": True, "o": False, "gate_up": True, "down": False}
+PROJECTIONS = {"qkv": True, "o": False, "gate_up": True, "down": False, "router": True,
+               "shared_gate": True}
 # The stacked experts of a MoE layer group ([L, X, ...]), which the grouped matmul reads packed
 # (`grouped_cpu.pack`): their row-major [L, X, in, out] view.
 EXPERTS = {"experts_gate_up": lambda L, X, E: (L, X, E, -1),
@@ -134,9 +135,7 @@ class CpuBackend(ReferenceBackend):
         if not native_cpu_attention(self.name, cache_dtype):
             return (f"a {jnp.dtype(cache_dtype).name} KV cache runs the XLA attention (use "
                     "--kv-cache-dtype auto)")
-        if cfg.moe_layers and any(cfg.moe_layers):
-            return "mixture-of-experts layers run their experts in XLA"
-        return None
+        return None  # MoE layers too: router and experts run in the native kernels
 
 
 def pack_native(state, cfg):
@@ -152,7 +151,7 @@ def pack_native(state, cfg):
                            static_argnums=1, donate_argnums=0)
     for group in state["layers"].values():
         for name, e_in in PROJECTIONS.items():
-            if name not in group:  # a MoE group without a shared expert has no dense MLP
+            if name not in group:  # a dense group has no router; a MoE one may have no MLP
                 continue
             L = jax.tree.leaves(group[name])[0].shape[0]
             shape = (L, E, -1) if e_in else (L, -1, E)
