@@ -186,10 +186,20 @@ def test_tiny_model_batches_equal_solo_runs(tiny_llama):
     batches on another with a 16-token budget (chunked prompts), no prefix caching; decode
     steps of 1-16 requests run programs of 1-16 rows (XLA:CPU's own row sums changed order
     at 2-7)."""
+    _tiny_batches_equal_solo_runs(tiny_llama)
+
+
+@pytest.mark.slow  # ~40 s; test_batch_invariance.py checks a MoE layer by default
+def test_tiny_moe_batches_equal_solo_runs(make_tiny_checkpoint):
+    """The same for a tiny Qwen2-MoE (router, grouped-matmul experts, shared expert)."""
+    _tiny_batches_equal_solo_runs(make_tiny_checkpoint("qwen2_moe"))
+
+
+def _tiny_batches_equal_solo_runs(path):
     small = dict(dtype="float32", max_model_len=256, max_num_seqs=16, block_size=4,
                  use_tqdm_on_load=False, disable_log_stats=True, seed=7, batch_invariant=True)
-    solo = LLM(tiny_llama, max_num_batched_tokens=64, **small)
-    other = LLM(tiny_llama, max_num_batched_tokens=16, enable_prefix_caching=False, **small)
+    solo = LLM(path, max_num_batched_tokens=64, **small)
+    other = LLM(path, max_num_batched_tokens=16, enable_prefix_caching=False, **small)
     try:
         check_batches(solo, other, random.Random(5), "tiny", pool=16, repeats=1)
     finally:
