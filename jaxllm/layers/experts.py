@@ -17,7 +17,8 @@ sharded caller leaves out the experts another device holds.
   gather  each token's k experts' weights gathered (reads only the experts used: few tokens)
 
 Which one a backend runs, and for which batch size, is the backend's decision
-(`jaxllm.layers.backends`); scripts/bench_moe.py measures them.
+(`jaxllm.layers.backends`; the CPU backend runs `experts_sorted` on its native grouped matmul);
+scripts/bench_moe.py measures them.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """The CPU backend: jaxllm's native C++ kernels through the XLA FFI (pallas_kernels/*/kernel_cpu).
 
 The paged attention runs every step kind in one kernel that also writes the cache (f32 or bf16
-caches; others take the reference). The projections, the LM head and SiLU-and-mul run in the
-native matmul and activation kernels when they build (`native_matmul`), which read the stacked
-weights in place, where XLA:CPU copies each layer's slice out of the scan, and run bf16
-weights at f32 speed (XLA:CPU converts them first). Measured on AVX2 against XLA's dot: 2-3x
-at 1 row, 1.3x at 64-128 (f32), on par at 2048. Kernels are built by `create` (start-up), so
-a trace never starts a C++ build.
+caches; others take the reference). The projections (a MoE layer's router too), the LM head and
+SiLU-and-mul run in the native matmul and activation kernels, and a MoE layer's experts in the
+native grouped matmul, when they build (`native_matmul`); they read the stacked weights in
+place, where XLA:CPU copies each layer's slice out of the scan, and run bf16 weights at f32
+speed (XLA:CPU converts them first). Measured on AVX2 against XLA's dot: 2-3x at 1 row, 1.3x
+at 64-128 (f32), on par at 2048. Kernels are built by `create` (start-up), so a trace never
+starts a C++ build.
 """
 
 from __future__ import annotations
@@ -139,16 +140,15 @@ class CpuBackend(ReferenceBackend):
 
 
 def pack_native(state, cfg):
-    """The state with the four layer projections, the MoE experts (`grouped_cpu.pack`) and the
-    LM head (for tied embeddings the embedding, then looked up in place) in the native matmul's
-    packed layout (strips of 16 output columns, `matmul_cpu.pack`): every read is sequential
-    and no step repacks them (measured against row-major weights: projections 15% faster at 1 row and 13-30% at 64,
-    the LM head 38% at 1 row and 2x at 64)."""
+    """The state with the layer projections (a MoE layer's router and shared gate among them),
+    the MoE experts (`grouped_cpu.pack`) and the LM head (for tied embeddings the embedding,
+    then looked up in place) in the native matmul's packed layout (strips of 16 output
+    columns, `matmul_cpu.pack`): every read is sequential and no step repacks them (measured
+    against row-major weights: projections 15% faster at 1 row and 13-30% at 64, the LM head
+    38% at 1 row and 2x at 64)."""
     E = cfg.hidden_size
-    pack = jax.jit(lambda w, shape: matmul_cpu.pack(w.reshape(shape)), static_argnums=1,
-                   donate_argnums=0)
-    pack_experts = jax.jit(lambda w, shape: grouped_cpu.pack(w.reshape(shape)),
-                           static_argnums=1, donate_argnums=0)
+    pack = _packer(lambda w, shape: matmul_cpu.pack(w.reshape(shape)))
+    pack_experts = _packer(lambda w, shape: grouped_cpu.pack(w.reshape(shape)))
     for group in state["layers"].values():
         for name, e_in in PROJECTIONS.items():
             if name not in group:  # a dense group has no router; a MoE one may have no MLP
@@ -165,3 +165,14 @@ def pack_native(state, cfg):
         state[head] = jax.tree.map(lambda w: pack(w.T, (1, E, -1)), state[head])
     return state
 
+
+def _packer(f):
+    """f(w, shape) jitted, donating w where the packed result can take its buffer (no padding:
+    the same size); a router's 8 columns padded to 16 cannot, and XLA would warn."""
+    donating = jax.jit(f, static_argnums=1, donate_argnums=0)
+    keeping = jax.jit(f, static_argnums=1)
+
+    def run(w, shape):
+        out = jax.eval_shape(lambda w: f(w, shape), w)
+        return (donating if out.size == w.size and out.dtype == w.dtype else keeping)(w, shape)
+    return run

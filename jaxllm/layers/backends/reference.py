@@ -83,7 +83,8 @@ class ReferenceBackend(Backend):
         return ACTIVATIONS[activation](gate_up[:, 0]) * gate_up[:, 1]
 
     def moe_impl(self, tokens: int, top_k: int, experts: int, dtype) -> str:
-        """Which `jaxllm.layers.experts` implementation runs this many tokens (static).
+        """Which `jaxllm.layers.experts` implementation runs this many tokens (static; the
+        CPU backend overrides it with its native grouped matmul).
 
         Off CPU the grouped matmul (`ragged`). On XLA:CPU `ragged_dot` is a masked dense dot
         over every group (X times the work); by scripts/bench_moe.py (hidden 512, FFN 1024,
