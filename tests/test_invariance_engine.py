@@ -189,7 +189,7 @@ def test_tiny_model_batches_equal_solo_runs(tiny_llama):
     _tiny_batches_equal_solo_runs(tiny_llama)
 
 
-@pytest.mark.slow  # ~40 s; test_batch_invariance.py checks a MoE layer by default
+@pytest.mark.slow  # ~11 s (load 5); test_batch_invariance.py checks a MoE layer by default
 def test_tiny_moe_batches_equal_solo_runs(make_tiny_checkpoint):
     """The same for a tiny Qwen2-MoE (router, grouped-matmul experts, shared expert)."""
     _tiny_batches_equal_solo_runs(make_tiny_checkpoint("qwen2_moe"))
