@@ -147,9 +147,9 @@ def test_expert_parallel_refused_for_dense_models(tiny_llama, load):
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_moe_bfloat16_error_is_transformers_bfloat16_error(make_tiny_checkpoint, load, greedy,
                                                          backend):
-    """bfloat16 (the dense all-experts path on CPU, the weights stored as bits) strays from
-    float32 transformers no more than transformers' own bfloat16 does. Fixed weights: with
-    other random weights, a router near-tie that bf16 rounding flips (differently in each
+    """bfloat16 (the CPU backend's grouped matmul, the reference's all-experts einsum; the
+    weights stored as bits) strays from float32 transformers no more than transformers' own
+    bfloat16 does. Fixed weights: with other random weights, a router near-tie that bf16 rounding flips (differently in each
     implementation) sends a token to another expert and both errors jump (seen: 0.67 against
     transformers' 0.15)."""
     import torch
