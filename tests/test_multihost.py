@@ -230,8 +230,11 @@ def _leader(path: str, kw: dict) -> dict:
     seconds = time.perf_counter() - t
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
     leader = engine.step_leader
+    meshes = getattr(engine.runner, "meshes", [engine.runner.mesh])
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "devices": len(engine.runner.mesh.devices.flat), "processes": jax.process_count(),
+            "devices": sum(len(m.devices.flat) for m in meshes), "stages": len(meshes),
+            "memory": engine.runner.memory_report() if len(meshes) > 1 else None,
+            "processes": jax.process_count(),
             "preemptions": engine.stats()["num_preemptions"], "steps": len(steps),
             "channel_calls": leader.calls if leader else 0,
             "tokens_per_s": len(prompts) * NEW / seconds,

@@ -140,7 +140,8 @@ class ModelRunner:
         self._sample = jax.jit(self._sample_fn, out_shardings=self.rows_sharding)
         self._no_prev_tokens = jax.device_put(np.zeros(self.num_rows, np.int32),
                                               self.rows_sharding)
-        self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn)
+        self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn,
+                                        out_shardings=self.rows_sharding)
         self._burst = jax.jit(self._burst_fn, donate_argnums=(1,),
                               out_shardings=(self.rows_sharding, kv_sharding,
                                              self.rows_sharding))
@@ -165,10 +166,23 @@ class ModelRunner:
         tokens input): multi-host ranks number them, then every step output, alike."""
         return self.kv_cache, self._no_prev_tokens
 
-    def program(self, kind: str):
-        """The jitted function of a ProgramKey kind (what a follower host runs it with)."""
+    def weights(self) -> tuple:
+        """The weight trees step programs take (multi-host ranks name them, not send them)."""
+        return (self.state,)
+
+    def program(self, key: ProgramKey):
+        """The jitted function of a ProgramKey (what a follower host runs it with)."""
         return {"forward": self._forward, "sample": self._sample,
-                "prompt_logprobs": self._prompt_logprobs, "burst": self._burst}[kind]
+                "prompt_logprobs": self._prompt_logprobs, "burst": self._burst}[key.kind]
+
+    def replay(self, key: ProgramKey, args: tuple):
+        """A follower host's run of rank 0's call key(*args)."""
+        return self.compile_manager.run(key, self.program(key), *args, first_use=True)
+
+    def _to_reader(self, tree):
+        """A step's results where rank 0 reads them (a pipeline's last stage may be on
+        another host); here they are already."""
+        return tree
 
     def add_step_hook(self, hook: Callable[[StepEvent], None]) -> Callable[[], None]:
         """Call hook(StepEvent) after every launch and every read; returns its remover."""
@@ -249,8 +263,8 @@ class ModelRunner:
         if step.seqs:
             tensors = self._sampling_tensors(step.seqs)
             key = ProgramKey("sample", sampler=jax.tree_util.tree_structure(tensors))
-            out = self.compile_manager.run(key, self._sample, self.state, rows,
-                                           np.int32(len(step.seqs)), tensors)
+            out = self._to_reader(self.compile_manager.run(
+                key, self._sample, self.state, rows, np.int32(len(step.seqs)), tensors))
         inflight = Inflight(sched, step.seqs, out, step.prompt_rows, prompt, load)
         self._notify(StepEvent("dispatch", [inflight], chained=prev is not None))
         return inflight
@@ -335,9 +349,9 @@ class ModelRunner:
     def _compute_prompt_logprobs(self, hidden, prompt_rows: list[PromptRows]):
         """Dispatch the prompt-logprobs program on this step's hidden states [T, E]."""
         T = hidden.shape[0]
-        return self.compile_manager.run(
+        return self._to_reader(self.compile_manager.run(
             ProgramKey("prompt_logprobs", T), self._prompt_logprobs, self.state, hidden,
-            *prompt_logprob_targets(T, prompt_rows), first_use=True)
+            *prompt_logprob_targets(T, prompt_rows), first_use=True))
 
     # --- warm-up -----------------------------------------------------------------------------
     def warmup(self, greedy_only: bool = False) -> None:
