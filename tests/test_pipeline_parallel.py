@@ -88,8 +88,8 @@ def test_stages_not_aligned_to_hosts_refused(monkeypatch):
     monkeypatch.setattr(jax, "local_device_count", lambda: 4)
     devices = [_Device(0)] * 4 + [_Device(1)] * 4
     with pytest.raises(ConfigError, match=r"--pipeline-parallel-size=2 --tensor-parallel-size"
-                                          r"=3: stage 1 would span hosts \[0, 1\]"):
-        stage_meshes(2, 3, devices[2:])  # hosts with 2 and 4 devices: 3 + 3
+                                          r"=3: stage 0 would span hosts \[0, 1\]"):
+        stage_meshes(2, 3, devices[2:])  # hosts with 2 and 4 devices: stage 0 on both
     with pytest.raises(ConfigError, match=r"--pipeline-parallel-size=2 x --tensor-parallel-"
                                           r"size=2 = 4: on 2 hosts the stages must use all 8"):
         stage_meshes(2, 2, devices)
