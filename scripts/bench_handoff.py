@@ -1,8 +1,7 @@
 """What handing a pipeline stage's hidden states [T, hidden] to the next stage costs per call:
 between two sub-meshes of one process (`jax.device_put`), and between two processes on
 loopback (the same `device_put`, over JAX's cross-host transfer server, as
-jaxllm/worker/pipeline_runner.py does across hosts), against a `ppermute` over one mesh
-spanning both processes (the SPMD alternative).
+jaxllm/worker/pipeline_runner.py does across hosts).
 
     python scripts/bench_handoff.py [--tokens 16,256,2048] [--hidden 768] [--calls 50]
 
@@ -32,7 +31,6 @@ def _free_port() -> int:
 
 def _run(rank: int, nprocs: int, port: int, sizes: list[int], hidden: int, calls: int):
     import jax
-    from jax import shard_map
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jaxllm.parallel import distributed
@@ -59,19 +57,6 @@ def _run(rank: int, nprocs: int, port: int, sizes: list[int], hidden: int, calls
         row = {"T": T, "bytes": host.nbytes, "processes": nprocs,
                "issue_us": float(np.median(issue) * 1e6),
                "one_way_us": (time.perf_counter() - t) / calls / 2 * 1e6}
-        if nprocs > 1:  # the SPMD alternative: one [2, T, E] array, a ppermute stage 0 -> 1
-            mesh = Mesh(np.array(devices).reshape(2, 4), ("stage", "model"))
-            stacked = NamedSharding(mesh, P("stage"))
-            local = [jax.device_put(host[None], d) for d in mesh.devices[rank]]
-            z = jax.make_array_from_single_device_arrays((2, T, hidden), stacked, local)
-            shift = jax.jit(shard_map(lambda v: jax.lax.ppermute(v, "stage", [(0, 1), (1, 0)]),
-                                      mesh=mesh, in_specs=P("stage"), out_specs=P("stage")))
-            jax.block_until_ready(shift(z))
-            t = time.perf_counter()
-            for _ in range(calls):
-                z = shift(z)
-                jax.block_until_ready(z)
-            row["ppermute_us"] = (time.perf_counter() - t) / calls * 1e6
         results.append(row)
     return results
 
@@ -110,7 +95,8 @@ def main() -> None:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        for row in json.loads(out.strip().splitlines()[-1]):
+        # gloo prints its own lines to stdout, some at exit
+        for row in json.loads([line for line in out.splitlines() if line.startswith("[{")][-1]):
             print(json.dumps(row))
     print(f"load average {os.getloadavg()[0]:.1f}")
 
