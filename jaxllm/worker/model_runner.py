@@ -180,8 +180,9 @@ class ModelRunner:
         return self.compile_manager.run(key, self.program(key), *args, first_use=True)
 
     def _to_reader(self, tree):
-        """A step's results where rank 0 reads them (a pipeline's last stage may be on
-        another host); here they are already."""
+        """A step's results where rank 0 reads them, moved when it reads them (a pipeline's
+        last stage may be on another host: moving them at dispatch would make rank 0 wait
+        there for that host); here they are already."""
         return tree
 
     def add_step_hook(self, hook: Callable[[StepEvent], None]) -> Callable[[], None]:
@@ -263,8 +264,8 @@ class ModelRunner:
         if step.seqs:
             tensors = self._sampling_tensors(step.seqs)
             key = ProgramKey("sample", sampler=jax.tree_util.tree_structure(tensors))
-            out = self._to_reader(self.compile_manager.run(
-                key, self._sample, self.state, rows, np.int32(len(step.seqs)), tensors))
+            out = self.compile_manager.run(key, self._sample, self.state, rows,
+                                           np.int32(len(step.seqs)), tensors)
         inflight = Inflight(sched, step.seqs, out, step.prompt_rows, prompt, load)
         self._notify(StepEvent("dispatch", [inflight], chained=prev is not None))
         return inflight
@@ -331,7 +332,7 @@ class ModelRunner:
         if step.expert_load is not None:
             self._unread_loads.append(step.expert_load)
         if step.out is not None:
-            out, loads = jax.device_get((step.out, self._unread_loads))
+            out, loads = jax.device_get((self._to_reader(step.out), self._unread_loads))
             for i, seq in enumerate(step.seqs):
                 sampled.setdefault(seq.seq_id, []).append(_result(out, i, seq))
             for s in step.sched.scheduled:
@@ -341,7 +342,8 @@ class ModelRunner:
             if loads:  # one transfer with the tokens: counting adds no wait of its own
                 self.expert_load += np.sum(loads, axis=0)
                 self._unread_loads = []
-        prompt = (_prompt_results(jax.device_get(step.prompt), step.prompt_rows)
+        prompt = (_prompt_results(jax.device_get(self._to_reader(step.prompt)),
+                                  step.prompt_rows)
                   if step.prompt_rows else {})
         self._notify(StepEvent("collect", [step], sampled=sampled, prompt_logprobs=prompt))
         return sampled, prompt
@@ -349,9 +351,9 @@ class ModelRunner:
     def _compute_prompt_logprobs(self, hidden, prompt_rows: list[PromptRows]):
         """Dispatch the prompt-logprobs program on this step's hidden states [T, E]."""
         T = hidden.shape[0]
-        return self._to_reader(self.compile_manager.run(
+        return self.compile_manager.run(
             ProgramKey("prompt_logprobs", T), self._prompt_logprobs, self.state, hidden,
-            *prompt_logprob_targets(T, prompt_rows), first_use=True))
+            *prompt_logprob_targets(T, prompt_rows), first_use=True)
 
     # --- warm-up -----------------------------------------------------------------------------
     def warmup(self, greedy_only: bool = False) -> None:

@@ -26,7 +26,9 @@ mesh spanning both processes works too (~1 ms per call, gloo), but it is one pro
 devices, so both hosts would meet in it every step: the lockstep this design avoids. A host
 never compiles or runs another host's stage program: its call makes placeholders of the
 outputs (arrays without local shards, `CompileManager.elsewhere`) to pass on. The sampled
-tokens come back to rank 0 (which reads them) the same way (`_to_reader`).
+tokens come back to rank 0 the same way when it reads them (`_to_reader`, from `collect`: a
+receiving host's `device_put` waits for the sender to issue its side, so at dispatch it would
+hold rank 0's next step until the last stage's host got there).
 
 Every step dispatches all stages without waiting; only the sampled tokens are read back
 (`collect`). `start_timeline` records when each stage is busy (jaxllm/worker/
