@@ -337,7 +337,6 @@ class EngineArgs:
         """What --pipeline-parallel-size does not combine with yet, refused by name."""
         for name, on, why in (
                 ("data_parallel_size", self.data_parallel_size > 1, "replicas of a pipeline"),
-                ("nnodes", self.nnodes > 1, "stages on several hosts"),
                 ("enable_expert_parallel", self.enable_expert_parallel,
                  "experts sharded inside a stage"),
                 ("num_scheduler_steps", self.num_scheduler_steps > 1,

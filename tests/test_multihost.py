@@ -2,7 +2,8 @@
 joined by jax.distributed (gloo collectives), run one tensor-parallel model over all 8
 devices; rank 0 schedules, the other ranks run its steps headless. Its greedy tokens must
 equal one process's on 8 devices (same program) and on 1 device, through the engine with
-continuous batching, chunked prefill and preemption. A stopped follower makes rank 0 exit
+continuous batching, chunked prefill and preemption. Two processes also run a pipeline, one
+stage on each, against one process running the same stages. A stopped follower makes rank 0 exit
 with HOST_LOST_EXIT instead of hanging.
 
 Every process is a subprocess of this file's __main__ (JAX fixes its devices at import); the
@@ -128,6 +129,37 @@ def test_hosts_tp8_match_one_process(checkpoint, one_process, hosts):
           f"{one1['tokens_per_s']:.0f} tokens/s")
 
 
+@pytest.mark.slow
+def test_two_hosts_pipeline_match_one_process(checkpoint):
+    """Pipeline parallelism across hosts: 2 processes x 4 devices, one stage (TP 4) on each,
+    the hidden states and sampled tokens crossing between them; its greedy tokens equal one
+    process's running the same PP 2 x TP 4 on 8 devices, and one device's."""
+    pp = dict(pipeline_parallel_size=2, tensor_parallel_size=4)
+    one_pp, one1 = (_report(r) for r in _finish(
+        [_start("leader", checkpoint, 8, **pp),
+         _start("leader", checkpoint, 1, tensor_parallel_size=1)]))
+    port = _free_port()
+    results = _finish([_start("leader", checkpoint, 4, nnodes=2, node_rank=0, master_port=port,
+                              **pp),
+                       _start("follower", checkpoint, 4, nnodes=2, node_rank=1,
+                              master_port=port, headless=True, **pp)])
+    assert [r[0] for r in results] == [0, 0], "\n".join(
+        f"rank {i} (exit {r[0]}): {r[2][-1500:]}" for i, r in enumerate(results))
+    two = _report(results[0])
+    assert two["processes"] == 2 and two["stages"] == one_pp["stages"] == 2
+    assert two["tokens"] == one_pp["tokens"] == one1["tokens"]
+    assert all(len(t) == NEW for t in two["tokens"])
+    assert two["preemptions"] > 0 and two["steps"] > len(two["tokens"])
+    assert int(results[1][1].strip().splitlines()[-1]) == two["channel_calls"] > 0
+    # each host holds one stage, as big as the single process's same stage
+    assert [m["host"] for m in two["memory"]] == [0, 1]
+    for m, m1 in zip(two["memory"], one_pp["memory"]):
+        assert m["weight_bytes_per_device"] == m1["weight_bytes_per_device"] > 0
+        assert m["kv_bytes_per_device"] == m1["kv_bytes_per_device"] > 0
+    print(f"\n2 hosts, PP 2 x TP 4: {two['tokens_per_s']:.0f} tokens/s; 1 process, same: "
+          f"{one_pp['tokens_per_s']:.0f} tokens/s; 1 device: {one1['tokens_per_s']:.0f}")
+
+
 def wait_healthy(url: str, procs: list[subprocess.Popen], logs: list) -> None:
     """Until `url` answers /health (bounded); fails with a log's tail if a process ends."""
     import httpx
@@ -230,8 +262,11 @@ def _leader(path: str, kw: dict) -> dict:
     seconds = time.perf_counter() - t
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
     leader = engine.step_leader
+    meshes = getattr(engine.runner, "meshes", [engine.runner.mesh])
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "devices": len(engine.runner.mesh.devices.flat), "processes": jax.process_count(),
+            "devices": sum(len(m.devices.flat) for m in meshes), "stages": len(meshes),
+            "memory": engine.runner.memory_report() if len(meshes) > 1 else None,
+            "processes": jax.process_count(),
             "preemptions": engine.stats()["num_preemptions"], "steps": len(steps),
             "channel_calls": leader.calls if leader else 0,
             "tokens_per_s": len(prompts) * NEW / seconds,

@@ -59,7 +59,6 @@ def test_too_few_devices_refused_with_the_numbers():
 
 @pytest.mark.parametrize("flags, name", [
     (dict(data_parallel_size=2), "--data-parallel-size"),
-    (dict(nnodes=2, headless=False), "--nnodes"),
     (dict(enable_expert_parallel=True), "--enable-expert-parallel"),
     (dict(num_scheduler_steps=4), "--num-scheduler-steps"),
     (dict(runner="pooling"), "--runner"),
@@ -67,6 +66,33 @@ def test_too_few_devices_refused_with_the_numbers():
 def test_unsupported_combinations_refused_by_name(flags, name):
     with pytest.raises(ConfigError, match=f"--pipeline-parallel-size=2 with {name}"):
         EngineArgs(pipeline_parallel_size=2, **flags)
+
+
+def test_stages_across_hosts_accepted():
+    """--nnodes with a pipeline is no longer refused (tests/test_multihost.py runs it)."""
+    assert EngineArgs(pipeline_parallel_size=2, nnodes=2).nnodes == 2
+
+
+class _Device:
+    platform = "cpu"
+
+    def __init__(self, process_index: int):
+        self.process_index = process_index
+
+
+def test_stages_not_aligned_to_hosts_refused(monkeypatch):
+    """Across hosts every device is a stage's and no stage spans two hosts."""
+    import jax
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "local_device_count", lambda: 4)
+    devices = [_Device(0)] * 4 + [_Device(1)] * 4
+    with pytest.raises(ConfigError, match=r"--pipeline-parallel-size=2 --tensor-parallel-size"
+                                          r"=3: stage 0 would span hosts \[0, 1\]"):
+        stage_meshes(2, 3, devices[2:])  # hosts with 2 and 4 devices: stage 0 on both
+    with pytest.raises(ConfigError, match=r"--pipeline-parallel-size=2 x --tensor-parallel-"
+                                          r"size=2 = 4: on 2 hosts the stages must use all 8"):
+        stage_meshes(2, 2, devices)
 
 
 def test_timeline_overlap_arithmetic():

@@ -78,11 +78,12 @@ def channel(monkeypatch):
     monkeypatch.setattr(step_channel, "_kv_client", lambda: store)
     monkeypatch.setattr(step_channel, "host_lost", lost.append)
     monkeypatch.setattr(step_channel, "HEARTBEAT_SECONDS", 0.05)
-    weights = {"w": jnp.ones(4)}
+    weights = ({"w": jnp.ones(4)}, {"w": jnp.ones(2)})  # one tree per pipeline stage
     cache = jnp.zeros(8)
     box = {}
     t = threading.Thread(target=lambda: box.update(
-        follower=StepFollower({"w": jnp.ones(4)}, (jnp.zeros(8),), startup_timeout=10)))
+        follower=StepFollower(({"w": jnp.ones(4)}, {"w": jnp.ones(2)}), (jnp.zeros(8),),
+                              startup_timeout=10)))
     t.start()
     leader = StepLeader(1, "127.0.0.1", weights, (cache,), timeout=1.0)
     t.join(10)
@@ -95,9 +96,9 @@ def channel(monkeypatch):
 def test_calls_cross_with_device_arrays_as_numbers(channel):
     leader, follower, weights, cache, lost = channel
     out = jnp.arange(3)
-    leader.send("k1", (weights, cache, np.arange(5)))
+    leader.send("k1", (weights[0], cache, np.arange(5)))
     leader.track((out, cache))
-    leader.send("k2", (weights, out))
+    leader.send("k2", (weights[1], out))
     leader.close()
     calls = []
     for key, args in follower.calls():
@@ -105,7 +106,8 @@ def test_calls_cross_with_device_arrays_as_numbers(channel):
         follower.table.add_outputs((jnp.arange(3) + 10, args[1]))  # its own outputs
     assert [k for k, _ in calls] == ["k1", "k2"]
     (_, (w1, c1, host)), (_, (w2, o2)) = calls
-    assert w1 is follower.weights and w2 is follower.weights  # the weights travel as a name
+    # the weights travel as names: each stage's tree is the follower's own
+    assert w1 is follower.weights[0] and w2 is follower.weights[1]
     assert c1 is follower.table[0]                            # the start-up cache, its own
     np.testing.assert_array_equal(host, np.arange(5))         # host arrays by value
     np.testing.assert_array_equal(o2, np.arange(3) + 10)      # output 1 = its own output

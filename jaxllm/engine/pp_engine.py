@@ -42,8 +42,9 @@ def build_pipeline_runner(args: EngineArgs, model, mc, meshes: list,
                      for (a, b), mesh in zip(ranges, meshes))
     runner = PipelineRunner(stages, meshes, mc, num_blocks=num_blocks, **runner_args)
     for (a, b), r in zip(ranges, runner.memory_report()):
-        logger.info("Pipeline stage %d: layers [%d, %d) on devices %s; per device %.1f MiB of "
-                    "weights, %.1f MiB of KV cache", r["stage"], a, b, r["devices"],
+        logger.info("Pipeline stage %d: layers [%d, %d) on host %d, devices %s; per device "
+                    "%.1f MiB of weights, %.1f MiB of KV cache", r["stage"], a, b, r["host"],
+                    r["devices"],
                     r["weight_bytes_per_device"] / 2**20, r["kv_bytes_per_device"] / 2**20)
     return runner, num_blocks
 

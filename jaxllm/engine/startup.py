@@ -23,7 +23,7 @@ from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.loader import load_model
 from jaxllm.parallel import distributed
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.parallel.pipeline import stage_meshes
+from jaxllm.parallel.pipeline import is_local, stage_meshes
 from jaxllm.parallel.step_channel import StepFollower, StepLeader
 from jaxllm.tokenizer import get_tokenizer, load_generation_config
 from jaxllm.worker.model_runner import ModelRunner
@@ -129,14 +129,16 @@ def join_hosts(args: EngineArgs) -> distributed.Topology:
     """Join the other hosts (with --nnodes, or as detected), before any device is touched;
     one mesh spans every host's devices."""
     topo = distributed.initialize(args.nnodes, args.node_rank, args.master_addr,
-                                  args.master_port)
+                                  args.master_port,
+                                  cross_host_transfers=args.pipeline_parallel_size > 1)
     if topo.multi_host and args.data_parallel_size > 1:
         raise ConfigError("--data-parallel-size: this process joined several hosts with "
                           "jax.distributed (--nnodes, or a launcher jax detects: SLURM, Open "
                           "MPI, a multi-host TPU slice), and a replica spanning hosts is not "
                           "implemented; across hosts give each node its own replicas with "
                           "--data-parallel-size-local (docs/multi-host.md)")
-    if topo.multi_host and args.tensor_parallel_size != jax.device_count():
+    if topo.multi_host and args.pipeline_parallel_size == 1 \
+            and args.tensor_parallel_size != jax.device_count():
         raise ConfigError(f"--tensor-parallel-size={args.tensor_parallel_size}: on "
                           f"{topo.num_processes} hosts the mesh must span all "
                           f"{jax.device_count()} devices (every host runs every step)")
@@ -159,9 +161,11 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
     args = dataclasses.replace(args, model=path)
     t = time.perf_counter()
     pp = args.pipeline_parallel_size
-    # A pipeline loads onto stage 0's sub-mesh, then hands each stage its layers (pp_engine).
+    # A pipeline loads onto the sub-mesh of this host's first stage, then hands each stage its
+    # layers (pp_engine; a host keeps only its own stages' weights).
     meshes = stage_meshes(pp, args.tensor_parallel_size, devices) if pp > 1 else None
-    mesh = meshes[0] if meshes else make_mesh(args.tensor_parallel_size, devices=devices)
+    mesh = next(m for m in meshes if is_local(m)) if meshes else \
+        make_mesh(args.tensor_parallel_size, devices=devices)
     model, mc = load_model(args, mesh)
     times["load"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -239,8 +243,8 @@ def _connect_hosts(topo: distributed.Topology, runner: ModelRunner, args: Engine
     """Open the step channel before warm-up (whose length differs between hosts): rank 0's
     runner sends every call from now on; a follower gets its end back."""
     if not topo.is_leader:
-        return StepFollower(runner.state, runner.startup_arrays())
-    leader = StepLeader(topo.num_processes - 1, topo.leader_host, runner.state,
+        return StepFollower(runner.weights(), runner.startup_arrays())
+    leader = StepLeader(topo.num_processes - 1, topo.leader_host, runner.weights(),
                         runner.startup_arrays(), args.distributed_timeout_seconds)
     runner.compile_manager.step_leader = leader
     atexit.register(leader.close)

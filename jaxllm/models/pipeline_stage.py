@@ -4,7 +4,9 @@ embedding on both), placed on the stage's sub-mesh.
 
 The stage is a Decoder of a config whose per-layer fields are cut to its layers, so its
 `run_layers`, `kv_cache_shapes` and layer groups cover exactly its layers and nothing else
-changes: the same code runs a stage and a whole model.
+changes: the same code runs a stage and a whole model. Across hosts a host holds data only for
+its own stages; another host's stage is made of placeholders (`absent_array`) with the same
+shapes and shardings, so both hosts trace and number the same calls.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from jax.sharding import Mesh
 
 from jaxllm.models.decoder import Decoder, abstract_decoder
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.parallel.mesh import named_sharding
+from jaxllm.parallel.mesh import absent_array, named_sharding
+from jaxllm.parallel.pipeline import is_local
 
 
 def stage_config(cfg: ModelConfig, start: int, end: int) -> ModelConfig:
@@ -29,7 +32,9 @@ def stage_config(cfg: ModelConfig, start: int, end: int) -> ModelConfig:
 
 def split_stage(model: Decoder, start: int, end: int, mesh: Mesh) -> Decoder:
     """The stage of `model` (logical-layout weights, as loaded) running layers [start, end),
-    its weights copied onto `mesh` with the shardings their logical axes give there."""
+    its weights copied onto `mesh` with the shardings their logical axes give there (or, if
+    mesh is another host's, placeholders)."""
+    local = is_local(mesh)
     cfg = stage_config(model.cfg, start, end)
     stage = abstract_decoder(cfg, model.backend, first=start == 0,
                              last=end == model.cfg.num_layers)
@@ -40,14 +45,19 @@ def split_stage(model: Decoder, start: int, end: int, mesh: Mesh) -> Decoder:
     full = dict(nnx.to_flat_state(nnx.state(model)))
     state = nnx.state(stage)
     for path, var in nnx.to_flat_state(state):
+        sharding = named_sharding(mesh, var.get_metadata()["out_sharding"], var.shape)
         if path[0] == "layers":
             i, a, b = cuts[int(path[1])]
-            value = full[("layers", i, *path[2:])].get_value()[a:b]
+            whole = full[("layers", i, *path[2:])].get_value()
+            if not local:
+                var.set_value(absent_array(var.shape, whole.dtype, sharding))
+                continue
+            value = whole[a:b]
         else:
             value = full[path].get_value()
         assert value.shape == var.shape, (path, value.shape, var.shape)
-        sharding = named_sharding(mesh, var.get_metadata()["out_sharding"], var.shape)
-        var.set_value(jax.device_put(value, sharding))
+        var.set_value(jax.device_put(value, sharding) if local
+                      else absent_array(var.shape, value.dtype, sharding))
     return nnx.merge(nnx.graphdef(stage), state)
 
 

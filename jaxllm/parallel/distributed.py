@@ -6,6 +6,11 @@ one mesh spans them all; XLA's collectives (ICI/DCN on TPU, NCCL on GPU, gloo on
 tensor-parallel traffic. Rank 0 schedules and serves; the other ranks replay its step programs
 (jaxllm/parallel/step_channel.py carries the inputs).
 
+Pipeline stages on different hosts hand their hidden states on with `jax.device_put` too: JAX's
+cross-host transfer server (a socket per process, found through the coordination service)
+carries them, enabled here before the backend starts (`cross_host_transfers`; see
+jaxllm/worker/pipeline_runner.py for why this and not a ppermute).
+
 Flags are vLLM's multi-node ones: --nnodes, --node-rank, --master-addr, --master-port. Without
 them, a launcher that starts several tasks (SLURM, Open MPI, a multi-host Cloud TPU slice) is
 detected from its environment and jax fills in the coordinator, count and rank itself.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 
 import jax
@@ -62,13 +68,43 @@ STARTUP_TIMEOUT = 600  # seconds for every host to reach the same point of start
 SHUTDOWN_TIMEOUT = 120
 
 
-def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int) -> Topology:
+def local_address(peer: str | None) -> str:
+    """This host's address on the route to `peer` (a UDP connect sends nothing); without a
+    peer (a launcher found the coordinator), its host name's."""
+    if peer is not None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect((peer, 9))
+                return s.getsockname()[0]
+            except OSError:
+                pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def enable_cross_host_transfers(peer: str | None) -> None:
+    """Let `jax.device_put` move arrays between processes' devices: JAX's transfer server
+    listens on this host's address towards `peer` (the coordinator). Its port must be given
+    (a port 0 is published as 0 and the receiver waits forever, measured on jax 0.10.2); one
+    free now is taken."""
+    host = local_address(peer)
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{port}")
+    jax.config.update("jax_cross_host_transport_addresses", f"{host}:0")
+
+
+def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int,
+               cross_host_transfers: bool = False) -> Topology:
     """Join the distributed runtime once per process (before anything touches a device);
-    a second call returns the first one's topology."""
+    a second call returns the first one's topology. cross_host_transfers: arrays will move
+    between hosts' devices (pipeline stages on several hosts)."""
     global _topology
     if _topology is not None:
         return _topology
     launcher = launcher_with_several_tasks()
+    if cross_host_transfers and (nnodes > 1 or launcher is not None):
+        enable_cross_host_transfers(master_addr if nnodes > 1 else None)
     if nnodes > 1:
         logger.info("Joining %d processes as rank %d (coordinator %s:%d)", nnodes, node_rank,
                     master_addr, master_port)

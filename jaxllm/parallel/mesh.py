@@ -53,6 +53,12 @@ def device_groups(flag: str, n: int, what: str, tp: int, devices: Sequence) -> l
     return [devices[i * tp:(i + 1) * tp] for i in range(n)]
 
 
+def absent_array(shape: Sequence[int], dtype, sharding: NamedSharding) -> jax.Array:
+    """An array on devices all of another process's: its shape and sharding, no local data
+    (what a host holds of another host's pipeline stage)."""
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [], dtype=dtype)
+
+
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
               expert_parallel_size: int = 1, devices: Optional[Sequence] = None) -> Mesh:
     """A ('data', 'model', 'expert') mesh with Auto axes, so XLA's GSPMD inserts collectives."""

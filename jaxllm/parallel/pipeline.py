@@ -5,7 +5,9 @@ shares, the remainder going one layer each to the stages before the last (the la
 the final norm, the LM head and the sampler). $JAXLLM_PP_LAYER_PARTITION (vLLM's
 $VLLM_PP_LAYER_PARTITION is read too) overrides it with comma-separated layer counts, one per
 stage. Stage s runs on devices [s * tp, (s + 1) * tp): its own ('data', 'model', 'expert')
-sub-mesh with tensor parallelism inside it.
+sub-mesh with tensor parallelism inside it. Across hosts a stage must sit on one host's devices
+(`jax.devices()` lists them host by host): a stage spanning hosts would run its tensor-parallel
+collectives between them, which is what pipelining across hosts avoids.
 """
 
 from __future__ import annotations
@@ -61,6 +63,23 @@ def stage_layer_ranges(num_layers: int, pp: int,
 def stage_meshes(pp: int, tp: int, devices: Optional[Sequence] = None) -> list[Mesh]:
     """One tp-device mesh per stage, on consecutive devices; refused (with the numbers) when
     fewer than pp x tp devices are visible."""
-    groups = device_groups("--pipeline-parallel-size", pp, "stages", tp,
-                           devices if devices is not None else jax.devices())
+    devices = list(devices if devices is not None else jax.devices())
+    groups = device_groups("--pipeline-parallel-size", pp, "stages", tp, devices)
+    if jax.process_count() > 1:
+        if pp * tp != len(devices):
+            raise ConfigError(f"--pipeline-parallel-size={pp} x --tensor-parallel-size={tp} = "
+                              f"{pp * tp}: on {jax.process_count()} hosts the stages must use "
+                              f"all {len(devices)} devices (every host runs a stage)")
+        for s, g in enumerate(groups):
+            if len({d.process_index for d in g}) > 1:
+                raise ConfigError(
+                    f"--pipeline-parallel-size={pp} --tensor-parallel-size={tp}: stage {s} "
+                    f"would span hosts {sorted({d.process_index for d in g})}; a stage must "
+                    f"sit on one host (make --tensor-parallel-size divide the "
+                    f"{jax.local_device_count()} devices per host)")
     return [make_mesh(tp, devices=g) for g in groups]
+
+
+def is_local(mesh: Mesh) -> bool:
+    """Whether this process drives mesh's devices (across hosts, a stage's are one host's)."""
+    return mesh.devices.flat[0].process_index == jax.process_index()

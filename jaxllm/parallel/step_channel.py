@@ -11,7 +11,8 @@ What crosses: the program key and its arguments, pickled, with each device array
 number (`persistent_id`). Both sides number the device arrays the same way: the KV cache and
 the constant inputs made at start-up, then every output of every call in call order, so a
 follower finds the array rank 0 meant (the previous step's sampled tokens, this step's hidden
-rows, the donated cache) among its own. The weights travel as a name.
+rows, the donated cache) among its own. The weights (one tree per pipeline stage) travel as
+names.
 
 A lost host never hangs rank 0: each follower sends a heartbeat every second; when one stops
 (the process died: end of stream; or hangs, once warmed up: `timeout` seconds of silence),
@@ -147,8 +148,9 @@ class StepLeader:
         self.table.add_outputs(outputs)
 
     def _persistent_id(self, obj):
-        if obj is self.weights:
-            return "weights"
+        for i, tree in enumerate(self.weights):
+            if obj is tree:
+                return f"weights{i}"
         if isinstance(obj, jax.Array):
             return self.table.number(obj)
         return None
@@ -211,7 +213,9 @@ class StepFollower:
             yield unpickler.load()
 
     def _persistent_load(self, pid):
-        return self.weights if pid == "weights" else self.table[pid]
+        if isinstance(pid, str):
+            return self.weights[int(pid.removeprefix("weights"))]
+        return self.table[pid]
 
     def _heartbeat(self) -> None:
         while True:

@@ -140,7 +140,8 @@ class ModelRunner:
         self._sample = jax.jit(self._sample_fn, out_shardings=self.rows_sharding)
         self._no_prev_tokens = jax.device_put(np.zeros(self.num_rows, np.int32),
                                               self.rows_sharding)
-        self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn)
+        self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn,
+                                        out_shardings=self.rows_sharding)
         self._burst = jax.jit(self._burst_fn, donate_argnums=(1,),
                               out_shardings=(self.rows_sharding, kv_sharding,
                                              self.rows_sharding))
@@ -165,10 +166,24 @@ class ModelRunner:
         tokens input): multi-host ranks number them, then every step output, alike."""
         return self.kv_cache, self._no_prev_tokens
 
-    def program(self, kind: str):
-        """The jitted function of a ProgramKey kind (what a follower host runs it with)."""
+    def weights(self) -> tuple:
+        """The weight trees step programs take (multi-host ranks name them, not send them)."""
+        return (self.state,)
+
+    def program(self, key: ProgramKey):
+        """The jitted function of a ProgramKey (what a follower host runs it with)."""
         return {"forward": self._forward, "sample": self._sample,
-                "prompt_logprobs": self._prompt_logprobs, "burst": self._burst}[kind]
+                "prompt_logprobs": self._prompt_logprobs, "burst": self._burst}[key.kind]
+
+    def replay(self, key: ProgramKey, args: tuple):
+        """A follower host's run of rank 0's call key(*args)."""
+        return self.compile_manager.run(key, self.program(key), *args, first_use=True)
+
+    def _to_reader(self, tree):
+        """A step's results where rank 0 reads them, moved when it reads them (a pipeline's
+        last stage may be on another host: moving them at dispatch would make rank 0 wait
+        there for that host); here they are already."""
+        return tree
 
     def add_step_hook(self, hook: Callable[[StepEvent], None]) -> Callable[[], None]:
         """Call hook(StepEvent) after every launch and every read; returns its remover."""
@@ -317,7 +332,7 @@ class ModelRunner:
         if step.expert_load is not None:
             self._unread_loads.append(step.expert_load)
         if step.out is not None:
-            out, loads = jax.device_get((step.out, self._unread_loads))
+            out, loads = jax.device_get((self._to_reader(step.out), self._unread_loads))
             for i, seq in enumerate(step.seqs):
                 sampled.setdefault(seq.seq_id, []).append(_result(out, i, seq))
             for s in step.sched.scheduled:
@@ -327,7 +342,8 @@ class ModelRunner:
             if loads:  # one transfer with the tokens: counting adds no wait of its own
                 self.expert_load += np.sum(loads, axis=0)
                 self._unread_loads = []
-        prompt = (_prompt_results(jax.device_get(step.prompt), step.prompt_rows)
+        prompt = (_prompt_results(jax.device_get(self._to_reader(step.prompt)),
+                                  step.prompt_rows)
                   if step.prompt_rows else {})
         self._notify(StepEvent("collect", [step], sampled=sampled, prompt_logprobs=prompt))
         return sampled, prompt

@@ -16,6 +16,20 @@ need a hand-written micro-batch schedule inside it, stages would have to be iden
 first embeds, the last samples) and every step would pay the slowest stage N times. The
 handoff is one [T, hidden] array per stage boundary per step (measured in docs/multi-host.md).
 
+Across hosts (one or more stages per host, --nnodes) the same `jax.device_put` moves the
+hidden states: JAX's cross-host transfer server (jaxllm/parallel/distributed.py enables it)
+sends them from one process's devices to the other's, and the step channel replays every
+call, transfers included, on every host in rank 0's order. Probed on jax 0.10.2 on CPU, 2
+loopback processes x 4 devices, [64, 256] float32: the transfer works (~0.7 ms blocking on
+the receiver, ~0.08 ms to issue on the sender); a `ppermute` over a [2, 4] ('stage', 'model')
+mesh spanning both processes works too (~1 ms per call, gloo), but it is one program on all 8
+devices, so both hosts would meet in it every step: the lockstep this design avoids. A host
+never compiles or runs another host's stage program: its call makes placeholders of the
+outputs (arrays without local shards, `CompileManager.elsewhere`) to pass on. The sampled
+tokens come back to rank 0 the same way when it reads them (`_to_reader`, from `collect`: a
+receiving host's `device_put` waits for the sender to issue its side, so at dispatch it would
+hold rank 0's next step until the last stage's host got there).
+
 Every step dispatches all stages without waiting; only the sampled tokens are read back
 (`collect`). `start_timeline` records when each stage is busy (jaxllm/worker/
 pipeline_timeline.py).
@@ -25,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Optional
 
 import jax
@@ -34,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.layers.attention import empty_kv_caches, kv_cache_shardings
 from jaxllm.models.pipeline_stage import stage_forward
+from jaxllm.parallel.pipeline import is_local
 from jaxllm.worker.compile_manager import ProgramKey
 from jaxllm.worker.input_batch import StepInputs
 from jaxllm.worker.model_runner import ModelRunner
@@ -66,6 +82,8 @@ class PipelineRunner(ModelRunner):
         self.stage_kv.append(self.kv_cache)
         self.kv_cache = None  # each stage's is in stage_kv
         self.hidden_shardings = [NamedSharding(m, P()) for m in meshes]
+        self.local = [is_local(m) for m in meshes]
+        self.compile_manager.elsewhere = self._elsewhere
         self._stages = []
         for s, mesh in enumerate(meshes):
             kv = kv_cache_shardings(stages[s].kv_cache_shapes(num_blocks, block_size), mesh)
@@ -82,6 +100,34 @@ class PipelineRunner(ModelRunner):
     @property
     def programs_per_step(self) -> int:
         return self.num_stages
+
+    def weights(self) -> tuple:
+        return tuple(self.stage_states)
+
+    def _elsewhere(self, key: ProgramKey) -> bool:
+        """Whether key runs on another host's devices only (a stage there; the sampler and
+        prompt logprobs run on the last stage)."""
+        return not self.local[key.stage if key.kind == "forward" else -1]
+
+    def program(self, key: ProgramKey):
+        if key.kind == "forward":
+            return self._stages[key.stage]
+        if key.kind == "to_stage":  # the hidden states onto stage key.stage's devices
+            return functools.partial(jax.device_put, device=self.hidden_shardings[key.stage])
+        if key.kind == "to_reader":  # results onto rank 0's devices (stage 0 is its)
+            return functools.partial(jax.device_put, device=self.hidden_shardings[0])
+        return super().program(key)
+
+    def replay(self, key: ProgramKey, args: tuple):
+        if key.kind in ("to_stage", "to_reader"):
+            return self.program(key)(*args)
+        return super().replay(key, args)
+
+    def _to_reader(self, tree):
+        if all(self.local):
+            return tree
+        key = ProgramKey("to_reader")
+        return self.compile_manager.call(key, self.program(key), tree)
 
     def _stage_fn(self, s: int, state, kv_cache, x, positions, md, logits_indices):
         return stage_forward(nnx.merge(self.stage_graphdefs[s], state), kv_cache, x,
@@ -100,7 +146,8 @@ class PipelineRunner(ModelRunner):
         x = inputs.token_ids
         for s, fn in enumerate(self._stages):
             if s:
-                x = jax.device_put(x, self.hidden_shardings[s])
+                handoff = ProgramKey("to_stage", stage=s)
+                x = self.compile_manager.call(handoff, self.program(handoff), x)
             *out, self.stage_kv[s] = self.compile_manager.run(
                 key._replace(stage=s), fn, *self._stage_args(s, x, inputs))
             x = out[0]
@@ -129,7 +176,7 @@ class PipelineRunner(ModelRunner):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.rows_sharding)
 
     def startup_arrays(self) -> tuple:
-        raise NotImplementedError("pipeline parallelism runs on one host")
+        return self.stage_kv, self._no_prev_tokens
 
     # --- observation -------------------------------------------------------------------------
     def start_timeline(self) -> None:
@@ -142,13 +189,15 @@ class PipelineRunner(ModelRunner):
         return timeline.close()
 
     def memory_report(self) -> list[dict]:
-        """Per stage: its layers, and the weight and KV-cache bytes on one of its devices."""
-        def per_device(tree, device) -> int:
-            return sum(sh.data.nbytes for leaf in jax.tree.leaves(tree)
-                       for sh in leaf.addressable_shards if sh.device == device)
+        """Per stage: its layers, its host, and the weight and KV-cache bytes on each of its
+        devices (from the shardings: known for every host's stages)."""
+        def per_device(tree) -> int:
+            return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+                       for leaf in jax.tree.leaves(tree))
 
         return [{"stage": s, "layers": sum(int(c.k.shape[0]) for c in self.stage_kv[s]),
                  "devices": [d.id for d in mesh.devices.flat],
-                 "weight_bytes_per_device": per_device(self.stage_states[s], mesh.devices.flat[0]),
-                 "kv_bytes_per_device": per_device(self.stage_kv[s], mesh.devices.flat[0])}
+                 "host": mesh.devices.flat[0].process_index,
+                 "weight_bytes_per_device": per_device(self.stage_states[s]),
+                 "kv_bytes_per_device": per_device(self.stage_kv[s])}
                 for s, mesh in enumerate(self.meshes)]
