@@ -300,6 +300,26 @@ def test_rejected_drafts_back_off():
     assert sp.num_drafts == 6 and sp.num_accepted_tokens == 2
 
 
+def test_lookup_misses_rest_and_resting_steps_overlap():
+    """A miss rests as a rejection does (1, 2, 4, ... steps): finding it out cost reading the
+    step in flight. wants_tokens (read the step in flight first?) is False while everyone
+    rests or speculation is disabled, True for a request that may propose, even one whose
+    last token is still in flight."""
+    sp = Speculator(SpeculativeConfig.parse({**NGRAM, "disable_by_batch_size": 3}),
+                    max_model_len=64)
+    c = seq("c", [9, 8, 7, 6])  # nothing to look up
+
+    def step() -> bool:
+        wants = sp.wants_tokens([c])
+        assert sp.propose([c]) == {}
+        return wants
+
+    assert [step() for _ in range(8)] == [1, 0, 1, 0, 0, 1, 0, 0]
+    pending = seq("p", [1, 2, 3, 4] * 4, out=[-1])
+    assert sp.wants_tokens([c, pending])
+    assert not sp.wants_tokens([c, pending, seq("x", [5, 6])])  # disabled by batch size
+
+
 @pytest.mark.parametrize("value, match", [
     ('{"method": "eagle", "num_speculative_tokens": 2}', "eagle"),
     ('{"method": "ngram"}', "num_speculative_tokens"),

@@ -332,9 +332,11 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         """The next step's sampling may not read output tokens still in flight, nor may its
-        drafts be proposed without them (speculation turns the overlap off)."""
-        return self.speculator is None and not any(
-            _reads_output_history(r.sampling_params) for r in self.scheduler.running)
+        drafts be proposed without them (a step that may speculate reads them first)."""
+        running = self.scheduler.running
+        if self.speculator is not None and self.speculator.wants_tokens(running):
+            return False
+        return not any(_reads_output_history(r.sampling_params) for r in running)
 
     def _complete(self, step) -> list[RequestOutput]:
         """Read a dispatched step's (or a burst's steps') tokens and turn them into outputs."""
