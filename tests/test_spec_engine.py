@@ -300,6 +300,22 @@ def test_rejected_drafts_back_off():
     assert sp.num_drafts == 6 and sp.num_accepted_tokens == 2
 
 
+def test_verify_steps_have_buckets_of_their_own():
+    """b requests with k drafts each are b (1 + k) tokens: below the smallest token bucket
+    they get programs of their own (one request with 4 drafts runs 5 rows, not 16)."""
+    from jaxllm.worker.input_batch import InputBatcher, bucket
+
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=256, block_size=16, max_model_len=1024,
+              enforce_eager=False)
+    for decode_programs in (False, True):
+        ib = InputBatcher(**kw, decode_programs=decode_programs, num_rows=20,
+                          num_speculative_tokens=4)
+        assert ib.spec_buckets == [5, 10]
+        assert [bucket(n, ib.mixed_buckets) for n in (5, 6, 10, 11)] == [5, 10, 10, 16]
+        assert {(5, False), (10, False)} <= set(ib.forward_shapes())
+    assert InputBatcher(**kw, decode_programs=False).spec_buckets == []
+
+
 def test_lookup_misses_rest_and_resting_steps_overlap():
     """A miss rests as a rejection does (1, 2, 4, ... steps): finding it out cost reading the
     step in flight. wants_tokens (read the step in flight first?) is False while everyone

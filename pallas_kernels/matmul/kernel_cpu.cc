@@ -10,11 +10,11 @@
 // W is packed (`pack` in kernel_cpu.py): the N columns in S strips of 16, each strip contiguous,
 // the last one zero-padded; f32 strips [K, 16]; bf16 strips [K / 2, 16, 2], rows in pairs (an odd
 // K gets a zero row), the operand layout of vdpbf16ps, which a shift and a mask also split into
-// two f32 rows. Up to 4 rows the tasks stream whole strips (one sequential read each); more rows
-// run the register-blocked `Gemm`, on f32 strips (bf16 ones converted a tile at a time). Both
-// sum every element in the same order (see `StripRows`), so a row's bits do not depend on M.
-// With AVX512_BF16, bf16 x runs `DpGemm`, the bf16 dot product on the strips as they are, at
-// every M.
+// two f32 rows. Up to 2 rows (f32 strips) or 4 (bf16) the tasks stream whole strips (one
+// sequential read each); more rows run the register-blocked `Gemm`, on f32 strips (bf16 ones
+// converted a tile at a time). Both sum every element in the same order (see `StripRows`), so
+// a row's bits do not depend on M. With AVX512_BF16, bf16 x runs `DpGemm`, the bf16 dot
+// product on the strips as they are, at every M.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -405,8 +405,11 @@ static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, in
 
 #include "matmul/kernel_cpu_dpbf16.h"  // DpGemm, with AVX512_BF16
 
-// Up to kFewRows rows stream the weights; more run the register-blocked Gemm.
-constexpr int64_t kFewRows = 4;
+// Up to FewRows rows stream the weights; more run the register-blocked Gemm. f32 strips stream
+// only 1-2 rows: at 3-4 the one-strip-at-a-time stream took ~1.4x the 5-row Gemm's time
+// (768 x 3072 and 2048 x 768, 2 threads), which reads the weights once too.
+template <typename T>
+constexpr int64_t FewRows() { return std::is_same_v<T, float> ? 2 : 4; }
 
 // x [M, K] @ W[layer] (N columns) into out, which has out_rows rows; checks the operands first.
 static ffi::Error Matmul(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
@@ -430,7 +433,7 @@ static ffi::Error Matmul(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer
   if (!bf16_x && x.element_type() != ffi::F32)
     return ffi::Error::InvalidArgument("matmul: x must be f32 or bf16");
   auto run = [&](const float* xf, const auto* wl) {  // wl: the layer's strips
-    if (M > kFewRows) return Gemm(pool, xf, M, K, N, wl, out);
+    if (M > FewRows<std::decay_t<decltype(*wl)>>()) return Gemm(pool, xf, M, K, N, wl, out);
     if (out.y != nullptr) return KnStream(pool, xf, M, K, N, wl, out.y);
     std::vector<float> yf(M * N);
     KnStream(pool, xf, M, K, N, wl, yf.data());
