@@ -3,12 +3,13 @@
 Before each schedule the engine asks `Speculator.propose` for drafts of the running requests
 that can take them; the scheduler gives a drafted request 1 + k tokens, the runner samples all
 of their positions and keeps the matching prefix (acceptance.py), and `record` counts what was
-proposed and accepted under vLLM's metric names. Proposing needs the request's last token, so
-a step that may propose first reads the step in flight: it gives up async scheduling's overlap
-of host and device work. A request whose lookup finds nothing, or whose drafts were all
-rejected, therefore rests from proposing for 1, 2, 4, ... up to MAX_BACKOFF steps (reset by any
-acceptance); while every request rests, steps overlap as without speculation. On text where
-guesses keep failing speculation all but switches itself off.
+proposed and accepted under vLLM's metric names. Drafts follow a request's last token, so a
+step that may propose first reads the step in flight, giving up async scheduling's overlap of
+host and device work; a step where nobody may (see `wants_tokens`) keeps it, and costs what
+it costs without speculation. When lookup finds drafts that the model rejects, each costs a
+wider step (and the overlap) for nothing, so a request whose drafts were all rejected rests
+from proposing for 1, 2, 4, ... up to MAX_BACKOFF steps (reset by any acceptance): on text
+where guesses keep failing speculation all but switches itself off.
 """
 
 from __future__ import annotations
@@ -37,20 +38,23 @@ class Speculator:
         self._rest: dict[str, list[int]] = {}  # seq_id -> [steps left to rest, last rest]
 
     def wants_tokens(self, running: list[Sequence]) -> bool:
-        """Whether this step may propose for someone, so the step in flight must be read
-        first (drafts follow a request's last token). When it may not (all resting, or
-        disabled by batch size), the engine keeps async scheduling's overlap: a step without
-        drafts costs what it costs without speculation."""
-        return self._enabled(running) and any(
-            self._eligible(s) and not self._rest.get(s.seq_id, (0,))[0] for s in running)
+        """Whether the step in flight must be read before this step: some request whose last
+        token is in flight may get drafts (they follow that token). If none may (all resting,
+        speculation disabled by batch size, or, for n-gram lookup, no earlier occurrence of
+        what precedes that token), the engine keeps async scheduling's overlap: a step
+        without drafts costs what it costs without speculation."""
+        if not self._enabled(running):
+            return False
+        seqs = [s for s in running if s.has_pending and self._eligible(s)
+                and not self._rest.get(s.seq_id, (0,))[0]]
+        return bool(seqs) and bool(self.proposer.may_propose(seqs).any())
 
     def propose(self, running: list[Sequence]) -> dict[str, list[int]]:
         """{seq_id: drafts} for the running requests that decode with all tokens known and
         no grammar (whose mask would need the drafts fed to its matcher), unless
         disable_by_batch_size requests or more run. Drafts never run past max_tokens or
         max_model_len: the step's last token (accepted run plus one) still fits. Called once
-        per step: a resting request's rest counts down here. A request whose lookup finds
-        nothing rests as one whose drafts were rejected: finding out cost the overlap."""
+        per step: a resting request's rest counts down here."""
         resting = {s.seq_id for s in running if self._resting(s.seq_id)}
         if not self._enabled(running):
             return {}
@@ -61,11 +65,7 @@ class Speculator:
         limits = np.array([min(self.max_model_len - s.num_tokens,
                                (s.sampling_params.max_tokens or self.max_model_len)
                                - s.num_output_tokens) - 1 for s in seqs], np.int64)
-        limits = np.clip(limits, 0, self.k)
-        drafts, counts = self.proposer.propose(seqs, self.k, limits)
-        for r, s in enumerate(seqs):
-            if counts[r] == 0 and limits[r] > 0:
-                self._backoff(s.seq_id, 0)
+        drafts, counts = self.proposer.propose(seqs, self.k, np.clip(limits, 0, self.k))
         return {s.seq_id: drafts[r, :counts[r]].tolist() for r, s in enumerate(seqs)
                 if counts[r] > 0}
 
