@@ -11,6 +11,8 @@ vLLM needs a tokenizer even for token-id prompts, and neither prompts (ids < 320
 mixtral-tiny / qwen3moe-tiny: seeded random mixtures of experts of the same kind (hidden 512,
 8 layers, 8 heads / 4 KV heads, 8 experts of FFN 1024, top-2, vocab 32000), built on demand
 (`--models mixtral-tiny qwen3moe-tiny`; not in the default set).
+llama124m-draft2: llama124m's config with 2 layers, seeded alike (same vocab and tokenizer): a
+draft model for speculative decoding benchmarks (scripts/bench_spec.py --draft), built on demand.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxllm", "bench_models")
-MODELS = ("smollm2", "llama124m", "mixtral-tiny", "qwen3moe-tiny")
+MODELS = ("smollm2", "llama124m", "llama124m-draft2", "mixtral-tiny", "qwen3moe-tiny")
 DEFAULT_MODELS = ("smollm2", "llama124m")
 _COMMON = dict(max_position_embeddings=2048, rms_norm_eps=1e-5, vocab_size=32000,
                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
@@ -47,8 +49,9 @@ def random_config(name: str):
     """The transformers config of a random benchmark model."""
     import transformers as tr
 
-    if name == "llama124m":
-        return tr.LlamaConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+    if name.startswith("llama124m"):
+        layers = 2 if name == "llama124m-draft2" else 12
+        return tr.LlamaConfig(hidden_size=768, num_hidden_layers=layers, num_attention_heads=12,
                               num_key_value_heads=4, intermediate_size=2048,
                               architectures=["LlamaForCausalLM"], **_COMMON)
     moe = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,

@@ -233,6 +233,28 @@ def test_metrics_exposition(llm, prompts):
     assert sum(s["num_accepted_tokens_per_pos"]) == s["num_accepted_tokens"]
 
 
+def test_overlapped_steps_between_drafted_ones_keep_the_outputs(llm, prompts):
+    """With prompt_lookup_min 2 a step overlaps the one in flight whenever lookup cannot
+    match (async scheduling kept); drafted steps are read first. Greedy tokens as plain."""
+    eng = llm.llm_engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with plain(llm):
+        want = ids(gen(llm, prompts, greedy))
+    spec = Speculator(SpeculativeConfig.parse({**NGRAM, "prompt_lookup_min": 2}),
+                      eng.model_config.max_model_len)
+    chained = []
+    remove = eng.runner.add_step_hook(
+        lambda e: chained.append(e.chained) if e.kind == "dispatch" else None)
+    old, eng.speculator = eng.speculator, spec
+    eng.args.async_scheduling = True
+    try:
+        assert ids(gen(llm, prompts, greedy)) == want
+    finally:
+        eng.speculator, eng.args.async_scheduling = old, False
+        remove()
+    assert spec.num_accepted_tokens > 0 and True in chained and False in chained
+
+
 # --- host-only: the proposer's choices and the flag -----------------------------------------
 
 def seq(seq_id, tokens, out=(), **sp):
@@ -298,6 +320,45 @@ def test_rejected_drafts_back_off():
     assert [step(0) for _ in range(12)] == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0]
     assert [step(1) for _ in range(9)] == [0] * 7 + [1, 1]
     assert sp.num_drafts == 6 and sp.num_accepted_tokens == 2
+
+
+def test_verify_steps_have_buckets_of_their_own():
+    """b requests with k drafts each are b (1 + k) tokens: below the smallest token bucket
+    they get programs of their own (one request with 4 drafts runs 5 rows, not 16)."""
+    from jaxllm.worker.input_batch import InputBatcher, bucket
+
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=256, block_size=16, max_model_len=1024,
+              enforce_eager=False)
+    for decode_programs in (False, True):
+        ib = InputBatcher(**kw, decode_programs=decode_programs, num_rows=20,
+                          num_speculative_tokens=4)
+        assert ib.spec_buckets == [5, 10]
+        assert [bucket(n, ib.mixed_buckets) for n in (5, 6, 10, 11)] == [5, 10, 10, 16]
+        assert {(5, False), (10, False)} <= set(ib.forward_shapes())
+    assert InputBatcher(**kw, decode_programs=False).spec_buckets == []
+
+
+def test_steps_overlap_unless_someone_may_get_drafts():
+    """wants_tokens (read the step in flight before this one?) is True only for a request
+    whose last token is in flight and that may get drafts after it: not while it rests, nor
+    when lookup cannot match, nor when speculation is disabled by batch size."""
+    from jaxllm.sequence import ScheduledSequence, SchedulerOutput
+
+    sp = Speculator(SpeculativeConfig.parse({**NGRAM, "prompt_lookup_min": 2,
+                                             "disable_by_batch_size": 3}), max_model_len=64)
+    novel = seq("n", [9, 8, 7, 6], out=[-1])  # 6 never occurred before: no match possible
+    rep = seq("r", [1, 2, 3, 4] * 4, out=[-1])
+    assert not sp.wants_tokens([novel])
+    assert sp.wants_tokens([novel, rep])
+    assert not sp.wants_tokens([novel, rep, seq("x", [5, 6])])  # disabled by batch size
+    assert not sp.wants_tokens([seq("k", [1, 2, 3, 4] * 4)])  # nothing in flight to wait for
+    known = seq("r", [1, 2, 3, 4] * 4)  # r's last step: drafts, all rejected -> rests 1 step
+    d = sp.propose([known])["r"]
+    sp.record(SchedulerOutput([ScheduledSequence(known, 15, 1 + len(d), [], True,
+                                                 spec_token_ids=d)]), {"r": [0]})
+    assert not sp.wants_tokens([rep])
+    assert sp.propose([rep]) == {}  # the rest counts down even while its token is in flight
+    assert sp.wants_tokens([rep])
 
 
 @pytest.mark.parametrize("value, match", [

@@ -72,3 +72,29 @@ def _timed(tokens, lengths):
     t0 = time.perf_counter()
     propose(tokens, lengths, 4, 1, 5)
     return time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("lo, hi", [(1, 3), (2, 4), (3, 3)])
+def test_may_propose_is_false_only_where_lookup_finds_nothing(lo, hi):
+    """NgramProposer.may_propose, asked while a sequence's last token is in flight: False must
+    mean that lookup finds nothing whatever that token turns out to be (the engine then keeps
+    the overlap); it must also say False often enough to matter on text that rarely repeats."""
+    from jaxllm.sampling_params import SamplingParams
+    from jaxllm.sequence import PENDING, Sequence
+    from jaxllm.spec_decode.proposer import NgramProposer
+
+    rng = np.random.default_rng(lo * 10 + hi)
+    p = NgramProposer(lo, hi)
+    outcomes = set()
+    for _ in range(300):
+        h = rng.integers(0, 8, size=int(rng.integers(2, 14))).tolist()
+        s = Sequence("s", h[:1], SamplingParams())
+        s.output_token_ids = h[1:-1] + [PENDING]
+        may = bool(p.may_propose([s])[0])
+        s.output_token_ids[-1] = h[-1]
+        found = int(p.propose([s], 3, np.array([3]))[1][0]) > 0
+        assert found == bool(oracle(h, 3, lo, hi))
+        assert may or not found
+        outcomes.add((may, found))
+    assert (True, True) in outcomes
+    assert ((False, False) in outcomes) == (lo > 1)  # min_n = 1: any last token may match

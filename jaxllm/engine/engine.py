@@ -269,7 +269,7 @@ class LLMEngine:
         if self._burst_ready():
             cur = self._dispatch_burst(prev)
         else:
-            if prev is not None and not self._can_overlap():
+            if prev is not None and not self._can_overlap(prev):
                 outputs += self._complete(prev)  # penalties need the real previous tokens
                 prev = None
             drafts = (self.speculator.propose(self.scheduler.running)
@@ -330,11 +330,17 @@ class LLMEngine:
             self.scheduler.advance(sched)
         return self.runner.dispatch_burst(steps, _last(prev))
 
-    def _can_overlap(self) -> bool:
+    def _can_overlap(self, prev) -> bool:
         """The next step's sampling may not read output tokens still in flight, nor may its
-        drafts be proposed without them (speculation turns the overlap off)."""
-        return self.speculator is None and not any(
-            _reads_output_history(r.sampling_params) for r in self.scheduler.running)
+        drafts be proposed without them (a step that may speculate reads them first), nor
+        may a step follow one with drafts before it is known how many were accepted (the
+        proposers' may_propose already says True there: the guard keeps it so for any)."""
+        running = self.scheduler.running
+        if self.speculator is not None and (
+                any(s.spec_token_ids for s in _last(prev).sched.scheduled)
+                or self.speculator.wants_tokens(running)):
+            return False
+        return not any(_reads_output_history(r.sampling_params) for r in running)
 
     def _complete(self, step) -> list[RequestOutput]:
         """Read a dispatched step's (or a burst's steps') tokens and turn them into outputs."""

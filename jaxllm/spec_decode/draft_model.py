@@ -102,6 +102,10 @@ class DraftModelProposer:
     def num_recompiles(self) -> int:
         return self.runner.num_recompiles
 
+    def may_propose(self, seqs: list[Sequence]) -> np.ndarray:
+        """The draft model proposes for every sequence (when its cache has room)."""
+        return np.ones(len(seqs), bool)
+
     def free(self, seq_id) -> None:
         """The sequence finished or was aborted: release its draft cache blocks."""
         row = self._rows.pop(seq_id, None)

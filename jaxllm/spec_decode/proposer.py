@@ -24,6 +24,11 @@ class Proposer(Protocol):
         """Drafts for each sequence after its last token (all its tokens are known): int32
         [R, k], -1 past each row's count; counts int32 [R], at most limits[r]."""
 
+    def may_propose(self, seqs: list[Sequence]) -> np.ndarray:
+        """bool [R]: whether each sequence, whose last token is still being computed, could
+        get drafts once it is known. False must be certain (the engine then keeps async
+        overlap instead of reading that token first); True may be a guess."""
+
     def free(self, seq_id: str) -> None:
         """The sequence finished or was aborted: drop what the proposer keeps for it."""
 
@@ -36,16 +41,31 @@ class NgramProposer:
 
     def propose(self, seqs: list[Sequence], k: int,
                 limits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        lengths = np.array([s.num_tokens for s in seqs], np.int64)
-        tokens = np.zeros((len(seqs), int(lengths.max())), np.int32)
-        for r, s in enumerate(seqs):
-            p = s.num_prompt_tokens
-            tokens[r, :p] = s.prompt_token_ids
-            tokens[r, p:lengths[r]] = s.output_token_ids
-        return ngram.propose(tokens, lengths, k, self.min_n, self.max_n, limits)
+        return ngram.propose(*_padded(seqs), k, self.min_n, self.max_n, limits)
+
+    def may_propose(self, seqs: list[Sequence]) -> np.ndarray:
+        """A match of the last n >= min_n tokens ends with a match of the n - 1 known ones
+        before the last: without an earlier occurrence of the known tokens' last min_n - 1,
+        lookup will find nothing whatever the last token is (min_n = 1: anything may match)."""
+        if self.min_n == 1:
+            return np.ones(len(seqs), bool)
+        tokens, lengths = _padded(seqs)
+        n = self.min_n - 1
+        return ngram.propose(tokens, lengths - 1, 1, n, n)[1] > 0
 
     def free(self, seq_id: str) -> None:
         pass  # stateless: every proposal reads the sequence's tokens afresh
+
+
+def _padded(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    """Each sequence's prompt and output tokens as rows of a padded int32 array, and lengths."""
+    lengths = np.array([s.num_tokens for s in seqs], np.int64)
+    tokens = np.zeros((len(seqs), int(lengths.max())), np.int32)
+    for r, s in enumerate(seqs):
+        p = s.num_prompt_tokens
+        tokens[r, :p] = s.prompt_token_ids
+        tokens[r, p:lengths[r]] = s.output_token_ids
+    return tokens, lengths
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:

@@ -3,11 +3,13 @@
 Before each schedule the engine asks `Speculator.propose` for drafts of the running requests
 that can take them; the scheduler gives a drafted request 1 + k tokens, the runner samples all
 of their positions and keeps the matching prefix (acceptance.py), and `record` counts what was
-proposed and accepted under vLLM's metric names. A step in which nobody has drafts is the
-plain step: speculation costs nothing when lookup finds nothing. When lookup finds drafts
-that the model rejects, each costs a wider step for nothing, so a request whose drafts were
-all rejected rests from proposing for 1, 2, 4, ... up to MAX_BACKOFF steps (reset by any
-acceptance): on text where guesses keep failing speculation all but switches itself off.
+proposed and accepted under vLLM's metric names. Drafts follow a request's last token, so a
+step that may propose first reads the step in flight, giving up async scheduling's overlap of
+host and device work; a step where nobody may (see `wants_tokens`) keeps it, and costs what
+it costs without speculation. When lookup finds drafts that the model rejects, each costs a
+wider step (and the overlap) for nothing, so a request whose drafts were all rejected rests
+from proposing for 1, 2, 4, ... up to MAX_BACKOFF steps (reset by any acceptance): on text
+where guesses keep failing speculation all but switches itself off.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from jaxllm.sequence import SchedulerOutput, Sequence, SequenceStatus
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.proposer import Proposer, make_proposer
 
-MAX_BACKOFF = 16  # steps a request rests at most after its drafts were all rejected
+# Steps a request rests at most after its drafts were all rejected. Where nothing is ever
+# accepted, 1 step in MAX_BACKOFF + 1 still probes, at up to ~2x a plain step's cost (a draft
+# model's K passes plus the wider verify): 64 keeps that near 1.5 % (16: ~6 %), and speculation
+# resumes at most 64 steps late when the text turns repetitive.
+MAX_BACKOFF = 64
 
 
 class Speculator:
@@ -35,17 +41,29 @@ class Speculator:
         self.num_steps = 0           # steps collected (with drafts or not)
         self._rest: dict[str, list[int]] = {}  # seq_id -> [steps left to rest, last rest]
 
+    def wants_tokens(self, running: list[Sequence]) -> bool:
+        """Whether the step in flight must be read before this step: some request whose last
+        token is in flight may get drafts (they follow that token). If none may (all resting,
+        speculation disabled by batch size, or, for n-gram lookup, no earlier occurrence of
+        what precedes that token), the engine keeps async scheduling's overlap: a step
+        without drafts costs what it costs without speculation."""
+        if not self._enabled(running):
+            return False
+        seqs = [s for s in running if s.has_pending and self._eligible(s)
+                and not self._rest.get(s.seq_id, (0,))[0]]
+        return bool(seqs) and bool(self.proposer.may_propose(seqs).any())
+
     def propose(self, running: list[Sequence]) -> dict[str, list[int]]:
         """{seq_id: drafts} for the running requests that decode with all tokens known and
         no grammar (whose mask would need the drafts fed to its matcher), unless
         disable_by_batch_size requests or more run. Drafts never run past max_tokens or
-        max_model_len: the step's last token (accepted run plus one) still fits."""
-        off = self.config.disable_by_batch_size
-        if not running or (off is not None and len(running) >= off):
+        max_model_len: the step's last token (accepted run plus one) still fits. Called once
+        per step: a resting request's rest counts down here."""
+        resting = {s.seq_id for s in running if self._resting(s.seq_id)}
+        if not self._enabled(running):
             return {}
-        seqs = [s for s in running if s.status == SequenceStatus.RUNNING and s.grammar is None
-                and s.num_tokens - s.num_computed_tokens == 1 and not s.has_pending
-                and not self._resting(s.seq_id)]
+        seqs = [s for s in running if self._eligible(s) and not s.has_pending
+                and s.seq_id not in resting]
         if not seqs:
             return {}
         limits = np.array([min(self.max_model_len - s.num_tokens,
@@ -54,6 +72,16 @@ class Speculator:
         drafts, counts = self.proposer.propose(seqs, self.k, np.clip(limits, 0, self.k))
         return {s.seq_id: drafts[r, :counts[r]].tolist() for r, s in enumerate(seqs)
                 if counts[r] > 0}
+
+    def _enabled(self, running: list[Sequence]) -> bool:
+        off = self.config.disable_by_batch_size
+        return bool(running) and (off is None or len(running) < off)
+
+    @staticmethod
+    def _eligible(s: Sequence) -> bool:
+        """Decoding (one new token), no grammar: the last token may still be in flight."""
+        return (s.status == SequenceStatus.RUNNING and s.grammar is None
+                and s.num_tokens - s.num_computed_tokens == 1)
 
     def record(self, sched: SchedulerOutput, sampled: dict[str, list]) -> None:
         """Count a collected step, its drafts and how many of each position were accepted."""

@@ -67,7 +67,7 @@ class InputBatcher:
 
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
                  max_model_len: int, enforce_eager: bool, decode_programs: bool,
-                 num_rows: Optional[int] = None):
+                 num_rows: Optional[int] = None, num_speculative_tokens: int = 0):
         """num_rows: sampled rows per step (max_num_seqs, times 1 + k with k drafts each)."""
         self.max_num_seqs = max_num_seqs
         self.num_rows = num_rows or max_num_seqs
@@ -85,10 +85,18 @@ class InputBatcher:
         # decodes with drafts) takes the smallest that fits.
         self.mixed_buckets = (self.token_buckets if decode_programs
                               else sorted({*self.decode_buckets, *self.token_buckets}))
+        # Speculation: b decodes with k drafts each are b (1 + k) tokens, which would pad to
+        # the smallest token bucket (16): verifying 4 drafts of one request ran 16 rows, 2.4x
+        # a decode step's time where 5 rows take 1.2x. Those small sizes get buckets of
+        # their own.
+        k1 = 1 + num_speculative_tokens
+        self.spec_buckets = sorted({k1 * b for b in self.decode_buckets if k1 > 1
+                                    and k1 * b < self.token_buckets[0]} - {*self.mixed_buckets})
+        self.mixed_buckets = sorted({*self.mixed_buckets, *self.spec_buckets})
 
     def forward_shapes(self) -> list[tuple[int, bool]]:
         """(T, decode_only) of every forward program warm-up compiles."""
-        return sorted({*((T, False) for T in self.token_buckets),
+        return sorted({*((T, False) for T in self.token_buckets + self.spec_buckets),
                        *((T, self.decode_programs) for T in self.decode_buckets)})
 
     def prepare(self, sched: SchedulerOutput, prev_seqs: list[Sequence],

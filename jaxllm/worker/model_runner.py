@@ -119,7 +119,8 @@ class ModelRunner:
             enforce_eager=enforce_eager,
             # Decode steps get programs of their own (decode tiling) unless the attention is
             # the same for every step: then a decode step of T tokens runs the bucket T one.
-            decode_programs=backend.decode_programs(kv_cache_dtype), num_rows=self.num_rows)
+            decode_programs=backend.decode_programs(kv_cache_dtype), num_rows=self.num_rows,
+            num_speculative_tokens=num_speculative_tokens)
         self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
         self.graphdef, state = nnx.split(model)
         self.state = backend.relayout(state, model_config)  # the weights as its ops read them

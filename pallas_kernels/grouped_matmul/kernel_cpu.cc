@@ -10,21 +10,6 @@
 // (batch invariance). Each group's columns are split over the threads, as the matmul's are.
 #include "matmul/kernel_cpu_core.h"
 
-// Up to this many rows a group streams its expert's strips (`KnStream`); more rows run the
-// register-blocked `Gemm` (the matmul's dispatch; both give the same bits).
-constexpr int64_t kGroupFewRows = 4;
-
-// Rows [0, m) of x (f32, K apart) against one expert's strips wl, into out (at those rows).
-template <typename T>
-static void GroupRows(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t K, int64_t N,
-                      const T* wl, const Out& out) {
-  if (m > kGroupFewRows) return Gemm(pool, x, m, K, N, wl, out);
-  if (out.y != nullptr) return KnStream(pool, x, m, K, N, wl, out.y);
-  std::vector<float> yf(m * N);
-  KnStream(pool, x, m, K, N, wl, yf.data());
-  out.Finish({yf.data(), N}, 0, m, 0, N);
-}
-
 static ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                                     ffi::Buffer<ffi::S32> group_sizes,
                                     ffi::Buffer<ffi::S32> layer,
@@ -80,7 +65,7 @@ static ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi:
   };
   auto run = [&](const float* xf, const auto* w0) {
     each_group([&](int64_t e, int64_t r0, int64_t m) {
-      GroupRows(pool, xf + r0 * K, m, K, N, w0 + e * expert_len, out_at(r0));
+      RowsThrough(pool, xf + r0 * K, m, K, N, w0 + e * expert_len, out_at(r0));
     });
   };
   if (f32_w) {

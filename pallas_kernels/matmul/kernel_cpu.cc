@@ -10,15 +10,12 @@
 // W is packed (`pack` in kernel_cpu.py): the N columns in S strips of 16, each strip contiguous,
 // the last one zero-padded; f32 strips [K, 16]; bf16 strips [K / 2, 16, 2], rows in pairs (an odd
 // K gets a zero row), the operand layout of vdpbf16ps, which a shift and a mask also split into
-// two f32 rows. Up to 4 rows the tasks stream whole strips (one sequential read each); more rows
-// run the register-blocked `Gemm`, on f32 strips (bf16 ones converted a tile at a time). Both
-// sum every element in the same order (see `StripRows`), so a row's bits do not depend on M.
-// With AVX512_BF16, bf16 x runs `DpGemm`, the bf16 dot product on the strips as they are, at
-// every M.
-#include "matmul/kernel_cpu_core.h"  // the paths: KnStream, Gemm, DpGemm, Out
-
-// Up to kFewRows rows stream the weights; more run the register-blocked Gemm.
-constexpr int64_t kFewRows = 4;
+// two f32 rows. Up to 2 rows (f32 strips) or 4 (bf16) the tasks stream whole strips (one
+// sequential read each); more rows run the register-blocked `Gemm`, on f32 strips (bf16 ones
+// converted a tile at a time): `RowsThrough` in the core. Both sum every element in the same
+// order (see `StripRows`), so a row's bits do not depend on M. With AVX512_BF16, bf16 x runs
+// `DpGemm`, the bf16 dot product on the strips as they are, at every M.
+#include "matmul/kernel_cpu_core.h"  // the paths: KnStream, Gemm, DpGemm, Out, RowsThrough
 
 // x [M, K] @ W[layer] (N columns) into out, which has out_rows rows; checks the operands first.
 static ffi::Error Matmul(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
@@ -42,11 +39,7 @@ static ffi::Error Matmul(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer
   if (!bf16_x && x.element_type() != ffi::F32)
     return ffi::Error::InvalidArgument("matmul: x must be f32 or bf16");
   auto run = [&](const float* xf, const auto* wl) {  // wl: the layer's strips
-    if (M > kFewRows) return Gemm(pool, xf, M, K, N, wl, out);
-    if (out.y != nullptr) return KnStream(pool, xf, M, K, N, wl, out.y);
-    std::vector<float> yf(M * N);
-    KnStream(pool, xf, M, K, N, wl, yf.data());
-    out.Finish({yf.data(), N}, 0, M, 0, N);
+    RowsThrough(pool, xf, M, K, N, wl, out);
   };
   if (f32_w) {
     if (bf16_x) return ffi::Error::InvalidArgument("matmul: bf16 x needs bf16 weights");
