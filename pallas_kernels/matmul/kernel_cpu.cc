@@ -13,8 +13,8 @@
 // two f32 rows. Up to 4 rows the tasks stream whole strips (one sequential read each); more rows
 // run the register-blocked `Gemm`, on f32 strips (bf16 ones converted a tile at a time). Both
 // sum every element in the same order (see `StripRows`), so a row's bits do not depend on M.
-// With AVX512_BF16, bf16 x runs `DpGemm`, the bf16 dot product on the strips as they are, at
-// every M.
+// With AVX512_BF16 (but not AMX: see kernel_cpu_dpbf16.h), bf16 x runs `DpGemm`, the bf16 dot
+// product on the strips as they are, at every M.
 #include "matmul/kernel_cpu_core.h"  // the paths: KnStream, Gemm, DpGemm, Out
 
 // Up to kFewRows rows stream the weights; more run the register-blocked Gemm.
