@@ -4,11 +4,7 @@
 #ifndef JAXLLM_MATMUL_KERNEL_CPU_DPBF16_H_
 #define JAXLLM_MATMUL_KERNEL_CPU_DPBF16_H_
 
-// Not on cores with AMX (Intel Sapphire Rapids and later): there vdpbf16ps issues at half the
-// f32 FMA rate, and this GEMM ran at ~80 GFLOP/s per busy core against ~140 for the convert-to-
-// f32 `Gemm` (measured 2026-11-26; on Zen 4 it runs at twice the f32 rate). The native bf16 path
-// there would be the AMX tiles.
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && !defined(__AMX_BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define JAXLLM_DPBF16 1
 // bf16 x against bf16 W, many rows: vdpbf16ps adds the products of a pair of bf16 (k, k + 1) to
 // each f32 lane. The products are exact and the sums f32, as in the f32 path. The strips' pairs
