@@ -101,9 +101,7 @@ def one_process(checkpoint) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hosts", [2, pytest.param(4, marks=pytest.mark.skip(
-    reason="known bug (issue 24): with 4 processes on 2 cores the tokens match but ranks 1-3 "
-           "miss jax's shutdown barrier (120 s) under pytest, so every rank aborts"))])
+@pytest.mark.parametrize("hosts", [2, 4])
 def test_hosts_tp8_match_one_process(checkpoint, one_process, hosts):
     """2 processes x 4 devices, and 4 x 2: TP 8 over all of them."""
     port, devices = _free_port(), 8 // hosts

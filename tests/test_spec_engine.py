@@ -322,6 +322,34 @@ def test_rejected_drafts_back_off():
     assert sp.num_drafts == 6 and sp.num_accepted_tokens == 2
 
 
+def test_new_requests_start_from_the_engines_rest():
+    """Where no request's drafts are accepted, a new request's first rejection rests as long
+    as the last rejection did (it does not climb 1, 2, 4, ... again); an accepted draft, any
+    request's, resets that."""
+    from jaxllm.sequence import ScheduledSequence, SchedulerOutput
+
+    sp = Speculator(SpeculativeConfig.parse(NGRAM), max_model_len=256)
+
+    def step(s, accepted: int) -> bool:
+        d = sp.propose([s]).get(s.seq_id)
+        if d:
+            item = ScheduledSequence(s, 15, 1 + len(d), [], True, spec_token_ids=d)
+            sp.record(SchedulerOutput([item]), {s.seq_id: [0] * (accepted + 1)})
+        return bool(d)
+
+    a = seq("a", [1, 2, 3, 4] * 4, max_tokens=200)
+    assert sum(step(a, 0) for _ in range(15)) == 4  # rests 1, 2, 4, then 8 (from step 15)
+    sp.free("a")
+    b = seq("b", [1, 2, 3, 4] * 4, max_tokens=200)
+    # b probes at once, then rests 8 (a's last rest) and 16
+    assert [step(b, 0) for _ in range(11)] == [1] + [0] * 8 + [1, 0]
+    assert [step(b, 1) for _ in range(16)] == [0] * 15 + [1]  # accepted: the rests end
+    assert step(b, 0)
+    sp.free("b")
+    c = seq("c", [1, 2, 3, 4] * 4, max_tokens=200)
+    assert [step(c, 0) for _ in range(3)] == [1, 0, 1]  # after an acceptance: rest 1 again
+
+
 def test_verify_steps_have_buckets_of_their_own():
     """b requests with k drafts each are b (1 + k) tokens: below the smallest token bucket
     they get programs of their own (one request with 4 drafts runs 5 rows, not 16)."""

@@ -222,7 +222,7 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
                 args.block_size, jnp.dtype(dtype).name, mc.max_model_len)
     t = time.perf_counter()
     if pooler_config is None:
-        runner.warmup()
+        runner.warmup(background=not headless)
     times["compile"] = time.perf_counter() - t
     defaults = {k: v for k, v in gen.items() if k != "eos_token_id"}
     return EngineParts(mc, tokenizer, frozenset(eos), defaults, runner, num_blocks, times,

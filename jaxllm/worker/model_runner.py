@@ -357,13 +357,16 @@ class ModelRunner:
             *prompt_logprob_targets(T, prompt_rows), first_use=True)
 
     # --- warm-up -----------------------------------------------------------------------------
-    def warmup(self, greedy_only: bool = False) -> None:
+    def warmup(self, greedy_only: bool = False, background: bool = True) -> None:
         """Compile every token bucket and the plain sampler variants on all cores. The sampler
         variants with penalties, logprobs or top-k/top-p filters, and the multi-step programs,
         compile after that in a background thread, so the engine is ready sooner; a step that
         needs one before then compiles it or waits for it (which is not a recompile).
         greedy_only: the plain greedy sampler alone (a draft model's runner, which never samples
-        otherwise: jaxllm/spec_decode/draft_model.py)."""
+        otherwise: jaxllm/spec_decode/draft_model.py). background=False leaves the deferred
+        programs to their first use (a follower host, which compiles what rank 0 calls: a
+        background compile still running when rank 0 stops would hold its exit, and with 4
+        processes on 2 busy cores the followers missed jax's shutdown barrier)."""
         if self.enforce_eager:
             return
         cm, shapes = self.compile_manager, self.input_batch.forward_shapes()
@@ -389,7 +392,8 @@ class ModelRunner:
         for t in plain if K > 1 else ():  # multi-step programs, after the rest
             for T in self.input_batch.decode_buckets:
                 cm.defer(self.burst_key(T, K, t), self._burst, self._burst_example_args(T, K, t))
-        cm.start_background()
+        if background:
+            cm.start_background()
         logger.info("Compiled %d forward shapes (token buckets %s, decode buckets %s) and %d "
                     "sampler variants (%d more programs in the background); %d loaded from the "
                     "executable cache", len(shapes), self.input_batch.token_buckets,
