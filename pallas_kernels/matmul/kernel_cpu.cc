@@ -14,12 +14,7 @@
 // sequential read each); more rows run the register-blocked `Gemm`, on f32 strips (bf16 ones
 // converted a tile at a time): `RowsThrough` in the core. Both sum every element in the same
 // order (see `StripRows`), so a row's bits do not depend on M. With AVX512_BF16, bf16 x runs
-// `DpGemm`, the bf16 dot product on the strips as they are, at every M; but not on cores with
-// AMX (Sapphire Rapids and later), where vdpbf16ps issues at half the f32 FMA rate: there this
-// GEMM ran at ~80 GFLOP/s per busy core against ~120-135 for the f32 paths on bf16 weights
-// converted in cache (64-512 rows, 2026-11-26), so bf16 x is taken as f32 there, at every M.
-// (The grouped matmul keeps DpGemm there: its decode-sized groups of ~16 rows pay the
-// conversion for too few rows.) AMX tiles would be the native path there.
+// `DpGemm`, the bf16 dot product on the strips as they are, at every M.
 #include "matmul/kernel_cpu_core.h"  // the paths: KnStream, Gemm, DpGemm, Out, RowsThrough
 
 // x [M, K] @ W[layer] (N columns) into out, which has out_rows rows; checks the operands first.
@@ -57,7 +52,7 @@ static ffi::Error Matmul(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer
     return ffi::Error::Success();
   }
   const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
-#if defined(JAXLLM_DPBF16) && !defined(__AMX_BF16__)
+#ifdef JAXLLM_DPBF16
   if (K % 2 == 0) {
     DpGemm(pool, xb, K, M, K, N, wl, out);
   } else {  // rows of whole pairs
