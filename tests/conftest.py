@@ -313,3 +313,19 @@ def load_tiny(path: str, tp: int = 1, **engine_args):
 def load():
     """`load_tiny` as a fixture: (path, tp=1, **engine_args) -> (model, ModelConfig, mesh)."""
     return load_tiny
+
+
+# --- failure reports ------------------------------------------------------------------------
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used a server subprocess (a `server` fixture with `output()`) gets
+    the server's log tail and exit status in its report: CI shows only the report, and "server
+    disconnected" says nothing about why."""
+    report = yield
+    server = getattr(item, "funcargs", {}).get("server")
+    if report.failed and hasattr(server, "output"):
+        proc = getattr(server, "proc", None)
+        status = proc.poll() if proc is not None else None
+        report.sections.append((f"server log (exit status {status})", server.output()))
+    return report
