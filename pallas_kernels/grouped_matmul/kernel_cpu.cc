@@ -87,7 +87,7 @@ static ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi:
     xb = even.data();
   }
   each_group([&](int64_t e, int64_t r0, int64_t m) {
-    DpGemm(pool, xb + r0 * lda, lda, m, K, N, w0 + e * expert_len, out_at(r0));
+    BfGemm(pool, xb + r0 * lda, lda, m, K, N, w0 + e * expert_len, out_at(r0));
   });
 #else
   std::vector<float> xf(rows * K);

@@ -54,11 +54,11 @@ static ffi::Error Matmul(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer
   const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
 #ifdef JAXLLM_DPBF16
   if (K % 2 == 0) {
-    DpGemm(pool, xb, K, M, K, N, wl, out);
+    BfGemm(pool, xb, K, M, K, N, wl, out);
   } else {  // rows of whole pairs
     std::vector<uint16_t> even(M * (K + 1), 0);
     for (int64_t m = 0; m < M; ++m) std::memcpy(&even[m * (K + 1)], xb + m * K, 2 * K);
-    DpGemm(pool, even.data(), K + 1, M, K, N, wl, out);
+    BfGemm(pool, even.data(), K + 1, M, K, N, wl, out);
   }
   return ffi::Error::Success();
 #else

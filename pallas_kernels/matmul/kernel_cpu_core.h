@@ -394,6 +394,7 @@ static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, in
 }
 
 #include "matmul/kernel_cpu_dpbf16.h"  // DpGemm, with AVX512_BF16
+#include "matmul/kernel_cpu_amx.h"     // AmxGemm with AMX-BF16; BfGemm picks
 
 // Up to FewRows rows stream the weights (`KnStream`); more run the register-blocked `Gemm`
 // (both give the same bits). f32 strips stream only 1-2 rows: at 3-4 the one-strip-at-a-time
