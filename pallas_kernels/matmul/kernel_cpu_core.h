@@ -1,6 +1,7 @@
 // The matmul's core, shared by the kernels that run it (matmul/kernel_cpu.cc, and
 // grouped_matmul/kernel_cpu.cc per expert): the packed-strip layout, the streaming
-// (`KnStream`) and register-blocked (`Gemm`, `DpGemm`) paths and the result writer `Out`.
+// (`KnStream`) and register-blocked (`Gemm`, and for bf16 x `BfGemm`: AMX or vdpbf16ps) paths
+// and the result writer `Out`.
 // See kernel_cpu.cc for the layout and the summation order every path keeps.
 #ifndef JAXLLM_MATMUL_KERNEL_CPU_CORE_H_
 #define JAXLLM_MATMUL_KERNEL_CPU_CORE_H_
