@@ -56,16 +56,13 @@ static void AmxConfigure(int r0, int r1) {
 }
 
 // y[r, c] for rows r < r0 (+ r1: R2) and the columns of strips b0 (and b1: S2), over T k-tiles
-// of x rows a (lda apart) against the strips. The last tile, when the pairs are not a multiple
+// of x rows a (lda apart) against the strips (P pairs). The last tile, when P is not a multiple
 // of 16, comes from the zero-padded copies a_tail (rows 64 bytes apart) and b_tail (per strip).
 // A strip with fewer than 16 of the cols columns left is stored through the scratch c_tmp.
-// pf (the thread's next tile) is fetched a few lines per k-tile: a few rows wait on memory
-// otherwise (llama124m's projections, 1 row: 13.5-14.1 ms without, 12.8-13.1 with).
 template <bool R2, bool S2>
 static void AmxBlock(const uint16_t* a, int64_t lda, int64_t T, bool tail, const uint16_t* a_tail,
                      const uint16_t* b0, const uint16_t* b1, const uint16_t* b_tail, int r0,
-                     int r1, float* y, int64_t ldy, int64_t cols, float* c_tmp,
-                     const Prefetch& pf) {
+                     int r1, float* y, int64_t ldy, int64_t cols, float* c_tmp) {
   _tile_zero(0);
   if constexpr (S2) _tile_zero(1);
   if constexpr (R2) _tile_zero(2);
@@ -81,11 +78,8 @@ static void AmxBlock(const uint16_t* a, int64_t lda, int64_t T, bool tail, const
     if constexpr (R2 && S2) _tile_dpbf16ps(3, 5, 7);
   };
   const int64_t full = T - tail, b_len = kAmxPairs * 2 * kNr;  // values per B tile
-  const int64_t per = (pf.lines + T - 1) / T;
-  for (int64_t t = 0; t < full; ++t) {
+  for (int64_t t = 0; t < full; ++t)
     step(a + t * 2 * kAmxPairs, 2 * lda, b0 + t * b_len, b1 + t * b_len);
-    for (int64_t i = t * per; i < t * per + per; ++i) pf.At(i);
-  }
   if (tail) step(a_tail, 64, b_tail, b_tail + b_len);
   // C tile of strip s, rows [r, r + rows), into y (stored(pointer, stride in bytes)).
   auto store = [&](auto stored, int64_t s, int64_t r, int rows) {
@@ -116,10 +110,8 @@ static void AmxGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64
         std::memset(b_tail[s], 0, sizeof b_tail[s]);
         std::memcpy(b_tail[s], tile + s * 2 * P * kNr + (T - 1) * b_len, left * 4 * kNr);
       }
-    return [=](int64_t m0, int64_t m, Prefetch pf) {
+    return [=](int64_t m0, int64_t m, Prefetch) {
       const auto [yt, ldy] = out.Rows(m0, c0);
-      const int64_t calls = (m + 31) / 32 * ((strips + 1) / 2);  // of AmxBlock
-      pf.per_call = (pf.lines + calls - 1) / calls;
       thread_local uint16_t a_tail[2 * 16][2 * kAmxPairs];  // the rows' last pairs
       thread_local float c_tmp[16 * kNr];
       for (int64_t r = 0; r < m; r += 32) {
@@ -139,7 +131,7 @@ static void AmxGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64
           float* ys = yr + s * kNr;
           auto block = [&](auto R2, auto S2) {
             AmxBlock<R2, S2>(a, lda, T, left, a_tail[0], b0, b1, b_tail[s], r0, r1, ys, ldy,
-                             cols - s * kNr, c_tmp, pf.Take());
+                             cols - s * kNr, c_tmp);
           };
           using Yes = std::true_type;
           using No = std::false_type;
