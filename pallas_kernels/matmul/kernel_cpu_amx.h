@@ -41,7 +41,8 @@ static inline void CompilerFence() { asm volatile("" ::: "memory"); }
 
 // Tiles: C 0, 1 (rows [0, r0), strips 0, 1) and 2, 3 (rows [16, 16 + r1)); A 4 (r0 rows), 5
 // (r1 rows); B 6, 7 (strips 0, 1). The tile state is per thread and tasks run on any thread of
-// XLA's pool, so each task configures its own and releases it when done.
+// XLA's pool, so each task configures its own and releases it when done (keeping a thread's
+// configuration across tasks was slower, and the other kernel library may have replaced it).
 static void AmxConfigure(int r0, int r1) {
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
