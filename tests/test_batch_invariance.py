@@ -52,6 +52,30 @@ def test_matmul_rows_do_not_depend_on_m(w_dtype, x_dtype, k, n):
     np.testing.assert_allclose(np.asarray(kinds["f32"](x)), want, rtol=1e-4, atol=1e-4 * k)
 
 
+# bf16 x against bf16 W runs AMX tiles where the CPU has them: blocks of 16 and 32 rows and
+# their remainders; K in tiles of 32 and a part tile (30, 33: K shorter than a tile; 1000).
+AMX_ROWS = (1, 15, 16, 17, 31, 32, 33, 48, 49, 100)
+
+
+@pytest.mark.parametrize("k", [30, 32, 33, 768, 1000])
+def test_bf16_matmul_rows_do_not_depend_on_m_or_their_neighbours(k):
+    """With bf16 x and W, every row of x[:m] @ w, and of the rows shuffled, equals that row of
+    x @ w bitwise (rows change places within and between the tiles of 16 rows)."""
+    rng = np.random.default_rng(k)
+    n = 40  # two whole strips and a part one
+    w = jnp.asarray(rng.standard_normal((1, k, n), np.float32), jnp.bfloat16)
+    packed = matmul_cpu.pack(w)
+    x = jnp.asarray(rng.standard_normal((max(AMX_ROWS), k), np.float32), jnp.bfloat16)
+    f = jax.jit(lambda x: matmul_cpu.matmul(x, packed, n=n))
+    full = np.asarray(f(x))
+    for m in AMX_ROWS:
+        np.testing.assert_array_equal(np.asarray(f(x[:m])), full[:m], err_msg=f"m={m}")
+    perm = rng.permutation(len(x))
+    np.testing.assert_array_equal(np.asarray(f(x[perm])), full[perm])
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)[0]
+    np.testing.assert_allclose(full, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rms_norm_rows_do_not_depend_on_t(dtype):
     """The XLA RMSNorm between the kernels: a decode step's token count (1-48) sets its row

@@ -23,7 +23,7 @@ def test_kernel_builds():
 # remainder, 64-column tiles and a part tile (32-column ones when 64-column ones would not share
 # evenly: n = 130, 576), K in 256-long chunks and a part chunk (k = 600), past 48 rows a second
 # block of rows. bf16 x against bf16 weights runs the native bf16 dot product where the CPU has it
-# (AVX512_BF16): K in pairs, an odd K padded.
+# (AMX tiles of 16 rows and 32 k, or AVX512_BF16): K in pairs, an odd K padded.
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("m,k,n", [(1, 768, 1280), (3, 37, 1030), (4, 130, 7), (2, 5, 2311),
                                    (5, 33, 100), (13, 64, 130), (64, 96, 200), (64, 96, 576),

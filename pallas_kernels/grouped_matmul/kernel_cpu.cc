@@ -6,8 +6,9 @@
 //
 // Each group's rows run the matmul's own paths (matmul/kernel_cpu_core.h) against its expert:
 // only the routed FLOPs, only the experts that have rows are read, and every element is the
-// matmul's one FMA chain down K, so a row's bits depend neither on M nor on the other groups
-// (batch invariance). Each group's columns are split over the threads, as the matmul's are.
+// matmul's one chain down K (FMAs, or bf16 dot products: AMX tiles or vdpbf16ps), so a row's
+// bits depend neither on M nor on the other groups (batch invariance). Each group's columns
+// are split over the threads, as the matmul's are.
 #include "matmul/kernel_cpu_core.h"
 
 static ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
@@ -87,7 +88,7 @@ static ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi:
     xb = even.data();
   }
   each_group([&](int64_t e, int64_t r0, int64_t m) {
-    DpGemm(pool, xb + r0 * lda, lda, m, K, N, w0 + e * expert_len, out_at(r0));
+    BfGemm(pool, xb + r0 * lda, lda, m, K, N, w0 + e * expert_len, out_at(r0));
   });
 #else
   std::vector<float> xf(rows * K);

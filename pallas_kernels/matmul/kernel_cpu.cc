@@ -5,7 +5,7 @@
 // Why not XLA's dot: a layer scan slices (copies) each layer's weights before its dot, and XLA:CPU
 // runs bf16 weights slower than f32 ones on AVX2 (3x at M = 1, ~1.4x at M = 64). Here bf16 is
 // converted in registers or in cache, so it runs at f32 speed with half the bytes, or, bf16 x
-// against bf16 W on a CPU with AVX512_BF16, with the native bf16 dot product at twice that.
+// against bf16 W, on the CPU's bf16 dot product: AMX tiles (13x vdpbf16ps's rate) or vdpbf16ps.
 //
 // W is packed (`pack` in kernel_cpu.py): the N columns in S strips of 16, each strip contiguous,
 // the last one zero-padded; f32 strips [K, 16]; bf16 strips [K / 2, 16, 2], rows in pairs (an odd
@@ -13,9 +13,11 @@
 // two f32 rows. Up to 2 rows (f32 strips) or 4 (bf16) the tasks stream whole strips (one
 // sequential read each); more rows run the register-blocked `Gemm`, on f32 strips (bf16 ones
 // converted a tile at a time): `RowsThrough` in the core. Both sum every element in the same
-// order (see `StripRows`), so a row's bits do not depend on M. With AVX512_BF16, bf16 x runs
-// `DpGemm`, the bf16 dot product on the strips as they are, at every M.
-#include "matmul/kernel_cpu_core.h"  // the paths: KnStream, Gemm, DpGemm, Out, RowsThrough
+// order (see `StripRows`), so a row's bits do not depend on M. bf16 x against bf16 W runs
+// `BfGemm`, the bf16 dot product on the strips as they are, at every M: with AMX-BF16 the AMX
+// tile GEMM `AmxGemm` (kernel_cpu_amx.h), else, with AVX512_BF16, the vdpbf16ps GEMM `DpGemm`
+// (their bits differ: one of them per process); without either, the f32 paths on x converted.
+#include "matmul/kernel_cpu_core.h"  // the paths: KnStream, Gemm, BfGemm, Out, RowsThrough
 
 // x [M, K] @ W[layer] (N columns) into out, which has out_rows rows; checks the operands first.
 static ffi::Error Matmul(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
@@ -54,11 +56,11 @@ static ffi::Error Matmul(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer
   const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
 #ifdef JAXLLM_DPBF16
   if (K % 2 == 0) {
-    DpGemm(pool, xb, K, M, K, N, wl, out);
+    BfGemm(pool, xb, K, M, K, N, wl, out);
   } else {  // rows of whole pairs
     std::vector<uint16_t> even(M * (K + 1), 0);
     for (int64_t m = 0; m < M; ++m) std::memcpy(&even[m * (K + 1)], xb + m * K, 2 * K);
-    DpGemm(pool, even.data(), K + 1, M, K, N, wl, out);
+    BfGemm(pool, even.data(), K + 1, M, K, N, wl, out);
   }
   return ffi::Error::Success();
 #else

@@ -56,9 +56,9 @@ def unpack(w: jax.Array, k: int, n: int) -> jax.Array:
 def matmul(x: jax.Array, w: jax.Array, layer=0, *, n: int, out_dtype=jnp.float32) -> jax.Array:
     """[M, n] = x [M, K] @ w[layer], summed in float32, w `pack`ed from n columns, in float32,
     bfloat16 or uint16 (bfloat16 bits). A bfloat16 x against bfloat16 weights stays bfloat16
-    (the products are exact either way; with AVX512_BF16 the kernel multiplies pairs natively),
-    any other x is taken as float32. out_dtype float32, or bfloat16: the sums rounded as
-    `astype(bfloat16)` would, in the kernel."""
+    (the products are exact either way; with AMX or AVX512_BF16 the kernel multiplies pairs
+    natively), any other x is taken as float32. out_dtype float32, or bfloat16: the sums rounded
+    as `astype(bfloat16)` would, in the kernel."""
     x = _operand(x, w, n)
     if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")

@@ -1,6 +1,7 @@
 // The matmul's core, shared by the kernels that run it (matmul/kernel_cpu.cc, and
 // grouped_matmul/kernel_cpu.cc per expert): the packed-strip layout, the streaming
-// (`KnStream`) and register-blocked (`Gemm`, `DpGemm`) paths and the result writer `Out`.
+// (`KnStream`) and register-blocked (`Gemm`, and for bf16 x `BfGemm`: AMX or vdpbf16ps) paths
+// and the result writer `Out`.
 // See kernel_cpu.cc for the layout and the summation order every path keeps.
 #ifndef JAXLLM_MATMUL_KERNEL_CPU_CORE_H_
 #define JAXLLM_MATMUL_KERNEL_CPU_CORE_H_
@@ -394,6 +395,7 @@ static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, in
 }
 
 #include "matmul/kernel_cpu_dpbf16.h"  // DpGemm, with AVX512_BF16
+#include "matmul/kernel_cpu_amx.h"     // AmxGemm with AMX-BF16; BfGemm picks
 
 // Up to FewRows rows stream the weights (`KnStream`); more run the register-blocked `Gemm`
 // (both give the same bits). f32 strips stream only 1-2 rows: at 3-4 the one-strip-at-a-time

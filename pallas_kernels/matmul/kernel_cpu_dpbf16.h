@@ -9,7 +9,8 @@
 // bf16 x against bf16 W, many rows: vdpbf16ps adds the products of a pair of bf16 (k, k + 1) to
 // each f32 lane. The products are exact and the sums f32, as in the f32 path. The strips' pairs
 // are its operand as they are; x is read as pairs in place. It runs every M (few rows too), so
-// that each element is the same chain of vdpbf16ps down K whatever the batch (issue 26).
+// that each element is the same chain of vdpbf16ps down K whatever the batch (issue 26), where
+// AMX does not run (kernel_cpu_amx.h).
 constexpr int64_t kDpPc = 1024;  // k-pairs per chunk (rows per block: kMr)
 
 // y[r, 0:cols] (=, or with add +=) sum over pairs p < P of x pairs a[r * lda + 2p ..] times the

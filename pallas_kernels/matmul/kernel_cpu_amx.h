@@ -1,0 +1,162 @@
+// Part of kernel_cpu_core.h, included after kernel_cpu_dpbf16.h: the AMX GEMM, bf16 x against
+// bf16 W, compiled only where the CPU has AMX-BF16 (and AVX512_BF16, the fallback).
+//
+// The packed bf16 strips ([K / 2 pairs, 16 columns, 2]) are AMX's B tiles as they are: 16
+// pair-rows of 64 bytes. An A tile is 16 rows x 16 pairs of x, a C tile 16 x 16 f32. Each
+// element is one chain of `tdpbf16ps` down K, 16 pairs at a time from k = 0, from zero; a row's
+// tile dot products do not depend on the other rows of its tile nor on how many are configured,
+// and a last tile with fewer pairs gives the bits of one zero-padded to 16 (probed on this
+// Xeon), so a row's bits do not depend on M (issue 26). They are NOT those of the vdpbf16ps
+// chain (`DpGemm`): vdpbf16ps rounds after each product (odd first), tdpbf16ps sums more at
+// once (~40% of elements differ in the last bits), so AMX runs at every M, or, where the
+// kernel may not use AMX (Linux refused the permission), `DpGemm` does, logged once.
+#ifndef JAXLLM_MATMUL_KERNEL_CPU_AMX_H_
+#define JAXLLM_MATMUL_KERNEL_CPU_AMX_H_
+
+#if defined(JAXLLM_DPBF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define JAXLLM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+
+constexpr int64_t kAmxPairs = 16;  // k-pairs per tile
+
+// Linux hands a process the AMX tile state only on request (once; then every thread has it).
+static bool AmxAllowed() {
+  static const bool allowed = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM
+    if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0) return true;
+    std::fprintf(stderr, "jaxllm matmul: AMX refused (%s); bf16 x runs vdpbf16ps, whose bits "
+                 "differ from AMX's\n", std::strerror(errno));
+    return false;
+  }();
+  return allowed;
+}
+
+// The tile intrinsics are asm that does not tell the compiler which memory they read (the
+// config past its first 8 bytes, a tile's rows): stores before them must not move past them.
+static inline void CompilerFence() { asm volatile("" ::: "memory"); }
+
+// Tiles: C 0, 1 (rows [0, r0), strips 0, 1) and 2, 3 (rows [16, 16 + r1)); A 4 (r0 rows), 5
+// (r1 rows); B 6, 7 (strips 0, 1). The tile state is per thread and tasks run on any thread of
+// XLA's pool, so each task configures its own and releases it when done (keeping a thread's
+// configuration across tasks was slower, and the other kernel library may have replaced it).
+static void AmxConfigure(int r0, int r1) {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};  // bytes per row
+    uint8_t rows[16] = {};
+  } cfg;
+  const int rows[8] = {r0, r0, r1, r1, r0, r1, kAmxPairs, kAmxPairs};
+  for (int t = 0; t < 8; ++t)
+    if (rows[t] > 0) cfg.rows[t] = rows[t], cfg.colsb[t] = 64;
+  CompilerFence();
+  _tile_loadconfig(&cfg);
+}
+
+// y[r, c] for rows r < r0 (+ r1: R2) and the columns of strips b0 (and b1: S2), over T k-tiles
+// of x rows a (lda apart) against the strips (P pairs). The last tile, when P is not a multiple
+// of 16, comes from the zero-padded copies a_tail (rows 64 bytes apart) and b_tail (per strip).
+// A strip with fewer than 16 of the cols columns left is stored through the scratch c_tmp.
+template <bool R2, bool S2>
+static void AmxBlock(const uint16_t* a, int64_t lda, int64_t T, bool tail, const uint16_t* a_tail,
+                     const uint16_t* b0, const uint16_t* b1, const uint16_t* b_tail, int r0,
+                     int r1, float* y, int64_t ldy, int64_t cols, float* c_tmp) {
+  _tile_zero(0);
+  if constexpr (S2) _tile_zero(1);
+  if constexpr (R2) _tile_zero(2);
+  if constexpr (R2 && S2) _tile_zero(3);
+  auto step = [&](const uint16_t* ak, int64_t a_stride, const uint16_t* bk0, const uint16_t* bk1) {
+    _tile_loadd(4, ak, a_stride);
+    _tile_loadd(6, bk0, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (R2) _tile_loadd(5, ak + 16 * a_stride / 2, a_stride);
+    if constexpr (R2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (S2) _tile_loadd(7, bk1, 64);
+    if constexpr (S2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (R2 && S2) _tile_dpbf16ps(3, 5, 7);
+  };
+  const int64_t full = T - tail, b_len = kAmxPairs * 2 * kNr;  // values per B tile
+  for (int64_t t = 0; t < full; ++t)
+    step(a + t * 2 * kAmxPairs, 2 * lda, b0 + t * b_len, b1 + t * b_len);
+  if (tail) step(a_tail, 64, b_tail, b_tail + b_len);
+  // C tile of strip s, rows [r, r + rows), into y (stored(pointer, stride in bytes)).
+  auto store = [&](auto stored, int64_t s, int64_t r, int rows) {
+    float* ys = y + r * ldy + s * kNr;
+    const int64_t n = std::min(kNr, cols - s * kNr);
+    if (n == kNr) return stored(ys, 4 * ldy);
+    stored(c_tmp, 4 * kNr);
+    for (int i = 0; i < rows; ++i) std::memcpy(ys + i * ldy, c_tmp + i * kNr, 4 * n);
+  };
+  store([](float* p, int64_t ld) { _tile_stored(0, p, ld); }, 0, 0, r0);
+  if constexpr (S2) store([](float* p, int64_t ld) { _tile_stored(1, p, ld); }, 1, 0, r0);
+  if constexpr (R2) store([](float* p, int64_t ld) { _tile_stored(2, p, ld); }, 0, 16, r1);
+  if constexpr (R2 && S2) store([](float* p, int64_t ld) { _tile_stored(3, p, ld); }, 1, 16, r1);
+}
+
+// x bf16 [M, lda] (K values, zero-padded to even lda) against bf16 packed strips, as `DpGemm`.
+static void AmxGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64_t M, int64_t N,
+                    const uint16_t* w, const Out& out) {
+  const int64_t P = lda / 2, T = (P + kAmxPairs - 1) / kAmxPairs, left = P % kAmxPairs;
+  const int64_t b_len = kAmxPairs * 2 * kNr;
+  ForTiles(pool, M, N, w, 2 * P * sizeof(uint16_t), [&](int64_t c0, int64_t cols) {
+    const int64_t strips = (cols + kNr - 1) / kNr;
+    const uint16_t* tile = w + c0 * 2 * P;  // strip c0 / kNr
+    // The strips' last pairs as whole B tiles (the strip after, or nothing, follows them).
+    thread_local uint16_t b_tail[kTile / kNr][kAmxPairs * 2 * kNr];
+    if (left)
+      for (int64_t s = 0; s < strips; ++s) {
+        std::memset(b_tail[s], 0, sizeof b_tail[s]);
+        std::memcpy(b_tail[s], tile + s * 2 * P * kNr + (T - 1) * b_len, left * 4 * kNr);
+      }
+    // No prefetch of the thread's next tile: a few lines per k-tile made 1-5 rows 5-10% slower.
+    return [=](int64_t m0, int64_t m, Prefetch) {
+      const auto [yt, ldy] = out.Rows(m0, c0);
+      thread_local uint16_t a_tail[2 * 16][2 * kAmxPairs];  // the rows' last pairs
+      thread_local float c_tmp[16 * kNr];
+      for (int64_t r = 0; r < m; r += 32) {
+        const int r0 = std::min<int64_t>(16, m - r), r1 = std::min<int64_t>(16, m - r - r0);
+        const uint16_t* a = x + (m0 + r) * lda;
+        if (left)
+          for (int i = 0; i < r0 + r1; ++i) {
+            std::memset(a_tail[i], 0, sizeof a_tail[i]);
+            std::memcpy(a_tail[i], a + i * lda + (T - 1) * 2 * kAmxPairs, left * 4);
+          }
+        AmxConfigure(r0, r1);
+        float* yr = yt + r * ldy;
+        for (int64_t s = 0; s < strips; s += 2) {
+          const uint16_t* b0 = tile + s * 2 * P * kNr;
+          const bool two = s + 1 < strips;
+          const uint16_t* b1 = two ? b0 + 2 * P * kNr : b0;
+          float* ys = yr + s * kNr;
+          auto block = [&](auto R2, auto S2) {
+            AmxBlock<R2, S2>(a, lda, T, left, a_tail[0], b0, b1, b_tail[s], r0, r1, ys, ldy,
+                             cols - s * kNr, c_tmp);
+          };
+          using Yes = std::true_type;
+          using No = std::false_type;
+          if (r1) two ? block(Yes{}, Yes{}) : block(Yes{}, No{});
+          else two ? block(No{}, Yes{}) : block(No{}, No{});
+        }
+        _tile_release();
+      }
+      out.Finish({yt, ldy}, m0, m, c0, cols);
+    };
+  });
+}
+#endif
+
+// bf16 x against bf16 W: AMX where the CPU has it and the process may use it, else vdpbf16ps.
+#ifdef JAXLLM_DPBF16
+static void BfGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64_t M, int64_t K,
+                   int64_t N, const uint16_t* w, const Out& out) {
+#ifdef JAXLLM_AMX
+  if (AmxAllowed()) return AmxGemm(pool, x, lda, M, N, w, out);
+#endif
+  DpGemm(pool, x, lda, M, K, N, w, out);
+}
+#endif
+
+#endif  // JAXLLM_MATMUL_KERNEL_CPU_AMX_H_
