@@ -82,11 +82,7 @@ static ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi:
 #ifdef JAXLLM_DPBF16
   const int64_t lda = K + K % 2;  // rows of whole pairs
   std::vector<uint16_t> even;
-  if (K % 2) {
-    even.assign(rows * lda, 0);
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(&even[r * lda], xb + r * K, 2 * K);
-    xb = even.data();
-  }
+  xb = WholePairs(xb, rows, K, even);
   each_group([&](int64_t e, int64_t r0, int64_t m) {
     BfGemm(pool, xb + r0 * lda, lda, m, K, N, w0 + e * expert_len, out_at(r0));
   });

@@ -55,13 +55,8 @@ static ffi::Error Matmul(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer
   }
   const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
 #ifdef JAXLLM_DPBF16
-  if (K % 2 == 0) {
-    BfGemm(pool, xb, K, M, K, N, wl, out);
-  } else {  // rows of whole pairs
-    std::vector<uint16_t> even(M * (K + 1), 0);
-    for (int64_t m = 0; m < M; ++m) std::memcpy(&even[m * (K + 1)], xb + m * K, 2 * K);
-    BfGemm(pool, even.data(), K + 1, M, K, N, wl, out);
-  }
+  std::vector<uint16_t> even;
+  BfGemm(pool, WholePairs(xb, M, K, even), K + K % 2, M, K, N, wl, out);
   return ffi::Error::Success();
 #else
   std::vector<float> xf(M * K);

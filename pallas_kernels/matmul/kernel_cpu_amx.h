@@ -150,6 +150,16 @@ static void AmxGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64
 
 // bf16 x against bf16 W: AMX where the CPU has it and the process may use it, else vdpbf16ps.
 #ifdef JAXLLM_DPBF16
+// bf16 x [rows, K] as BfGemm takes it, rows of whole pairs (K + K % 2 apart): x itself for an
+// even K, else a zero-padded copy held in `keep`.
+static const uint16_t* WholePairs(const uint16_t* x, int64_t rows, int64_t K,
+                                  std::vector<uint16_t>& keep) {
+  if (K % 2 == 0) return x;
+  keep.assign(rows * (K + 1), 0);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(&keep[r * (K + 1)], x + r * K, 2 * K);
+  return keep.data();
+}
+
 static void BfGemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t lda, int64_t M, int64_t K,
                    int64_t N, const uint16_t* w, const Out& out) {
 #ifdef JAXLLM_AMX
