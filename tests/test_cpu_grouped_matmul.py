@@ -57,6 +57,28 @@ def test_kernel_matches_ragged_dot(k, n, sizes, extra, dtype, x_dtype):
                                              .astype(jnp.float32)))
 
 
+# Gated (the experts' gate/up activated in the kernel): the bits of the plain product's
+# silu_and_mul, in f32 and bf16; F a multiple of 16 pairs each gate strip with its up strip in
+# one AMX block, F = 40 takes the plain product first. Groups span 1-4 rows and 32-row blocks.
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("k,f,sizes", [(37, 40, [3, 0, 20, 1]), (64, 96, [1, 40, 0, 33]),
+                                       (512, 1024, [70, 5])])
+def test_gated_is_silu_and_mul_of_the_product(k, f, sizes, x_dtype):
+    from pallas_kernels.activation import kernel_cpu as act
+    rng = np.random.default_rng(k + f)
+    w = kernel_cpu.pack(_weights(rng, (2, len(sizes), k, 2 * f), "bfloat16") * 0.2)
+    m = sum(sizes) + 3
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32), x_dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    product = kernel_cpu.grouped_matmul(x, w, gs, 1, n=2 * f).reshape(m, 2, f)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = kernel_cpu.grouped_matmul(x, w, gs, 1, n=f, out_dtype=dtype, gated=True)
+        assert got.shape == (m, f) and got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                      np.asarray(act.silu_and_mul(product, dtype), np.float32))
+        np.testing.assert_array_equal(np.asarray(got[sum(sizes):], np.float32), 0.0)
+
+
 def test_kernel_refuses_groups_past_x_rows_and_layers():
     rng = np.random.default_rng(0)
     w = kernel_cpu.pack(_weights(rng, (2, 3, 8, 16), "float32"))

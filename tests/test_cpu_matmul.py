@@ -74,6 +74,29 @@ def test_bf16_result_is_the_f32_result_rounded(m, k, n, dtype, x_dtype):
 
 
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("m,k,f", [(1, 768, 1024), (3, 37, 40), (13, 64, 96), (70, 600, 48),
+                                   (33, 96, 1536)])
+@pytest.mark.parametrize("dtype", ["float32", "bits"])
+def test_gated_is_silu_and_mul_of_the_product(m, k, f, dtype, x_dtype):
+    """gated=True gives the bits of silu_and_mul on the float32 product of the 2 f columns, f32
+    and bf16 (f a multiple of 16: each gate strip beside its up strip in the tile loop; 40: the
+    plain product first)."""
+    from pallas_kernels.activation import kernel_cpu as act
+    rng = np.random.default_rng(m + k + f)
+    w = jnp.asarray(rng.standard_normal((2, k, 2 * f), np.float32) * 0.2)
+    if dtype == "bits":
+        w = jax.lax.bitcast_convert_type(w.astype(jnp.bfloat16), jnp.uint16)
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32), x_dtype)
+    packed = kernel_cpu.pack(w)
+    product = kernel_cpu.matmul(x, packed, 1, n=2 * f).reshape(m, 2, f)
+    for out in (jnp.float32, jnp.bfloat16):
+        got = kernel_cpu.matmul(x, packed, 1, n=f, out_dtype=out, gated=True)
+        assert got.dtype == out and got.shape == (m, f)
+        np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                      np.asarray(act.silu_and_mul(product, out), np.float32))
+
+
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("m,k,n", [(1, 64, 1000), (3, 37, 1030), (13, 64, 130), (70, 96, 2311),
                                    (64, 96, 200)])
 @pytest.mark.parametrize("dtype", ["float32", "bits"])

@@ -26,6 +26,7 @@ from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.pipeline import is_local, stage_meshes
 from jaxllm.parallel.step_channel import StepFollower, StepLeader
 from jaxllm.tokenizer import get_tokenizer, load_generation_config
+from jaxllm.worker.host_memory import keep_freed_memory
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.pooler import PoolerConfig, read_pooler_config
 
@@ -168,6 +169,8 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
         make_mesh(args.tensor_parallel_size, devices=devices)
     model, mc = load_model(args, mesh)
     times["load"] = time.perf_counter() - t
+    if jax.default_backend() == "cpu":  # after loading: its staging buffers are unmapped
+        keep_freed_memory()
     t = time.perf_counter()
     tokenizer = None if args.skip_tokenizer_init else get_tokenizer(args)
     gen = load_generation_config(path, args.generation_config, revision=args.revision,

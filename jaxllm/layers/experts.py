@@ -69,27 +69,25 @@ def experts_ragged(x, ids, weights, w_gate_up, w_down, act: Callable,
     """grouped_matmul(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> float32 [M, N]: rows of
     group g times rhs[g]; rows past the groups may hold anything (they are zeroed here)."""
     X, E, _, F = w_gate_up.shape
+    w_gu = w_gate_up.reshape(X, E, 2 * F)
     return experts_sorted(x, ids, weights, X,
-                          lambda xs, sizes: grouped_matmul(xs, w_gate_up.reshape(X, E, 2 * F),
-                                                           sizes),
-                          lambda h, sizes: grouped_matmul(h, w_down, sizes), act)
+                          lambda xs, sizes: act(grouped_matmul(xs, w_gu, sizes).reshape(-1, 2, F)),
+                          lambda h, sizes: grouped_matmul(h, w_down, sizes))
 
 
-def experts_sorted(x, ids, weights, experts: int, gate_up: Callable, down: Callable,
-                   act: Callable) -> jax.Array:
-    """The routed sum with the token-expert rows sorted by expert: gate_up(xs [M, E], sizes
-    [X]) -> float32 [M, 2F] and down(h [M, F], sizes) -> float32 [M, E] run each expert's rows
+def experts_sorted(x, ids, weights, experts: int, up: Callable, down: Callable) -> jax.Array:
+    """The routed sum with the token-expert rows sorted by expert: up(xs [M, E], sizes [X]) ->
+    the activated gate/up h [M, F] and down(h, sizes) -> float32 [M, E] run each expert's rows
     (sizes[g] consecutive rows for expert g; rows past the groups may hold anything) against
     its weights, in whatever layout they hold them (`experts_ragged`; the CPU backend's packed
-    experts)."""
+    experts, activated in its grouped matmul)."""
     T, k = ids.shape
     X = experts
     flat = jnp.where((ids >= 0) & (ids < X), ids, X).reshape(-1)  # others sort last, unused
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
     xs = x[order // k]
-    gu = gate_up(xs, sizes)
-    y = down(act(gu.reshape(T * k, 2, -1)), sizes)
+    y = down(up(xs, sizes), sizes)
     y = jnp.where((flat[order] < X)[:, None], y, 0.0)
     y = jnp.zeros_like(y).at[order].set(y).reshape(T, k, -1)  # un-sort
     # Elementwise, in k's order: a row's sum never depends on T (a dot's order might).

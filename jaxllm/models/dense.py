@@ -111,11 +111,9 @@ def gated_mlp_weights(cfg: ModelConfig, seed: int, L: int, prefix: str, F: int) 
 def gated_mlp(backend: Backend, widths: dict, w: dict, x: jax.Array, layer, activation: str
               ) -> jax.Array:
     """down(activation(gate(x)) * up(x)) through the backend's projections."""
-    T = x.shape[0]
-    gate_up = backend.project(x, w["gate_up"], layer, n=widths["gate_up"],
-                              out_dtype=jnp.float32).reshape(T, 2, -1)
-    return backend.project(backend.gated_activation(gate_up, activation, x.dtype), w["down"],
-                           layer, n=widths["down"], out_dtype=x.dtype)
+    h = backend.gated_project(x, w["gate_up"], layer, n=widths["gate_up"] // 2,
+                              activation=activation, dtype=x.dtype)
+    return backend.project(h, w["down"], layer, n=widths["down"], out_dtype=x.dtype)
 
 
 def _layer(group: DenseLayers, backend: Backend, w: dict, h: jax.Array, cache: KVCache, layer,

@@ -6,41 +6,10 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "activation/silu_mul.h"
 #include "cpu_parallel.h"
-#include "cpu_vec.h"
 
 namespace ffi = xla::ffi;
-
-// sigmoid(g) from e = exp(-|g|) <= 1 (no overflow either way).
-static inline v8 Sigmoid8(v8 g) {
-  const v8 e = Exp8(g < 0 ? g : -g), r = 1.f / (1.f + e);
-  return g < 0 ? e * r : r;
-}
-
-// silu(g) * u of 8 values; kRound: g and u rounded to bf16, silu computed in f32 and rounded,
-// the product rounded (as torch's bf16 silu and multiply).
-template <bool kRound>
-static inline v8 SiluMul8(v8 g, v8 u) {
-  if constexpr (kRound) {
-    g = RoundBF16(g);
-    return RoundBF16(RoundBF16(g * Sigmoid8(g)) * RoundBF16(u));
-  }
-  return g * Sigmoid8(g) * u;
-}
-
-template <typename O, bool kRound>
-static void SiluMulRows(const float* x, O* out, int64_t t0, int64_t t1, int64_t F) {
-  for (int64_t t = t0; t < t1; ++t) {
-    const float *g = x + t * 2 * F, *u = g + F;
-    O* o = out + t * F;
-    int64_t f = 0;
-    for (; f + 8 <= F; f += 8) Store8(SiluMul8<kRound>(Load8(g + f), Load8(u + f)), o + f);
-    for (; f < F; ++f) {  // the tail through the same vector code, one lane used
-      const float r = SiluMul8<kRound>(v8{} + g[f], v8{} + u[f])[0];
-      if constexpr (kRound) o[f] = ToBF16(r); else o[f] = r;
-    }
-  }
-}
 
 static ffi::Error SiluMulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                               ffi::Result<ffi::AnyBuffer> out) {
@@ -55,12 +24,13 @@ static ffi::Error SiluMulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t rows = std::max<int64_t>(1, (32768 + F - 1) / F), tasks = (T + rows - 1) / rows;
   ParallelFor(pool, tasks, [&](int64_t i) {
     const int64_t t0 = i * rows, t1 = std::min(T, t0 + rows);
-    if (dtype == ffi::F32)
-      SiluMulRows<float, false>(x.typed_data(), static_cast<float*>(out->untyped_data()), t0,
-                                t1, F);
-    else
-      SiluMulRows<uint16_t, true>(x.typed_data(), static_cast<uint16_t*>(out->untyped_data()),
-                                  t0, t1, F);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* g = x.typed_data() + t * 2 * F;
+      if (dtype == ffi::F32)
+        SiluMulRow(g, g + F, static_cast<float*>(out->untyped_data()) + t * F, F);
+      else
+        SiluMulRow(g, g + F, static_cast<uint16_t*>(out->untyped_data()) + t * F, F);
+    }
   });
   return ffi::Error::Success();
 }

@@ -11,6 +11,8 @@
 // are split over the threads, as the matmul's are.
 #include "matmul/kernel_cpu_core.h"
 
+// kGated: y [M, N] = silu(x @ W[:, :N]) * (x @ W[:, N:]) of W's 2 N columns (`Out::gated`).
+template <bool kGated>
 static ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                                     ffi::Buffer<ffi::S32> group_sizes,
                                     ffi::Buffer<ffi::S32> layer,
@@ -19,13 +21,15 @@ static ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi:
   if (xd.size() != 2 || wd.size() != 4 || yd.size() != 2 || group_sizes.dimensions().size() != 1)
     return ffi::Error::InvalidArgument("grouped matmul: ranks");
   const int64_t M = xd[0], K = xd[1], N = yd[1], G = group_sizes.dimensions()[0];
+  const int64_t Nw = kGated ? 2 * N : N;  // W's columns
   if (yd[0] != M) return ffi::Error::InvalidArgument("grouped matmul: y rows differ from x rows");
   const bool f32_w = w.element_type() == ffi::F32;
   if (!f32_w && w.element_type() != ffi::BF16 && w.element_type() != ffi::U16)
     return ffi::Error::InvalidArgument("grouped matmul: weights must be f32, bf16 or uint16");
   if (f32_w ? wd[2] != K || wd[3] != kNr : wd[2] != (K + 1) / 2 || wd[3] != 2 * kNr)
     return ffi::Error::InvalidArgument("grouped matmul: K differs");
-  if (wd[1] != (N + kNr - 1) / kNr) return ffi::Error::InvalidArgument("grouped matmul: N differs");
+  if (wd[1] != (Nw + kNr - 1) / kNr)
+    return ffi::Error::InvalidArgument("grouped matmul: N differs");
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || (l + 1) * G > wd[0])
     return ffi::Error::InvalidArgument("grouped matmul: layer out of range");
@@ -42,7 +46,7 @@ static ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi:
   if (bf16_x && f32_w)
     return ffi::Error::InvalidArgument("grouped matmul: bf16 x needs bf16 weights");
   Out out;
-  out.N = N;
+  out.N = N, out.gated = kGated;
   if (y->element_type() == ffi::BF16) {
     out.yb = static_cast<uint16_t*>(y->untyped_data());
     std::memset(out.yb + rows * N, 0, sizeof(uint16_t) * (M - rows) * N);
@@ -66,7 +70,7 @@ static ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi:
   };
   auto run = [&](const float* xf, const auto* w0) {
     each_group([&](int64_t e, int64_t r0, int64_t m) {
-      RowsThrough(pool, xf + r0 * K, m, K, N, w0 + e * expert_len, out_at(r0));
+      RowsThrough(pool, xf + r0 * K, m, K, Nw, w0 + e * expert_len, out_at(r0));
     });
   };
   if (f32_w) {
@@ -84,7 +88,7 @@ static ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi:
   std::vector<uint16_t> even;
   xb = WholePairs(xb, rows, K, even);
   each_group([&](int64_t e, int64_t r0, int64_t m) {
-    BfGemm(pool, xb + r0 * lda, lda, m, K, N, w0 + e * expert_len, out_at(r0));
+    BfGemm(pool, xb + r0 * lda, lda, m, K, Nw, w0 + e * expert_len, out_at(r0));
   });
 #else
   std::vector<float> xf(rows * K);
@@ -94,7 +98,7 @@ static ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi:
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedMatmul, GroupedMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedMatmul, GroupedMatmulImpl<false>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()         // x [M, K], sorted by group
@@ -102,3 +106,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedMatmul, GroupedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group sizes [G]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::AnyBuffer>());       // y [M, N], f32 or bf16
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedMatmulSilu, GroupedMatmulImpl<true>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // x [M, K], sorted by group
+                                  .Arg<ffi::AnyBuffer>()         // w [L * G, S, K', 16 | 32]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group sizes [G]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::AnyBuffer>());       // silu(gate) * up [M, N]

@@ -19,12 +19,14 @@ from pallas_kernels import cpu_ffi
 from pallas_kernels.matmul import kernel_cpu as matmul_cpu
 
 TARGET = "jaxllm_grouped_matmul"
+SILU_TARGET = "jaxllm_grouped_matmul_silu"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_cpu.cc")
 
 
 def available() -> bool:
     """Build (once) and register the kernel; False if this machine cannot build it."""
-    return cpu_ffi.register(_SOURCE, ((TARGET, "JaxllmGroupedMatmul"),))
+    return cpu_ffi.register(_SOURCE, ((TARGET, "JaxllmGroupedMatmul"),
+                                      (SILU_TARGET, "JaxllmGroupedMatmulSilu")))
 
 
 def pack(w: jax.Array) -> jax.Array:
@@ -34,16 +36,18 @@ def pack(w: jax.Array) -> jax.Array:
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer=0, *, n: int,
-                   out_dtype=jnp.float32) -> jax.Array:
+                   out_dtype=jnp.float32, gated: bool = False) -> jax.Array:
     """[M, n]: rows of group g (group_sizes[g] consecutive rows of x [M, K], in order; G =
     len(group_sizes) groups) times expert g of layer `layer` of w (`pack`ed from [L, G, K, n]),
     summed in float32 as `matmul_cpu.matmul` sums (a row's bits do not depend on the other
     rows); rows past the groups zero. x bfloat16 stays so against bfloat16 weights, else is
-    taken as float32; out_dtype float32 or bfloat16."""
+    taken as float32; out_dtype float32 or bfloat16. gated: the experts are gate/up projections
+    of 2 n columns, activated in the kernel (`matmul_cpu.matmul`'s gated)."""
     if not available():
         raise RuntimeError("the CPU grouped matmul kernel could not be built (see the log)")
-    x = matmul_cpu.operand(x, w, n)
+    x = matmul_cpu.operand(x, w, 2 * n if gated else n)
     if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
+    call = jax.ffi.ffi_call(SILU_TARGET if gated else TARGET,
+                            jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
     return call(x, w, group_sizes.astype(jnp.int32), jnp.asarray(layer, jnp.int32))

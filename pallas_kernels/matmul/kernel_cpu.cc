@@ -20,6 +20,7 @@
 #include "matmul/kernel_cpu_core.h"  // the paths: KnStream, Gemm, BfGemm, Out, RowsThrough
 
 // x [M, K] @ W[layer] (N columns) into out, which has out_rows rows; checks the operands first.
+// (Gated, out has N / 2 columns.)
 static ffi::Error Matmul(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                          ffi::Buffer<ffi::S32> layer, int64_t N, int64_t out_rows,
                          const Out& out) {
@@ -66,19 +67,21 @@ static ffi::Error Matmul(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer
 #endif
 }
 
+// kGated: y [M, N] = silu(x @ W[:, :N]) * (x @ W[:, N:]) of W's 2 N columns (`Out::gated`).
+template <bool kGated>
 static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                              ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y) {
   if (y->dimensions().size() != 2) return ffi::Error::InvalidArgument("matmul: ranks");
   const int64_t N = y->dimensions()[1];
   Out out;
-  out.N = N;
+  out.N = N, out.gated = kGated;
   if (y->element_type() == ffi::BF16)
     out.yb = static_cast<uint16_t*>(y->untyped_data());
   else if (y->element_type() == ffi::F32)
     out.y = y->typed_data<float>();
   else
     return ffi::Error::InvalidArgument("matmul: y must be f32 or bf16");
-  return Matmul(pool, x, w, layer, N, y->dimensions()[0], out);
+  return Matmul(pool, x, w, layer, kGated ? 2 * N : N, y->dimensions()[0], out);
 }
 
 // Greedy LM head: per row and strip of x @ W[layer] (n columns), the maximum and its first
@@ -96,13 +99,21 @@ static ffi::Error MatmulArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::
   return Matmul(pool, x, w, layer, n, best->dimensions()[0], out);
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmul, MatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmul, MatmulImpl<false>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()         // x, f32 or bf16
                                   .Arg<ffi::AnyBuffer>()         // w, packed
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::AnyBuffer>());       // y, f32 or bf16
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulSilu, MatmulImpl<true>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // x, f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()         // w, packed
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::AnyBuffer>());       // silu(gate) * up, f32 or bf16
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulArgmax, MatmulArgmaxImpl,
                               ffi::Ffi::Bind()

@@ -18,6 +18,7 @@ from pallas_kernels import cpu_ffi
 
 TARGET = "jaxllm_matmul"
 ARGMAX_TARGET = "jaxllm_matmul_argmax"
+SILU_TARGET = "jaxllm_matmul_silu"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_cpu.cc")
 STRIP = 16  # columns per packed strip
 
@@ -25,7 +26,8 @@ STRIP = 16  # columns per packed strip
 def available() -> bool:
     """Build (once) and register the kernel; False if this machine cannot build it."""
     return cpu_ffi.register(_SOURCE, ((TARGET, "JaxllmMatmul"),
-                                      (ARGMAX_TARGET, "JaxllmMatmulArgmax")))
+                                      (ARGMAX_TARGET, "JaxllmMatmulArgmax"),
+                                      (SILU_TARGET, "JaxllmMatmulSilu")))
 
 
 def _paired(w: jax.Array) -> bool:
@@ -53,16 +55,22 @@ def unpack(w: jax.Array, k: int, n: int) -> jax.Array:
     return w.transpose(0, 2, 1, 3).reshape(L, -1, S * STRIP)[:, :k, :n]
 
 
-def matmul(x: jax.Array, w: jax.Array, layer=0, *, n: int, out_dtype=jnp.float32) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, layer=0, *, n: int, out_dtype=jnp.float32,
+           gated: bool = False) -> jax.Array:
     """[M, n] = x [M, K] @ w[layer], summed in float32, w `pack`ed from n columns, in float32,
     bfloat16 or uint16 (bfloat16 bits). A bfloat16 x against bfloat16 weights stays bfloat16
     (the products are exact either way; with AMX or AVX512_BF16 the kernel multiplies pairs
     natively), any other x is taken as float32. out_dtype float32, or bfloat16: the sums rounded
-    as `astype(bfloat16)` would, in the kernel."""
-    x = _operand(x, w, n)
+    as `astype(bfloat16)` would, in the kernel.
+
+    gated: w is a gate/up projection of 2 n columns (gate, then up) and the result is
+    `activation.reference.silu_and_mul` of its float32 product in out_dtype, computed while the
+    product is in cache (it is never written)."""
+    x = _operand(x, w, 2 * n if gated else n)
     if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
+    call = jax.ffi.ffi_call(SILU_TARGET if gated else TARGET,
+                            jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
     return call(x, w, jnp.asarray(layer, jnp.int32))
 
 

@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "activation/silu_mul.h"
 #include "cpu_parallel.h"
 #include "cpu_vec.h"
 
@@ -288,14 +289,14 @@ static void Unpack(const uint16_t* src, int64_t K, int64_t n, float* dst) {
   }
 }
 
-// Tasks: tiles of 2-4 strips, each against all rows, kMc at a time: their K-chunk (48 KB) and
-// their y (added to once per chunk) stay in L2 (at 2048 rows, running all rows per chunk was 14%
-// slower than XLA's dot). tile(c0, cols) readies a task's weights and returns rows(m0, m, pf),
+// Tasks: tiles of 2-4 strips, each against all rows, `chunk` (kMc) at a time: their K-chunk
+// (48 KB) and their y (added to once per chunk) stay in L2 (at 2048 rows, running all rows per
+// chunk was 14% slower than XLA's dot). tile(c0, cols) readies a task's weights and returns rows(m0, m, pf),
 // which runs rows [m0, m0 + m) against them, prefetching pf (the first rows only: the thread's
 // next tile; w holds col_bytes per column).
 template <typename Tile>
 static void ForTiles(ffi::ThreadPool& pool, int64_t M, int64_t N, const void* w,
-                     int64_t col_bytes, const Tile& tile) {
+                     int64_t col_bytes, const Tile& tile, int64_t chunk = kMc) {
   // Tiles half as wide when few 64-column ones would not share evenly between the threads
   // (9 tiles on 2 threads: one does 5; 10-15% at N = 576 and 960, 64 rows).
   const int64_t tiles = (N + kTile - 1) / kTile, threads = pool.num_threads();
@@ -309,7 +310,8 @@ static void ForTiles(ffi::ThreadPool& pool, int64_t M, int64_t N, const void* w,
       pf.lines = std::min(tw, padded - next * tw) * col_bytes / 64;
     }
     const auto rows = tile(c0, std::min(tw, N - c0));
-    for (int64_t m0 = 0; m0 < M; m0 += kMc) rows(m0, std::min(kMc, M - m0), m0 ? Prefetch{} : pf);
+    for (int64_t m0 = 0; m0 < M; m0 += chunk)
+      rows(m0, std::min(chunk, M - m0), m0 ? Prefetch{} : pf);
   });
 }
 
@@ -347,25 +349,37 @@ static void StripMax(const float* src, int64_t ld, int64_t rows, int64_t c0, int
 }
 
 // The result of x @ W: y [M, N] f32, written in place; or bf16, or, for a greedy LM head, each
-// row's maximum and its column per strip (best / col [M, S]). Those a tile's rows reach through
-// a thread's f32 scratch, read back while it is in cache (a 64-row qkv projection's f32 result
-// took XLA 70 us to convert; 64 rows of 32000 logits took 0.9 ms to slice and reduce).
+// row's maximum and its column per strip (best / col [M, S]); or, gated, silu(gate) * up of a
+// gate/up projection (W's columns [0, N) the gate, [N, 2 N) the up), f32 or bf16 [M, N]. Those
+// a tile's rows reach through a thread's f32 scratch, read back while it is in cache (a 64-row
+// qkv projection's f32 result took XLA 70 us to convert; 64 rows of 32000 logits took 0.9 ms to
+// slice and reduce; a 2048-token MoE layer's [4096, 2048] f32 gate/up was 32 MB written to
+// fresh memory and read again by the activation).
 struct Out {
   float* y = nullptr;
   uint16_t* yb = nullptr;  // the bf16 result
   float* best = nullptr;   // the per-strip maxima
   int32_t* col = nullptr;
   int64_t N = 0, S = 0;
+  bool gated = false;  // the scratch holds a tile's gate columns, then (kTile on) its up columns
 
   // Where to write f32 rows [m0, m0 + kMc) of the tile at column c0: (pointer, row stride).
   std::pair<float*, int64_t> Rows(int64_t m0, int64_t c0) const {
-    if (y != nullptr) return {y + m0 * N + c0, N};
-    thread_local std::vector<float> scratch(kMc * kTile);
-    return {scratch.data(), kTile};
+    if (y != nullptr && !gated) return {y + m0 * N + c0, N};
+    thread_local std::vector<float> scratch(kMc * 2 * kTile);
+    return {scratch.data(), gated ? 2 * kTile : kTile};
   }
   // After the tile's rows [m0, m0 + m) are complete in `rows`.
   void Finish(std::pair<float*, int64_t> rows, int64_t m0, int64_t m, int64_t c0,
               int64_t cols) const {
+    if (gated) {
+      for (int64_t r = 0; r < m; ++r) {
+        const float* g = rows.first + r * rows.second;
+        if (yb != nullptr) SiluMulRow(g, g + kTile, yb + (m0 + r) * N + c0, cols);
+        else SiluMulRow(g, g + kTile, y + (m0 + r) * N + c0, cols);
+      }
+      return;
+    }
     if (yb != nullptr) RoundRows(rows.first, rows.second, m, cols, yb + m0 * N + c0, N);
     if (best != nullptr)
       StripMax(rows.first, rows.second, m, c0, cols, best + m0 * S, col + m0 * S, S);
@@ -394,6 +408,22 @@ static void Gemm(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, in
   });
 }
 
+// A gated out (W's N columns: gate, then up) from a path without the gated form: run(plain)
+// writes the f32 [M, N] product into a temporary, activated into out after.
+template <typename Run>
+static void Ungated(ffi::ThreadPool& pool, int64_t M, int64_t N, const Out& out, const Run& run) {
+  std::vector<float> gu(M * N);
+  Out plain;
+  plain.y = gu.data(), plain.N = N;
+  run(plain);
+  const int64_t F = N / 2;
+  ParallelFor(pool, M, [&](int64_t r) {
+    const float* g = gu.data() + r * N;
+    if (out.yb != nullptr) SiluMulRow(g, g + F, out.yb + r * F, F);
+    else SiluMulRow(g, g + F, out.y + r * F, F);
+  });
+}
+
 #include "matmul/kernel_cpu_dpbf16.h"  // DpGemm, with AVX512_BF16
 #include "matmul/kernel_cpu_amx.h"     // AmxGemm with AMX-BF16; BfGemm picks
 
@@ -409,6 +439,8 @@ constexpr int64_t FewRows() { return std::is_same_v<T, float> ? 2 : 4; }
 template <typename T>
 static void RowsThrough(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
                         const T* w, const Out& out) {
+  if (out.gated)
+    return Ungated(pool, M, N, out, [&](const Out& o) { RowsThrough(pool, x, M, K, N, w, o); });
   if (M > FewRows<T>()) return Gemm(pool, x, M, K, N, w, out);
   if (out.y != nullptr) return KnStream(pool, x, M, K, N, w, out.y);
   std::vector<float> yf(M * N);

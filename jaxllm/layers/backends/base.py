@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable, ClassVar, Optional
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.layers.attention import AttentionMetadata, KVCache
@@ -48,6 +49,13 @@ class Backend:
     def gated_activation(self, gate_up: jax.Array, activation: str, dtype) -> jax.Array:
         """float32 gate/up [T, 2, F] -> activation(gate) * up [T, F] in dtype."""
         raise NotImplementedError
+
+    def gated_project(self, x: jax.Array, w: jax.Array, layer, *, n: int, activation: str,
+                      dtype) -> jax.Array:
+        """A gated MLP's first half: x [T, K] @ w, a fused gate/up projection of 2 n outputs
+        (gate, then up), then `gated_activation` -> [T, n] in dtype."""
+        gate_up = self.project(x, w, layer, n=2 * n, out_dtype=jnp.float32)
+        return self.gated_activation(gate_up.reshape(x.shape[0], 2, n), activation, dtype)
 
     def moe(self, x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate_up: jax.Array,
             w_down: jax.Array, layer, *, experts: int, ffn: int, activation: str, dtype,

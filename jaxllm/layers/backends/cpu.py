@@ -75,6 +75,11 @@ class CpuBackend(ReferenceBackend):
                               out_dtype=jnp.float32 if bias is not None else out_dtype)
         return (y if bias is None else y + bias.reshape(n)).astype(out_dtype)
 
+    def gated_project(self, x, w, layer, *, n, activation, dtype):
+        if self.native_matmul and activation == "silu":  # activated in the kernel, in cache
+            return matmul_cpu.matmul(x, w, layer, n=n, out_dtype=dtype, gated=True)
+        return super().gated_project(x, w, layer, n=n, activation=activation, dtype=dtype)
+
     def gated_activation(self, gate_up, activation, dtype):
         if self.native_matmul and activation == "silu":
             return activation_cpu.silu_and_mul(gate_up, dtype)
@@ -97,10 +102,15 @@ class CpuBackend(ReferenceBackend):
                                expert_parallel=expert_parallel)
         # One device (`resolve_backend`): every expert is here, whatever expert_parallel says.
         run = partial(grouped_cpu.grouped_matmul, layer=layer)
-        return experts_sorted(
-            x, ids, weights, experts, lambda xs, sizes: run(xs, w_gate_up, sizes, n=2 * ffn),
-            lambda h, sizes: run(h, w_down, sizes, n=x.shape[1]),
-            lambda gu: self.gated_activation(gu, activation, dtype))
+
+        def up(xs, sizes):  # SiLU in the kernel, on the gate/up sums while they are in cache
+            if activation == "silu":
+                return run(xs, w_gate_up, sizes, n=ffn, out_dtype=dtype, gated=True)
+            gate_up = run(xs, w_gate_up, sizes, n=2 * ffn).reshape(-1, 2, ffn)
+            return self.gated_activation(gate_up, activation, dtype)
+
+        return experts_sorted(x, ids, weights, experts, up,
+                              lambda h, sizes: run(h, w_down, sizes, n=x.shape[1]))
 
     def attention(self, q, k, v, cache, layer, md, *, sm_scale, sliding_window=None,
                   soft_cap=None):
