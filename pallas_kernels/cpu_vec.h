@@ -47,16 +47,6 @@ static inline uint16_t ToBF16(float x) {
   std::memcpy(&u, &x, sizeof u);
   return (u & 0x7FFFFFFF) > 0x7F800000 ? (u >> 16) | 0x40 : (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
 }
-// f32 -> bf16 of 8 values, as ToBF16 (subnormals kept): signed compares, native in AVX2.
-static inline void Store8(v8 x, uint16_t* p) {
-  v8i u;
-  std::memcpy(&u, &x, sizeof u);
-  const v8i r = (u & 0x7FFFFFFF) > 0x7F800000 ? u | 0x400000 : u + 0x7FFF + ((u >> 16) & 1);
-  const v8u16 h = __builtin_convertvector((v8u)r >> 16, v8u16);
-  std::memcpy(p, &h, sizeof h);
-}
-static inline void Store8(v8 x, float* p) { std::memcpy(p, &x, sizeof x); }
-
 #ifdef __AVX512F__
 // 16-float vectors: the same lane-wise operations as v8's in half the instructions (an
 // operation's bits per lane do not depend on the vector's width).
@@ -70,25 +60,35 @@ static inline v16 Load16(const float* p) {
   std::memcpy(&x, p, sizeof x);
   return x;
 }
-static inline void Store16(v16 x, float* p) { std::memcpy(p, &x, sizeof x); }
-// As Store8's bf16.
-static inline void Store16(v16 x, uint16_t* p) {
-  v16i u;
-  std::memcpy(&u, &x, sizeof u);
-  const v16i r = (u & 0x7FFFFFFF) > 0x7F800000 ? u | 0x400000 : u + 0x7FFF + ((u >> 16) & 1);
-  const v16u16 h = __builtin_convertvector((v16u)r >> 16, v16u16);
-  std::memcpy(p, &h, sizeof h);
-}
 #endif
 
-// The int32 vector with V's lanes.
+// The int32, uint32 and uint16 vectors with V's lanes.
 template <typename V>
-struct IntOf;
+struct Lanes;
 template <>
-struct IntOf<v8> { using type = v8i; };
+struct Lanes<v8> { using I = v8i; using U = v8u; using H = v8u16; };
 #ifdef __AVX512F__
 template <>
-struct IntOf<v16> { using type = v16i; };
+struct Lanes<v16> { using I = v16i; using U = v16u; using H = v16u16; };
+#endif
+
+// f32 -> bf16 of a vector's values, as ToBF16 (subnormals kept): signed compares, native in
+// AVX2.
+template <typename V>
+static inline void StoreBF16(V x, uint16_t* p) {
+  using I = typename Lanes<V>::I;
+  using H = typename Lanes<V>::H;
+  I u;
+  std::memcpy(&u, &x, sizeof u);
+  const I r = (u & 0x7FFFFFFF) > 0x7F800000 ? u | 0x400000 : u + 0x7FFF + ((u >> 16) & 1);
+  const H h = __builtin_convertvector((typename Lanes<V>::U)r >> 16, H);
+  std::memcpy(p, &h, sizeof h);
+}
+static inline void Store8(v8 x, uint16_t* p) { StoreBF16(x, p); }
+static inline void Store8(v8 x, float* p) { std::memcpy(p, &x, sizeof x); }
+#ifdef __AVX512F__
+static inline void Store16(v16 x, uint16_t* p) { StoreBF16(x, p); }
+static inline void Store16(v16 x, float* p) { std::memcpy(p, &x, sizeof x); }
 #endif
 
 // x rounded to bf16 (nearest even), kept as f32; the AVX512_BF16 instruction also flushes
@@ -117,7 +117,7 @@ static inline v16 RoundBF16(v16 x) {  // as v8's: the same instruction
 // exp(x) of floats x <= 0 (Cephes' expf polynomial, ~1e-7 relative): libm's expf is scalar.
 template <typename V>
 static inline V ExpV(V x) {
-  using I = typename IntOf<V>::type;
+  using I = typename Lanes<V>::I;
   x = x < -87.f ? V{} - 87.f : x;
   // n = round(x / ln 2) (x <= 0: truncating x / ln 2 - 0.5 rounds; -ffast-math would fold the
   // usual add-and-subtract-2^23 trick away), r = x - n ln 2 in two parts, exp(x) = 2^n exp(r).

@@ -98,20 +98,18 @@ static ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi:
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedMatmul, GroupedMatmulImpl<false>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()         // x [M, K], sorted by group
-                                  .Arg<ffi::AnyBuffer>()         // w [L * G, S, K', 16 | 32]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // group sizes [G]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Ret<ffi::AnyBuffer>());       // y [M, N], f32 or bf16
+// The operands of both handlers (the gated one writes half as many columns).
+static auto GroupedMatmulBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()         // x [M, K], sorted by group
+      .Arg<ffi::AnyBuffer>()         // w [L * G, S, K', 16 | 32]
+      .Arg<ffi::Buffer<ffi::S32>>()  // group sizes [G]
+      .Arg<ffi::Buffer<ffi::S32>>()  // layer
+      .Ret<ffi::AnyBuffer>();  // y [M, N] (gated: silu(gate) * up), f32 or bf16
+}
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedMatmul, GroupedMatmulImpl<false>,
+                              GroupedMatmulBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedMatmulSilu, GroupedMatmulImpl<true>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()         // x [M, K], sorted by group
-                                  .Arg<ffi::AnyBuffer>()         // w [L * G, S, K', 16 | 32]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // group sizes [G]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Ret<ffi::AnyBuffer>());       // silu(gate) * up [M, N]
+                              GroupedMatmulBinding());

@@ -99,21 +99,20 @@ static ffi::Error MatmulArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::
   return Matmul(pool, x, w, layer, n, best->dimensions()[0], out);
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmul, MatmulImpl<false>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()         // x, f32 or bf16
-                                  .Arg<ffi::AnyBuffer>()         // w, packed
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Ret<ffi::AnyBuffer>());       // y, f32 or bf16
+// The operands of both handlers (the gated one writes half as many columns).
+static auto MatmulBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()         // x, f32 or bf16
+      .Arg<ffi::AnyBuffer>()         // w, packed
+      .Arg<ffi::Buffer<ffi::S32>>()  // layer
+      .Ret<ffi::AnyBuffer>();  // y [M, N] (gated: silu(gate) * up), f32 or bf16
+}
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmul, MatmulImpl<false>,
+                              MatmulBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulSilu, MatmulImpl<true>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()         // x, f32 or bf16
-                                  .Arg<ffi::AnyBuffer>()         // w, packed
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Ret<ffi::AnyBuffer>());       // silu(gate) * up, f32 or bf16
+                              MatmulBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulArgmax, MatmulArgmaxImpl,
                               ffi::Ffi::Bind()
