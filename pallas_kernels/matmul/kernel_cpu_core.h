@@ -369,14 +369,18 @@ struct Out {
     thread_local std::vector<float> scratch(kMc * 2 * kTile);
     return {scratch.data(), gated ? 2 * kTile : kTile};
   }
+  // Gated: row r's columns [c0, c0 + cols) = silu(gate) * up of the f32 sums g and u.
+  void Activate(const float* g, const float* u, int64_t r, int64_t c0, int64_t cols) const {
+    if (yb != nullptr) SiluMulRow(g, u, yb + r * N + c0, cols);
+    else SiluMulRow(g, u, y + r * N + c0, cols);
+  }
   // After the tile's rows [m0, m0 + m) are complete in `rows`.
   void Finish(std::pair<float*, int64_t> rows, int64_t m0, int64_t m, int64_t c0,
               int64_t cols) const {
     if (gated) {
       for (int64_t r = 0; r < m; ++r) {
         const float* g = rows.first + r * rows.second;
-        if (yb != nullptr) SiluMulRow(g, g + kTile, yb + (m0 + r) * N + c0, cols);
-        else SiluMulRow(g, g + kTile, y + (m0 + r) * N + c0, cols);
+        Activate(g, g + kTile, m0 + r, c0, cols);
       }
       return;
     }
@@ -419,8 +423,7 @@ static void Ungated(ffi::ThreadPool& pool, int64_t M, int64_t N, const Out& out,
   const int64_t F = N / 2;
   ParallelFor(pool, M, [&](int64_t r) {
     const float* g = gu.data() + r * N;
-    if (out.yb != nullptr) SiluMulRow(g, g + F, out.yb + r * F, F);
-    else SiluMulRow(g, g + F, out.y + r * F, F);
+    out.Activate(g, g + F, r, 0, F);
   });
 }
 
