@@ -32,6 +32,8 @@ over block masses driven by one uniform per row, hashed on the host from (seed, 
 draw whatever else is in the batch, and no device RNG (threefry over [S, V] cost ~270 ms, and
 ~1 s of compile per variant even for one number per row). top_k (k <= _CAND) and most top_p
 cuts are decided exactly on the top _CAND candidates; the rest by an exact per-row bisection.
+A backend may run the plain draw (temperature and min_p) natively (`Backend.draw`): the CPU
+backend's kernel does it in two passes over each row in cache.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
 
 def sample_rows(rows: jax.Array, num_rows: jax.Array, compute_logits,
                 t: SamplingTensors, logit_rows: tuple[int, ...] = LOGIT_ROWS,
-                greedy_head=None) -> SamplerOutput:
+                greedy_head=None, draw=None) -> SamplerOutput:
     """Sample the first num_rows (dynamic) of rows [S, E], t built with pad_to=S: one program
     for every batch size, and work that scales with num_rows, not S. Each loop step runs
     compute_logits ([c, E] -> f32 [c, V]) on the next c rows, c the smallest of logit_rows
@@ -88,7 +90,9 @@ def sample_rows(rows: jax.Array, num_rows: jax.Array, compute_logits,
     logits never exist. Rows >= num_rows come out as don't-care values. The runner drops
     chunk sizes that run slowly (see ModelRunner.logit_rows). greedy_head ([c, E] -> int32
     [c], the first maximum of compute_logits), if given, replaces logits and sampling when
-    every row is plainly greedy."""
+    every row is plainly greedy. draw (`Backend.draw`: logits [c, V], temperature, min_p,
+    uniforms, greedy, live -> int32 [c]), if given, samples the logits of plain random steps
+    (temperature and min_p only, no logprobs) in place of `_sample_rows`."""
     S, num_rows = rows.shape[0], jnp.asarray(num_rows, jnp.int32)
     sizes = sorted({min(c, S) for c in logit_rows})
     # Each chunk size samples its own logits: a [max c, V] buffer carried through the loop
@@ -98,6 +102,8 @@ def sample_rows(rows: jax.Array, num_rows: jax.Array, compute_logits,
 
     plain_greedy = (greedy_head is not None and t.all_greedy and not t.needs_processing
                     and t.num_logprobs is None)
+    plain_random = (draw is not None and not t.all_greedy and not t.needs_processing
+                    and not t.needs_filters and t.num_logprobs is None)
 
     def chunk(c, done, out):
         first = jnp.minimum(done, S - c)  # logits [c, V] of the batch rows [first, first + c)
@@ -109,6 +115,14 @@ def sample_rows(rows: jax.Array, num_rows: jax.Array, compute_logits,
             new = jnp.where((batch_rows >= done) & (batch_rows < end), greedy_head(x), old)
             return end, SamplerOutput(lax.dynamic_update_slice_in_dim(out.token_ids, new, first, 0))
         logits = compute_logits(x).astype(jnp.float32)
+        if plain_random:
+            batch_rows = first + jnp.arange(c)
+            live = (batch_rows >= done) & (batch_rows < end)
+            tc = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, first, c), t)
+            new = draw(logits, tc.temperature, tc.min_p, tc.uniforms, tc.greedy, live)
+            old = lax.dynamic_slice_in_dim(out.token_ids, first, c)
+            return end, SamplerOutput(lax.dynamic_update_slice_in_dim(
+                out.token_ids, jnp.where(live, new, old), first, 0))
         R = min(_ROWS, c)
 
         def group(j, out):

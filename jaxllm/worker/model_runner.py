@@ -211,7 +211,8 @@ class ModelRunner:
     def _sample_fn(self, state, rows, num_rows, tensors):
         model = nnx.merge(self.graphdef, state)
         return sample_rows(rows, num_rows, model.compute_logits, tensors,
-                           logit_rows=self.logit_rows, greedy_head=model.greedy_head)
+                           logit_rows=self.logit_rows, greedy_head=model.greedy_head,
+                           draw=model.backend.draw())
 
     def _prompt_logprobs_fn(self, state, hidden, row_idx, target_ids, num_rows):
         model = nnx.merge(self.graphdef, state)

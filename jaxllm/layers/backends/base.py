@@ -87,6 +87,12 @@ class Backend:
         where the backend has no faster way than sampling the logits."""
         raise NotImplementedError
 
+    def draw(self) -> Optional[Callable]:
+        """(float32 logits [N, V], temperature, min_p, uniforms, greedy, live [N]) -> int32
+        [N]: the sampler's plain draw (pallas_kernels/sampling/reference.py; rows not live
+        unread); None where the backend has no faster way than the sampler's XLA path."""
+        raise NotImplementedError
+
     def decode_programs(self, cache_dtype) -> bool:
         """Whether pure-decode steps need programs of their own (`decode_only` metadata)."""
         raise NotImplementedError

@@ -155,6 +155,9 @@ class ReferenceBackend(Backend):
     def greedy_head(self, w, vocab):
         return None
 
+    def draw(self):
+        return None
+
     def decode_programs(self, cache_dtype):
         return True
 
