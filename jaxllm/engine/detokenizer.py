@@ -6,12 +6,22 @@ out as in a full decode, and a window whose text ends in U+FFFD (a UTF-8 charact
 tokens) is held until the character completes. Stop strings are searched in the text, across
 token boundaries; text that could still become a stop string is held back from the delta until
 it either completes (the output ends before it) or stops matching (the text is released).
+
+With a fast (Rust-backed) tokenizer, as vLLM's FastIncrementalDetokenizer, a token is one step of
+tokenizers' DecodeStream, primed with the same prompt ids: one native call, where the window
+takes two decodes through transformers (~3 ms of host time per 64-token decode step, profiled).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Optional
+
+import tokenizers
+from tokenizers.decoders import DecodeStream
+
+logger = logging.getLogger("jaxllm")
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded before the first output token (vLLM uses 5)
 
@@ -36,6 +46,8 @@ class IncrementalDetokenizer:
         self._num_output = 0
         self._emitted = 0
         self.text = ""
+        self._stream = _decode_stream(tokenizer, self._ids, skip_special_tokens,
+                                      spaces_between_special_tokens)
 
     def add_tokens(self, new_ids: list[int], *, stop_terminated: bool = False
                    ) -> tuple[str, Optional[str]]:
@@ -76,6 +88,8 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode_next(self, token_id: int) -> str:
+        if self._stream is not None:
+            return self._step(token_id) or ""
         self._ids.append(token_id)
         decode = functools.partial(self._tokenizer.decode, **self._decode_kwargs)
         prefix_text = decode(self._ids[self._prefix:self._read])
@@ -85,6 +99,34 @@ class IncrementalDetokenizer:
         del self._ids[:self._read]  # the next window starts at the old read offset
         self._prefix, self._read = 0, len(self._ids)
         return new_text[len(prefix_text):]
+
+    def _step(self, token_id: int) -> Optional[str]:
+        stream, backend = self._stream
+        try:
+            return stream.step(backend, token_id)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
+            if not str(e).startswith("Invalid prefix"):
+                raise
+            # A tokenizer whose text of ids is not a prefix of that of more ids breaks the
+            # stream's state (vLLM issue 17448): start a new one from this token.
+            logger.warning("detokenizer: %s; the decode stream restarts at token %d", e,
+                           token_id)
+            stream = DecodeStream(skip_special_tokens=self._decode_kwargs["skip_special_tokens"])
+            self._stream = (stream, backend)
+            return stream.step(backend, token_id)
+
+
+def _decode_stream(tokenizer, context: list[int], skip_special_tokens: bool,
+                   spaces_between_special_tokens: bool):
+    """(DecodeStream primed with context, the Rust tokenizer), or None where the stream would
+    not give tokenizer.decode's text: a slow tokenizer, decode-time clean-up of spaces, or
+    special tokens kept without spaces between them."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (not isinstance(backend, tokenizers.Tokenizer)
+            or getattr(tokenizer, "clean_up_tokenization_spaces", False)
+            or not (skip_special_tokens or spaces_between_special_tokens)):
+        return None
+    return DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens), backend
 
 
 def _find_stop(text: str, check_from: int, stop: list[str], include: bool):
