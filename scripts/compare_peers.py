@@ -8,7 +8,9 @@ engine works at a time: idle workers are SIGSTOPped, so the OpenMP threads of an
 cannot spin on the two cores of the engine being measured. Every repetition runs each workload
 on each engine once, in an order that rotates, so slow minutes of a noisy machine spread over
 all engines; best-of and median are reported. Prompts are seeded random token ids, identical
-for every engine; decoding is greedy with ignore_eos and a fixed output length.
+for every engine; decoding is greedy with ignore_eos and a fixed output length, or, with
+--temperature T > 0, sampled at T with top_p 1.0 (as `vllm bench throughput` samples: T 1.0;
+jaxllm and vLLM only, and the outputs are then not compared).
 Install the peers first with `bash scripts/install_peers.sh`.
 """
 
@@ -169,7 +171,7 @@ class Worker:
         python = VLLM_PYTHON if kind == "vllm" else sys.executable
         root = args.jaxllm_base if engine == "jaxllm-base" else os.path.dirname(HERE)
         cmd = [python, os.path.join(root, "scripts", "peer_worker.py"), "--engine", kind,
-               "--model", model, "--dtype", dtype]
+               "--model", model, "--dtype", dtype, "--temperature", str(args.temperature)]
         env = dict(os.environ)
         if engine == "jaxllm-base":  # that checkout's jaxllm ahead of the installed one
             env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
@@ -453,6 +455,7 @@ def markdown(machine: dict, args, startups: list, rows: list, agree: list) -> st
              f"{machine['vllm_transformers']}), torch {machine['torch']}, transformers {machine['transformers']}",
              f"Workloads (prompts x input -> output): "
              + ", ".join(f"{w} {n}x{i}->{o}" for w, (n, i, o) in workload_shapes(args).items())
+             + f"; {'greedy' if not args.temperature else f'temperature {args.temperature:g}, top_p 1'}"
              + f"; reps {args.reps}; cells are best (median)", ""]
     ratio_cols = [p for p in PEERS if "jaxllm" in engines and p in engines]
     head = ["model", "dtype", "workload", "metric"] + engines + [f"jaxllm/{p}" for p in ratio_cols]
@@ -508,6 +511,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 128)")
     p.add_argument("--output-len", type=int, default=None, help="output tokens (default 128)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature, top_p 1.0 (default 0: greedy, outputs compared)")
     p.add_argument("--warmup-tokens", type=int, default=8,
                    help="after start-up, run each workload once with this many output tokens "
                         "(untimed; 0 = no warm-up)")
@@ -548,6 +553,8 @@ def compare() -> None:
     args = parse_args()
     if ("jaxllm-base" in args.engines) != bool(args.jaxllm_base):
         sys.exit("engine jaxllm-base and --jaxllm-base DIR go together")
+    if args.temperature and "hf" in args.engines:
+        sys.exit("--temperature > 0: the hf worker decodes greedily only; drop engine hf")
     machine = machine_info()
     log(f"machine: {machine}")
     log(f"worker logs in {args.log_dir}")
@@ -561,7 +568,8 @@ def compare() -> None:
             s, r, tokens = bench_model_dtype(model, paths[model], dtype, args)
             startups += s
             runs += r
-            agree += agreement(tokens, model, dtype)
+            if not args.temperature:  # sampled outputs are not expected to agree
+                agree += agreement(tokens, model, dtype)
     machine["loadavg_end"] = os.getloadavg()
     machine["bandwidth_gbs"] = [round(r["bandwidth_gbs"], 1) for r in runs if "bandwidth_gbs" in r]
     rows = summarize(runs, args.engines)

@@ -101,6 +101,7 @@ class JaxllmEngine:
         from jaxllm import LLM, SamplingParams
         self.import_s = time.perf_counter() - t
         self.SamplingParams = SamplingParams
+        self.temperature = args.temperature
         t = time.perf_counter()
         kw = dict(dtype=args.dtype, max_model_len=args.max_model_len or 1024,
                   max_num_seqs=args.max_num_seqs, disable_log_stats=True, seed=0)
@@ -113,7 +114,8 @@ class JaxllmEngine:
         self.detail["programs_from_cache"] = compiled.programs_from_cache
 
     def generate(self, prompts, max_tokens):
-        p = self.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+        p = self.SamplingParams(temperature=self.temperature, top_p=1.0, ignore_eos=True,
+                                max_tokens=max_tokens)
         outs = self.llm.generate([{"prompt_token_ids": x} for x in prompts], p, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -125,6 +127,7 @@ class VllmEngine:
         from vllm import LLM, SamplingParams
         self.import_s = time.perf_counter() - t
         self.SamplingParams = SamplingParams
+        self.temperature = args.temperature
         t = time.perf_counter()
         kw = dict(dtype=args.dtype, max_model_len=args.max_model_len or 2048, seed=0,
                   enforce_eager=args.enforce_eager, disable_log_stats=True)
@@ -135,7 +138,8 @@ class VllmEngine:
                            "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")}}
 
     def generate(self, prompts, max_tokens):
-        p = self.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+        p = self.SamplingParams(temperature=self.temperature, top_p=1.0, ignore_eos=True,
+                                max_tokens=max_tokens)
         outs = self.llm.generate([{"prompt_token_ids": x} for x in prompts], p, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -153,6 +157,7 @@ class HfEngine:
         self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype),
                                                           **args.engine_args)
         self.model.eval()
+        self.temperature = args.temperature
         gc = self.model.generation_config
         gc.eos_token_id = None  # every row makes exactly max_new_tokens tokens
         gc.pad_token_id = 0
@@ -163,6 +168,8 @@ class HfEngine:
                        "threads": torch.get_num_threads()}
 
     def generate(self, prompts, max_tokens):
+        if self.temperature:
+            raise ValueError("hf worker decodes greedily only (--temperature 0)")
         if len({len(p) for p in prompts}) != 1:
             raise ValueError("hf worker batches prompts of one length only (no padding)")
         ids = self.torch.tensor(prompts, dtype=self.torch.long)
@@ -237,6 +244,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="jaxllm only")
     parser.add_argument("--enforce-eager", action="store_true", help="vllm only")
     parser.add_argument("--threads", type=int, default=2, help="hf only: torch threads")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature (top_p 1.0); 0: greedy (hf: greedy only)")
     parser.add_argument("--engine-args", type=json.loads, default={},
                         help="JSON object of extra keyword arguments for the engine constructor")
     args = parser.parse_args()
