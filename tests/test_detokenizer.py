@@ -179,3 +179,19 @@ def test_decode_logprob_token(fast_tok):
     assert [decode_logprob_token(tok, i) for i in ids] == [tok.decode([i]) for i in ids]
     assert decode_logprob_token(tok, tok.eos_token_id) == "<|im_end|>"
     assert decode_logprob_token(tok, ids[-1]) == "\ufffd"
+
+
+def test_a_decode_stream_that_cannot_be_primed_leaves_the_window(fast_tok, monkeypatch):
+    """An older tokenizers whose DecodeStream takes no ids: the window decodes, as correctly."""
+    import jaxllm.engine.detokenizer as detok
+
+    def unprimed(*, skip_special_tokens=False, **kw):
+        if kw:
+            raise TypeError(f"unexpected keyword argument {next(iter(kw))!r}")
+        return object()
+
+    monkeypatch.setattr(detok, "DecodeStream", unprimed)
+    ids = fast_tok.encode(TEXTS[2])
+    deltas, _, d = stream(fast_tok, ids, fast_tok.encode("prompt"))
+    assert d._stream is None
+    assert "".join(deltas) == fast_tok.decode(ids)

@@ -126,7 +126,10 @@ def _decode_stream(tokenizer, context: list[int], skip_special_tokens: bool,
             or getattr(tokenizer, "clean_up_tokenization_spaces", False)
             or not (skip_special_tokens or spaces_between_special_tokens)):
         return None
-    return DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens), backend
+    try:
+        return DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens), backend
+    except TypeError:  # a tokenizers release whose DecodeStream cannot be primed with ids
+        return None
 
 
 def _find_stop(text: str, check_from: int, stop: list[str], include: bool):
