@@ -109,20 +109,21 @@ def sample_rows(rows: jax.Array, num_rows: jax.Array, compute_logits,
         first = jnp.minimum(done, S - c)  # logits [c, V] of the batch rows [first, first + c)
         x = lax.dynamic_slice_in_dim(rows, first, c)
         end = jnp.minimum(first + c, num_rows)
-        if plain_greedy:
-            batch_rows = first + jnp.arange(c)
-            old = lax.dynamic_slice_in_dim(out.token_ids, first, c)
-            new = jnp.where((batch_rows >= done) & (batch_rows < end), greedy_head(x), old)
-            return end, SamplerOutput(lax.dynamic_update_slice_in_dim(out.token_ids, new, first, 0))
-        logits = compute_logits(x).astype(jnp.float32)
-        if plain_random:
-            batch_rows = first + jnp.arange(c)
-            live = (batch_rows >= done) & (batch_rows < end)
-            tc = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, first, c), t)
-            new = draw(logits, tc.temperature, tc.min_p, tc.uniforms, tc.greedy, live)
+        batch_rows = first + jnp.arange(c)
+        live = (batch_rows >= done) & (batch_rows < end)  # the chunk's rows not sampled yet
+
+        def tokens_only(new):  # the chunk's whole-step tokens, written where live
             old = lax.dynamic_slice_in_dim(out.token_ids, first, c)
             return end, SamplerOutput(lax.dynamic_update_slice_in_dim(
                 out.token_ids, jnp.where(live, new, old), first, 0))
+
+        if plain_greedy:
+            return tokens_only(greedy_head(x))
+        logits = compute_logits(x).astype(jnp.float32)
+        if plain_random:
+            tc = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, first, c), t)
+            return tokens_only(draw(logits, tc.temperature, tc.min_p, tc.uniforms, tc.greedy,
+                                    live))
         R = min(_ROWS, c)
 
         def group(j, out):
