@@ -97,3 +97,31 @@ def _child(path: str) -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(_child(sys.argv[1])))
+
+
+_RECOMPILE = """
+import jax, jax.numpy as jnp
+from jaxllm.worker.executable_cache import compile_lowered
+f = jax.jit(lambda x: jnp.tanh(x) @ x.T)
+x = jnp.ones((8, 8))
+print([compile_lowered(f.lower(x))[1] for _ in range(3)])
+"""
+
+
+def test_a_program_from_jax_cache_is_never_reported_compiled_here(tmp_path):
+    """Lowering the same jitted function again gets JAX's in-memory executable, with no
+    cache-hit event: if JAX's persistent cache supplied it, it is still not "compiled here"
+    (saving it would store an executable without its kernels)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])))
+
+    def run():
+        proc = subprocess.run([sys.executable, "-c", _RECOMPILE], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout.strip().splitlines()[-1]
+
+    assert run() == "[True, True, True]"  # cold: compiled here, then the same executable
+    assert run() == "[False, False, False]"  # every lowering: what JAX's cache loaded

@@ -37,6 +37,12 @@ _compiling = threading.local()
 mlir_lock = threading.Lock()
 
 
+# ids of the runtime executables JAX's persistent cache supplied. Lowering the same jitted
+# function again returns the same one from JAX's in-memory cache, with no cache-hit event; an id
+# reused after such an executable is freed only costs a save.
+_from_jax_cache: set[int] = set()
+
+
 def _on_jax_event(event: str, **_) -> None:
     if event == _JAX_CACHE_HIT:
         _compiling.from_jax_cache = True
@@ -46,10 +52,14 @@ jax.monitoring.register_event_listener(_on_jax_event)
 
 
 def compile_lowered(lowered):
-    """(lowered.compile(), whether XLA compiled it here rather than JAX's cache loading it)."""
+    """(lowered.compile(), whether XLA compiled it in this process rather than JAX's cache
+    loading it, now or for an earlier lowering of the same program)."""
     _compiling.from_jax_cache = False
     exe = lowered.compile()
-    return exe, not _compiling.from_jax_cache
+    runtime = id(exe.runtime_executable())
+    if _compiling.from_jax_cache:
+        _from_jax_cache.add(runtime)
+    return exe, runtime not in _from_jax_cache
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
