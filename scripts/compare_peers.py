@@ -425,9 +425,12 @@ def summarize(runs: list[dict], engines: list[str]) -> list[dict]:
         for key, label, higher in METRICS[wl]:
             row = {"model": model, "dtype": dtype, "workload": wl, "metric": label,
                    "higher_is_better": higher, "engines": {}}
+            by_rep = {}  # engine -> {rep: value}
             for e in engines:
-                vals = [r[key] for r in runs if (r["model"], r["dtype"], r["workload"], r["engine"])
+                mine = [r for r in runs if (r["model"], r["dtype"], r["workload"], r["engine"])
                         == (model, dtype, wl, e) and "error" not in r]
+                vals = [r[key] for r in mine]
+                by_rep[e] = {r["rep"]: r[key] for r in mine}
                 if vals:
                     row["engines"][e] = {"best": max(vals) if higher else min(vals),
                                          "median": statistics.median(vals), "n": len(vals),
@@ -435,8 +438,13 @@ def summarize(runs: list[dict], engines: list[str]) -> list[dict]:
             for peer in PEERS:
                 j, p = row["engines"].get("jaxllm"), row["engines"].get(peer)
                 if j and p and p["best"] and p["median"]:
+                    # paired: the median of each repetition's ratio, the two runs side by side
+                    # in time (the machine's speed drifts more between minutes than within one)
+                    pairs = [by_rep["jaxllm"][i] / by_rep[peer][i] for i in by_rep["jaxllm"]
+                             if by_rep[peer].get(i)]
                     row[f"jaxllm/{peer}"] = {"best": j["best"] / p["best"],
-                                             "median": j["median"] / p["median"]}
+                                             "median": j["median"] / p["median"],
+                                             "paired": statistics.median(pairs) if pairs else None}
             rows.append(row)
     return rows
 
@@ -456,7 +464,8 @@ def markdown(machine: dict, args, startups: list, rows: list, agree: list) -> st
              f"Workloads (prompts x input -> output): "
              + ", ".join(f"{w} {n}x{i}->{o}" for w, (n, i, o) in workload_shapes(args).items())
              + f"; {'greedy' if not args.temperature else f'temperature {args.temperature:g}, top_p 1'}"
-             + f"; reps {args.reps}; cells are best (median)", ""]
+             + f"; reps {args.reps}; cells are best (median), ratios best / best (median / median) "
+             "[median of the repetitions' paired ratios]", ""]
     ratio_cols = [p for p in PEERS if "jaxllm" in engines and p in engines]
     head = ["model", "dtype", "workload", "metric"] + engines + [f"jaxllm/{p}" for p in ratio_cols]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -467,7 +476,8 @@ def markdown(machine: dict, args, startups: list, rows: list, agree: list) -> st
             cells.append(f"{_num(s['best'])} ({_num(s['median'])})" if s else "-")
         for p in ratio_cols:
             q = r.get(f"jaxllm/{p}")
-            cells.append(f"{q['best']:.2f} ({q['median']:.2f})" if q else "-")
+            paired = f" [{q['paired']:.2f}]" if q and q.get("paired") is not None else ""
+            cells.append(f"{q['best']:.2f} ({q['median']:.2f}){paired}" if q else "-")
         lines.append("| " + " | ".join(cells) + " |")
     bw = machine.get("bandwidth_gbs")
     lines += ["", "Ratios are jaxllm's value over the peer's: above 1 is better for ↑ metrics, "
