@@ -125,3 +125,51 @@ def test_a_program_from_jax_cache_is_never_reported_compiled_here(tmp_path):
 
     assert run() == "[True, True, True]"  # cold: compiled here, then the same executable
     assert run() == "[False, False, False]"  # every lowering: what JAX's cache loaded
+
+
+def test_only_the_engines_thread_loads_from_the_cache(tmp_path):
+    """Deferred programs the cache holds are loaded before the background thread starts, and
+    on-demand ones by the caller; the compile threads only compile (and save). Loading in a
+    compile thread while the engine's thread ran steps crashed the process."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxllm.worker.compile_manager import CompileManager, ProgramKey
+    from jaxllm.worker.executable_cache import ExecutableCache
+
+    cache = ExecutableCache(str(tmp_path), jax.devices()[:1], context="test")
+    loads = []
+    get = cache.get
+    cache.get = lambda key: (loads.append(threading.current_thread()), get(key))[1]
+    c = float(np.random.default_rng().random())  # a new program: JAX's own cache cannot
+    f = jax.jit(lambda x: x * 2 + c)              # supply it (it would not be saved then)
+    key = lambda n: ProgramKey("forward", n)  # noqa: E731
+    args = lambda n: (jnp.ones(n),)  # noqa: E731
+
+    cold = CompileManager(executable_cache=cache)
+    for n in (1, 2, 3):
+        cold.defer(key(n), f, args(n))
+    cold.start_background()
+    cold.wait_for_background_compiles()
+    assert len(list(tmp_path.iterdir())) == 3 and cold.programs_from_cache == 0
+
+    loads.clear()
+    warm = CompileManager(executable_cache=cache)
+    for n in (1, 2, 3, 4):
+        warm.defer(key(n), f, args(n))
+    warm.start_background()
+    assert {key(1), key(2), key(3)} <= set(warm.programs())  # before any compile thread ran
+    warm.wait_for_background_compiles()
+    assert warm.programs_from_cache == 3 and key(4) in warm.programs()
+    assert len(list(tmp_path.iterdir())) == 4  # the compiled one saved
+
+    on_demand = CompileManager(executable_cache=cache)
+    assert on_demand.ready(key(4), f, lambda: args(4))  # loaded now, by the caller
+    assert not on_demand.ready(key(5), f, lambda: args(5))  # compiling in the thread
+    on_demand.wait_for_background_compiles()
+    assert on_demand.ready(key(5), f, lambda: args(5))
+    assert loads and all(t is threading.main_thread() for t in loads)
+    assert np.allclose(on_demand.run(key(5), f, *args(5)), 2 + c)

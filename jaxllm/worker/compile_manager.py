@@ -109,7 +109,7 @@ class CompileManager:
             return fn(*args)
         exe = self._executables.get(key)
         if exe is None and key in self._futures:
-            exe = self._claim(key)
+            exe = self._claim(key, load=True)
         if exe is None and first_use:
             logger.info("compiling %s on first use", key)
             exe = self._executables[key] = self.compile(key, fn, args)
@@ -137,8 +137,13 @@ class CompileManager:
             return True
         future = self._futures.get(key)
         if future is None:
-            self._futures[key] = self._on_demand.submit(self._compile_and_keep, key, fn,
-                                                         make_args())
+            args = make_args()
+            exe = self._cached(key, args)[1]  # loaded here: only compiles go to the thread
+            if exe is not None:
+                self._executables[key] = exe
+                return True
+            self._futures[key] = self._on_demand.submit(self._compile_and_keep, key, fn, args,
+                                                         load=False)
             return False
         if not future.done():
             return False
@@ -146,9 +151,10 @@ class CompileManager:
         return True
 
     # --- compiling --------------------------------------------------------------------------
-    def compile(self, key: ProgramKey, fn, args):
-        """The executable of fn(*args): from the executable cache, else compiled (and cached)."""
-        cache_key, exe = self._cached(key, args)
+    def compile(self, key: ProgramKey, fn, args, load: bool = True):
+        """The executable of fn(*args): from the executable cache (unless not `load`), else
+        compiled (and cached)."""
+        cache_key, exe = self._cached(key, args, load)
         if exe is not None:
             return exe
         with mlir_lock:
@@ -194,9 +200,22 @@ class CompileManager:
         self._deferred.append(key)
 
     def start_background(self) -> None:
-        """Compile the deferred programs one by one in a daemon thread, in the order deferred.
-        At interpreter exit it stops after the program in hand (XLA aborts the process if a
-        compile is still running while Python shuts down)."""
+        """Load the deferred programs the executable cache holds, then compile the others one
+        by one in a daemon thread, in the order deferred. At interpreter exit it stops after
+        the program in hand (XLA aborts the process if a compile is still running while Python
+        shuts down).
+
+        Only the engine's thread loads from the cache, never while a compile thread runs one
+        of its loads: loading an XLA:CPU executable in a compile thread while the engine's
+        thread ran steps crashed the process (a segfault in `deserialize_executable`, seen
+        in tests/test_engine.py::test_multi_step_keeps_outputs, not reproduced alone)."""
+        for key in self.deferred():
+            job = self._unclaimed.get(key)
+            exe = None if job is None else self._cached(key, job[1])[1]
+            if exe is not None:
+                del self._unclaimed[key]
+                self._executables[key] = exe
+                self._futures[key].set_result(exe)
         stop = threading.Event()
 
         def run():
@@ -204,7 +223,7 @@ class CompileManager:
                 if stop.is_set():
                     return
                 try:
-                    self._claim(key)
+                    self._claim(key, load=False)
                 except Exception:  # raised again to the step that needs the program
                     logger.exception("compiling %s in the background failed", key.kind)
             logger.info("Compiled the %d deferred programs", len(self._deferred))
@@ -213,29 +232,31 @@ class CompileManager:
         thread.start()
         atexit.register(lambda: (stop.set(), thread.join()))
 
-    def _claim(self, key: ProgramKey):
-        """The executable of a background program: compiled here if nobody has started it (a
-        step needs it now), else the compile under way is waited for."""
+    def _claim(self, key: ProgramKey, load: bool):
+        """The executable of a background program: compiled here (first looked for in the
+        executable cache if `load`) if nobody has started it (a step needs it now), else the
+        compile under way is waited for."""
         with self._lock:
             job = self._unclaimed.pop(key, None)
         future = self._futures[key]
         if job is not None:
             try:
-                future.set_result(self._compile_and_keep(key, *job))
+                future.set_result(self._compile_and_keep(key, *job, load=load))
             except BaseException as e:
                 future.set_exception(e)
         return future.result()
 
-    def _compile_and_keep(self, key: ProgramKey, fn, args):
-        exe = self._executables[key] = self.compile(key, fn, args)
+    def _compile_and_keep(self, key: ProgramKey, fn, args, load: bool):
+        exe = self._executables[key] = self.compile(key, fn, args, load)
         return exe
 
-    def _cached(self, key: ProgramKey, args):
-        """(executable-cache key, its executable or None); (None, None) without the cache."""
+    def _cached(self, key: ProgramKey, args, load: bool = True):
+        """(executable-cache key, its executable or None (always without `load`)); (None,
+        None) without the cache."""
         if self._cache is None:
             return None, None
         cache_key = self._cache.key(key, args)
-        exe = self._cache.get(cache_key)
+        exe = self._cache.get(cache_key) if load else None
         self.programs_from_cache += exe is not None
         return cache_key, exe
 
