@@ -37,12 +37,6 @@ _compiling = threading.local()
 mlir_lock = threading.Lock()
 
 
-# ids of the runtime executables JAX's persistent cache supplied. Lowering the same jitted
-# function again returns the same one from JAX's in-memory cache, with no cache-hit event; an id
-# reused after such an executable is freed only costs a save.
-_from_jax_cache: set[int] = set()
-
-
 def _on_jax_event(event: str, **_) -> None:
     if event == _JAX_CACHE_HIT:
         _compiling.from_jax_cache = True
@@ -56,10 +50,12 @@ def compile_lowered(lowered):
     loading it, now or for an earlier lowering of the same program)."""
     _compiling.from_jax_cache = False
     exe = lowered.compile()
-    runtime = id(exe.runtime_executable())
+    # Lowering the same jitted function again returns the same lowering, which keeps its
+    # executable and hands it back with no cache-hit event: the mark stays on the lowering.
+    lowering = getattr(lowered, "_lowering", lowered)
     if _compiling.from_jax_cache:
-        _from_jax_cache.add(runtime)
-    return exe, runtime not in _from_jax_cache
+        lowering._jaxllm_from_jax_cache = True
+    return exe, not getattr(lowering, "_jaxllm_from_jax_cache", False)
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
