@@ -427,10 +427,10 @@ def summarize(runs: list[dict], engines: list[str]) -> list[dict]:
                    "higher_is_better": higher, "engines": {}}
             by_rep = {}  # engine -> {rep: value}
             for e in engines:
-                mine = [r for r in runs if (r["model"], r["dtype"], r["workload"], r["engine"])
-                        == (model, dtype, wl, e) and "error" not in r]
-                vals = [r[key] for r in mine]
-                by_rep[e] = {r["rep"]: r[key] for r in mine}
+                by_rep[e] = {r["rep"]: r[key] for r in runs if "error" not in r and
+                             (r["model"], r["dtype"], r["workload"], r["engine"])
+                             == (model, dtype, wl, e)}
+                vals = list(by_rep[e].values())
                 if vals:
                     row["engines"][e] = {"best": max(vals) if higher else min(vals),
                                          "median": statistics.median(vals), "n": len(vals),
