@@ -79,6 +79,25 @@ def test_expert_impls_match_numpy(impl, tokens):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("experts", [8, 2 ** 28])  # the second overflows the int32 keys
+def test_expert_order_is_the_stable_argsort(experts):
+    """The routed pairs' order (sorted by expert, ties in pair order: what keeps a row's bits
+    independent of the batch) is argsort(stable=True)'s, with the experts of no device (id
+    `experts`) last, whichever way it is computed."""
+    import jax.numpy as jnp
+
+    from jaxllm.layers.experts import _stable_order
+
+    rng = np.random.default_rng(experts % 97)
+    flat = rng.integers(0, 9, 4096).astype(np.int32)  # few distinct ids: many ties
+    flat[rng.random(4096) < 0.1] = experts  # not on this device
+    flat = np.minimum(flat, experts)
+    want = np.argsort(flat, kind="stable")
+    got = np.asarray(_stable_order(jnp.asarray(flat), experts))
+    assert np.all(np.diff(flat[got]) >= 0)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_megablox_grouped_matmul_matches_ragged_dot():
     """The Pallas backend's TPU grouped matmul (jax's megablox `gmm`, interpreted here) in the
     `ragged` experts gives ragged_dot's sum: rows padded to its tile, non-local rows zeroed."""

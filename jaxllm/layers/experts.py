@@ -84,14 +84,25 @@ def experts_sorted(x, ids, weights, experts: int, up: Callable, down: Callable) 
     T, k = ids.shape
     X = experts
     flat = jnp.where((ids >= 0) & (ids < X), ids, X).reshape(-1)  # others sort last, unused
-    order = jnp.argsort(flat, stable=True)
+    order = _stable_order(flat, X)
     sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
-    xs = x[order // k]
-    y = down(up(xs, sizes), sizes)
-    y = jnp.where((flat[order] < X)[:, None], y, 0.0)
-    y = jnp.zeros_like(y).at[order].set(y).reshape(T, k, -1)  # un-sort
+    y = down(up(x[order // k], sizes), sizes)
+    # Un-sorted by a gather (row i of the routed pairs sits at pos[i]) that XLA fuses with the
+    # mask and the weighting: a scatter into zeros took 1.7 ms a 2048-token layer here.
+    pos = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+    y = jnp.where((flat < X)[:, None], y[pos], 0.0).reshape(T, k, -1)
     # Elementwise, in k's order: a row's sum never depends on T (a dot's order might).
     return sum(y[:, j] * weights[:, j, None] for j in range(k))
+
+
+def _stable_order(flat, experts: int) -> jax.Array:
+    """argsort(flat, stable=True) for ids in [0, experts]: one sort of unique int32 keys
+    (id * n + index), which XLA:CPU runs without the stable sort's index operand and comparator
+    (a 2048-token step's 4096 pairs: 0.5 ms against 3.2 for argsort, with the un-sort)."""
+    n = flat.size
+    if (experts + 1) * n >= 2 ** 31:
+        return jnp.argsort(flat, stable=True).astype(jnp.int32)
+    return jnp.sort(flat * n + jnp.arange(n, dtype=jnp.int32)) % n
 
 
 def experts_dense(x, ids, weights, w_gate_up, w_down, act: Callable) -> jax.Array:
