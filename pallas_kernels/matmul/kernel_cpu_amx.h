@@ -13,31 +13,10 @@
 #ifndef JAXLLM_MATMUL_KERNEL_CPU_AMX_H_
 #define JAXLLM_MATMUL_KERNEL_CPU_AMX_H_
 
-#if defined(JAXLLM_DPBF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define JAXLLM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_amx.h"
 
-#include <cerrno>
-#include <cstdio>
-
+#if defined(JAXLLM_DPBF16) && defined(JAXLLM_AMX)
 constexpr int64_t kAmxPairs = 16;  // k-pairs per tile
-
-// Linux hands a process the AMX tile state only on request (once; then every thread has it).
-static bool AmxAllowed() {
-  static const bool allowed = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM
-    if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0) return true;
-    std::fprintf(stderr, "jaxllm matmul: AMX refused (%s); bf16 x runs vdpbf16ps, whose bits "
-                 "differ from AMX's\n", std::strerror(errno));
-    return false;
-  }();
-  return allowed;
-}
-
-// The tile intrinsics are asm that does not tell the compiler which memory they read (the
-// config past its first 8 bytes, a tile's rows): stores before them must not move past them.
-static inline void CompilerFence() { asm volatile("" ::: "memory"); }
 
 // Tiles: C 0, 1 (rows [0, r0), strips 0, 1) and 2, 3 (rows [16, 16 + r1)); A 4 (r0 rows), 5
 // (r1 rows); B 6, 7 (strips 0, 1). The tile state is per thread and tasks run on any thread of

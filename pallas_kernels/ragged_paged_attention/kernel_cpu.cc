@@ -12,6 +12,8 @@
 //   which alias the cache arguments: k/v are written in place. (As XLA ops, the scatter's index
 //   arithmetic and bounds checks were nine small ops per layer, ~0.5 ms of a 30-layer decode
 //   token.)
+// bf16 pages run on AMX tiles where the CPU has them (kernel_cpu_amx.h: q and the probabilities
+// rounded to bf16 for the products), else, and for f32 pages, on vectors (`Task`).
 // Rows of no sequence come out as zeros. Work is split over (sequence, up to kQueriesPerTask
 // queries, all kv heads or a range of them) tasks run on XLA's own intra-op thread pool (a
 // separate OpenMP pool would spin against XLA's threads).
@@ -19,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -290,6 +293,8 @@ static void Task(const Step<C>& st, int64_t s, int64_t h0, int64_t h1, int64_t i
   }
 }
 
+#include "ragged_paged_attention/kernel_cpu_amx.h"  // TaskAmx: bf16 pages on AMX tiles
+
 // Queries per task: a page read for a task serves this many queries of a prompt from L1.
 constexpr int64_t kQueriesPerTask = 16;
 
@@ -348,15 +353,42 @@ static void Attend(ffi::ThreadPool& pool, const float* q, const float* k_new,
   const int64_t min_tasks = 4 * pool.num_threads();
   const int64_t n_chunks = std::max<int64_t>(static_cast<int64_t>(chunks.size()), 1);
   const int64_t split = std::min(Hkv, (min_tasks + n_chunks - 1) / n_chunks);
-  ParallelFor(pool, static_cast<int64_t>(chunks.size()) * split, [&](int64_t task) {
+#ifdef JAXLLM_AMX
+  const bool amx = std::is_same_v<C, uint16_t> && (D == 64 || D == 128) && AmxAllowed();
+#endif
+  // A task learns the one its thread runs next, whose first pages it fetches (AMX path).
+  ParallelForAhead(pool, static_cast<int64_t>(chunks.size()) * split, [&](int64_t task,
+                                                                         int64_t next) {
     const Chunk& c = chunks[task / split];
     const int64_t part = task % split, h0 = Hkv * part / split, h1 = Hkv * (part + 1) / split;
+#ifdef JAXLLM_AMX
+    if constexpr (std::is_same_v<C, uint16_t>)
+      if (amx) {
+        if (next >= 0) {
+          const Chunk& n = chunks[next / split];
+          const int64_t p = next % split;
+          FetchFirstPages(st, n.s, Hkv * p / split, Hkv * (p + 1) / split, n.i0, n.i1);
+        }
+        return D == 64 ? TaskAmx<64>(st, c.s, h0, h1, c.i0, c.i1)
+                       : TaskAmx<128>(st, c.s, h0, h1, c.i0, c.i1);
+      }
+#endif
     switch (D) {
       case 64: return Task<64>(st, c.s, h0, h1, c.i0, c.i1);
       case 128: return Task<128>(st, c.s, h0, h1, c.i0, c.i1);
       default: return Task<0>(st, c.s, h0, h1, c.i0, c.i1);
     }
   });
+}
+
+// Whether bf16 pages run on AMX tiles here (`TaskAmx`: q and the probabilities rounded to
+// bf16 for the products), for callers that must know which numerics they get.
+extern "C" int JaxllmAttentionTiles() {
+#ifdef JAXLLM_AMX
+  return AmxAllowed();
+#else
+  return 0;
+#endif
 }
 
 static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,

