@@ -45,6 +45,34 @@ struct Step {
   float sm_scale, soft_cap;
 };
 
+// A task's queries i0..i1-1 of sequence s: the row in q of the sequence's first query, and the
+// first and last query positions (the sequence's length, capped by its block table, ends with
+// its q_len new queries).
+struct Span {
+  int64_t first, p0, p1;
+};
+template <typename C>
+static Span SpanOf(const Step<C>& st, int64_t s, int64_t i0, int64_t i1) {
+  const int64_t len = std::min<int64_t>(st.lens[s], st.B * st.BS);
+  const int64_t first = st.cu[s], q_len = st.cu[s + 1] - first;
+  return {first, len - q_len + i0, len - q_len + i1 - 1};
+}
+
+// The first key a query at pos sees: 0, or its sliding window's first.
+template <typename C>
+static inline int64_t FirstKey(const Step<C>& st, int64_t pos) {
+  return st.window > 0 ? std::max<int64_t>(0, pos - st.window + 1) : 0;
+}
+
+// Row o of out (f32, or bf16 rounded to nearest even): a query head's sums acc [D] / sum.
+template <typename C>
+static void StoreOut(const Step<C>& st, int64_t o, const float* acc, float sum, int64_t D) {
+  if (st.out16 != nullptr)
+    for (int64_t d = 0; d < D; ++d) st.out16[o + d] = ToBF16(acc[d] / sum);
+  else
+    for (int64_t d = 0; d < D; ++d) st.out[o + d] = acc[d] / sum;
+}
+
 // q . k over D values (kD: D known at compile time, so the loop unrolls; 0: runtime D).
 template <int64_t kD, typename C>
 static inline float Dot(const float* q, const C* k, int64_t D) {
@@ -200,13 +228,9 @@ template <int64_t kD, typename C>
 static void Task(const Step<C>& st, int64_t s, int64_t h0, int64_t h1, int64_t i0, int64_t i1) {
   const int64_t G = st.G, BS = st.BS, D = kD > 0 ? kD : st.D, nq = i1 - i0;
   const int64_t H = (h1 - h0) * G, ld = kBlockPages * BS;  // query heads of the task
-  const int64_t len = std::min<int64_t>(st.lens[s], st.B * BS);
-  const int64_t first = st.cu[s], q_len = st.cu[s + 1] - first;
-  const int64_t p0 = len - q_len + i0, p1 = len - q_len + i1 - 1;  // first, last query position
+  const Span span = SpanOf(st, s, i0, i1);
+  const int64_t first = span.first, p0 = span.p0, p1 = span.p1;
   if (p1 < 0) return;
-  auto start = [&](int64_t pos) {  // first key a query at pos sees
-    return st.window > 0 ? std::max<int64_t>(0, pos - st.window + 1) : 0;
-  };
   const int64_t groups = (G + 2) / 3;
   thread_local std::vector<float> buf;
   buf.assign(nq * H * (D + 2) + H * ld, 0.f);
@@ -225,7 +249,8 @@ static void Task(const Step<C>& st, int64_t s, int64_t h0, int64_t h1, int64_t i
   // Blocks start at multiples of kBlockPages pages, not at the task's first key: a query's
   // softmax then runs over the same blocks (the same rescalings) whichever queries share its
   // task, so chunked prefill and decode give it the same bits (batch invariance: issue 26).
-  const int64_t first_block = start(std::max<int64_t>(p0, 0)) / BS / kBlockPages * kBlockPages;
+  const int64_t first_block =
+      FirstKey(st, std::max<int64_t>(p0, 0)) / BS / kBlockPages * kBlockPages;
   for (int64_t b0 = first_block, last = p1 / BS; b0 <= last; b0 += kBlockPages) {
     const int64_t nb = std::min(kBlockPages, last + 1 - b0), base = b0 * BS;
     // The block's pages are fetched ahead for its first query; the task's others find them in
@@ -235,7 +260,7 @@ static void Task(const Step<C>& st, int64_t s, int64_t h0, int64_t h1, int64_t i
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t pos = p0 + i;
       if (pos < 0) continue;
-      const int64_t j0 = std::max(start(pos), base) - base;
+      const int64_t j0 = std::max(FirstKey(st, pos), base) - base;
       const int64_t j1 = std::min(pos + 1, base + nb * BS) - base;
       if (j0 >= j1) continue;
       const float* q = st.q + ((first + i0 + i) * st.Hq + h0 * G) * D;
@@ -283,13 +308,8 @@ static void Task(const Step<C>& st, int64_t s, int64_t h0, int64_t h1, int64_t i
   for (int64_t i = 0; i < nq; ++i) {
     if (p0 + i < 0) continue;
     const int64_t o = ((first + i0 + i) * st.Hq + h0 * G) * D;
-    for (int64_t x = 0; x < H; ++x) {
-      const float s = sum[i * H + x], *a = acc + (i * H + x) * D;
-      if (st.out16 != nullptr)
-        for (int64_t d = 0; d < D; ++d) st.out16[o + x * D + d] = ToBF16(a[d] / s);
-      else
-        for (int64_t d = 0; d < D; ++d) st.out[o + x * D + d] = a[d] / s;
-    }
+    for (int64_t x = 0; x < H; ++x)
+      StoreOut(st, o + x * D, acc + (i * H + x) * D, sum[i * H + x], D);
   }
 }
 

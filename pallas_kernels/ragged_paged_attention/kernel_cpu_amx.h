@@ -64,11 +64,10 @@ static inline void Transpose16(__m512i r[16]) {
 // otherwise read cold, and a decode task has only a few tiles.
 static void FetchFirstPages(const Step<uint16_t>& st, int64_t s, int64_t h0, int64_t h1,
                             int64_t i0, int64_t i1) {
-  const int64_t BS = st.BS, len = std::min<int64_t>(st.lens[s], st.B * BS);
-  const int64_t q_len = st.cu[s + 1] - st.cu[s], p0 = len - q_len + i0, p1 = len - q_len + i1 - 1;
+  const int64_t BS = st.BS;
+  const Span span = SpanOf(st, s, i0, i1);
+  const int64_t p1 = span.p1, j0 = FirstKey(st, std::max<int64_t>(span.p0, 0));
   if (p1 < 0) return;
-  const int64_t j0 = st.window > 0 ? std::max<int64_t>(0, std::max<int64_t>(p0, 0) - st.window + 1)
-                                   : 0;
   const int64_t page = st.Hkv * BS * st.D, bytes = (h1 - h0) * BS * st.D * sizeof(uint16_t);
   for (int64_t pg = j0 / BS; pg <= std::min(p1 / BS, j0 / BS + 64 / BS); ++pg) {
     const int64_t off = st.tables[s * st.B + pg] * page + h0 * BS * st.D;
@@ -89,13 +88,9 @@ static void TaskAmx(const Step<uint16_t>& st, int64_t s, int64_t h0, int64_t h1,
   static_assert(kD % 64 == 0, "value tiles are taken 4 at a time");
   constexpr int64_t D = kD, KT = D / 32, DC = D / 16;  // q . k tiles per key, p . v per row
   const int64_t G = st.G, BS = st.BS, H = h1 - h0, nq = i1 - i0;
-  const int64_t len = std::min<int64_t>(st.lens[s], st.B * BS);
-  const int64_t first = st.cu[s], q_len = st.cu[s + 1] - first;
-  const int64_t p0 = len - q_len + i0, p1 = len - q_len + i1 - 1;  // first, last query position
+  const Span span = SpanOf(st, s, i0, i1);
+  const int64_t first = span.first, p0 = span.p0, p1 = span.p1;
   if (p1 < 0) return;
-  auto start = [&](int64_t pos) {
-    return st.window > 0 ? std::max<int64_t>(0, pos - st.window + 1) : 0;
-  };
   const int64_t R = nq * G, rows = (R + 15) / 16 * 16;  // a kv head's rows: query i, head g
   const int64_t ld = (kBlockPages * BS + 31) / 32 * 32;  // a block's keys, whole key tiles
   const int64_t qt_len = rows * KT * 16 * 2, vv_len = ld / 32 * DC * 512;  // a head's tiles
@@ -134,10 +129,11 @@ static void TaskAmx(const Step<uint16_t>& st, int64_t s, int64_t h0, int64_t h1,
       }
   for (int64_t x = 0; x < H; ++x) std::fill_n(state.data() + x * R * (D + 2) + R * D, R, -INFINITY);
   AttentionTiles();
-  const int64_t first_block = start(std::max<int64_t>(p0, 0)) / BS / kBlockPages * kBlockPages;
+  const int64_t first_block =
+      FirstKey(st, std::max<int64_t>(p0, 0)) / BS / kBlockPages * kBlockPages;
   for (int64_t b0 = first_block, last = p1 / BS; b0 <= last; b0 += kBlockPages) {
     const int64_t nb = std::min(kBlockPages, last + 1 - b0), base = b0 * BS;
-    const int64_t jlo = std::max(start(std::max<int64_t>(p0, 0)), base) - base;
+    const int64_t jlo = std::max(FirstKey(st, std::max<int64_t>(p0, 0)), base) - base;
     const int64_t jhi = std::min(p1 + 1, base + nb * BS) - base;  // the task's keys
     if (jlo >= jhi) continue;
     const int64_t t0 = jlo / 32, t1 = (jhi + 31) / 32;  // its key tiles
@@ -252,7 +248,7 @@ static void TaskAmx(const Step<uint16_t>& st, int64_t s, int64_t h0, int64_t h1,
         std::fill(p + 32 * t0, p + 32 * t1, uint16_t{0});  // (rows past R too: no stale NaN)
         const int64_t pos = p0 + r / G;
         if (r >= R || pos < 0) continue;
-        const int64_t j0 = std::max(start(pos), base) - base;
+        const int64_t j0 = std::max(FirstKey(st, pos), base) - base;
         const int64_t j1 = std::min(pos + 1, base + nb * BS) - base;
         if (j0 >= j1) continue;
         for (int64_t j = j0; j < j1; ++j) y[j] *= st.sm_scale;
@@ -303,13 +299,8 @@ static void TaskAmx(const Step<uint16_t>& st, int64_t s, int64_t h0, int64_t h1,
     const int64_t h = h0 + x / R, r = x % R;
     if (p0 + r / G < 0) continue;
     const float* acc = state.data() + (h - h0) * R * (D + 2);
-    const float sum = acc[R * D + R + r];
-    const int64_t o = ((first + i0 + r / G) * st.Hq + h * G + r % G) * D;
-    for (int64_t d = 0; d < D; ++d) {
-      const float y = acc[r * D + d] / sum;
-      if (st.out16 != nullptr) st.out16[o + d] = ToBF16(y);
-      else st.out[o + d] = y;
-    }
+    StoreOut(st, ((first + i0 + r / G) * st.Hq + h * G + r % G) * D, acc + r * D,
+             acc[R * D + R + r], D);
   }
 }
 #endif
