@@ -143,6 +143,14 @@ def test_openapi_says_400_with_openai_errors(monkeypatch):
             "$ref": "#/components/schemas/ErrorResponse"}
     assert "503" in doc["paths"]["/health"]["get"]["responses"]
     assert "HTTPValidationError" not in doc["components"]["schemas"]
+    # "stream": true answers server-sent events; the document says so (schemathesis' content
+    # type check found it undocumented), and keeps JSON for the rest.
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        content = doc["paths"][path]["post"]["responses"]["200"]["content"]
+        assert set(content) == {"application/json", "text/event-stream"}
+        assert content["text/event-stream"]["schema"] == {"type": "object"}  # each event's data
+    assert "text/event-stream" not in doc["paths"]["/v1/embeddings"]["post"]["responses"]["200"][
+        "content"]
 
 
 @pytest.mark.parametrize("argv", [["--max-n-sequences", "0"], ["--chat-template-timeout", "-1"],
