@@ -89,12 +89,17 @@ async def models(request: Request):
                            for name in s.served_model_names]).model_dump()
 
 
-@router.post("/v1/completions")
+# What a route answers with "stream": true, besides its JSON: server-sent events, each event's
+# data a JSON object (a chunk, or an error).
+STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "object"}}}}}
+
+
+@router.post("/v1/completions", responses=STREAMED)
 async def completions(body: CompletionRequest, request: Request):
     return await _respond(request, create_completion(_state(request), body, _base_id(request)))
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=STREAMED)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await _respond(request,
                           create_chat_completion(_state(request), body, _base_id(request)))

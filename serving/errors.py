@@ -109,13 +109,12 @@ _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error"
 _POST_ERRORS = {"404": "The model does not exist", "413": "Request body too large",
                 "503": "Overloaded (Retry-After) or the engine is not running"}
 _OPEN_ROUTES = ("/health", "/ping", "/metrics")  # answered without the API key
-_STREAMING_ROUTES = ("/v1/completions", "/v1/chat/completions")  # "stream": true answers SSE
 
 
 def document_errors(app: FastAPI) -> None:
     """Make /openapi.json say what the server answers: refused bodies are 400 (not FastAPI's
     422) and every error has the OpenAI shape; /health and /ping answer 200 with no body or
-    503; /metrics is Prometheus text; a streamed completion is a text/event-stream."""
+    503; /metrics is Prometheus text."""
     generate = app.openapi
 
     def openapi() -> dict:
@@ -139,9 +138,6 @@ def document_errors(app: FastAPI) -> None:
                     if path in ("/health", "/ping"):
                         responses["200"] = {"description": "Healthy (no body)"}
                         responses["503"] = {"description": "Engine not healthy", **error}
-                    if path in _STREAMING_ROUTES:  # each event's data: a JSON object
-                        responses["200"].setdefault("content", {})["text/event-stream"] = {
-                            "schema": {"type": "object"}}
                     if path == "/metrics":
                         responses["200"] = {"description": "Prometheus metrics", "content": {
                             "text/plain": {"schema": {"type": "string"}}}}

@@ -16,6 +16,8 @@ from tests.test_server import ENGINE_FLAGS, ServerProcess  # noqa: E402
 
 pytestmark = pytest.mark.slow
 EXAMPLES = 30  # per operation: ~15 operations, a few minutes on 2 cores
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
+          response_schema_conformance]
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +40,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 def test_openapi_document_matches_the_server(case):
     response = case.call(timeout=60)
-    case.validate_response(response, checks=[not_a_server_error, status_code_conformance,
-                                             content_type_conformance,
-                                             response_schema_conformance])
+    case.validate_response(response, checks=CHECKS)
 
 
 @pytest.mark.parametrize("path, body", [
@@ -55,6 +55,4 @@ def test_streamed_answers_match_the_document(api_schema, path, body):
     response = case.call(timeout=60)
     assert response.status_code == 200
     assert response.headers["content-type"][0].startswith("text/event-stream")
-    case.validate_response(response, checks=[not_a_server_error, status_code_conformance,
-                                             content_type_conformance,
-                                             response_schema_conformance])
+    case.validate_response(response, checks=CHECKS)
