@@ -170,8 +170,13 @@ class Worker:
         kind = "vllm" if engine.startswith("vllm") else engine.split("-")[0]
         python = VLLM_PYTHON if kind == "vllm" else sys.executable
         root = args.jaxllm_base if engine == "jaxllm-base" else os.path.dirname(HERE)
-        cmd = [python, os.path.join(root, "scripts", "peer_worker.py"), "--engine", kind,
-               "--model", model, "--dtype", dtype, "--temperature", str(args.temperature)]
+        script = os.path.join(root, "scripts", "peer_worker.py")
+        cmd = [python, script, "--engine", kind, "--model", model, "--dtype", dtype,
+               "--temperature", str(args.temperature)]
+        with open(script) as f:  # (a --jaxllm-base checkout's worker may predate the flag)
+            if "--min-model-len" in f.read():
+                cmd += ["--min-model-len",
+                        str(max(i + o for _, i, o in workload_shapes(args).values()))]
         env = dict(os.environ)
         if engine == "jaxllm-base":  # that checkout's jaxllm ahead of the installed one
             env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))

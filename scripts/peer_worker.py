@@ -94,6 +94,12 @@ def memory_gib() -> dict:
 
 # --- engines: each builds itself and offers generate(prompts, max_tokens) -> token id lists ----
 
+def model_len(args, default: int) -> int:
+    """--max-model-len, else the engine's default raised to what the runs will ask for: a
+    prompt at the model length leaves room for one output token, which no run means to time."""
+    return args.max_model_len or max(default, args.min_model_len)
+
+
 class JaxllmEngine:
     def __init__(self, args):
         t = time.perf_counter()
@@ -103,7 +109,7 @@ class JaxllmEngine:
         self.SamplingParams = SamplingParams
         self.temperature = args.temperature
         t = time.perf_counter()
-        kw = dict(dtype=args.dtype, max_model_len=args.max_model_len or 1024,
+        kw = dict(dtype=args.dtype, max_model_len=model_len(args, 1024),
                   max_num_seqs=args.max_num_seqs, disable_log_stats=True, seed=0)
         self.llm = LLM(args.model, **{**kw, **args.engine_args})
         self.construct_s = time.perf_counter() - t
@@ -129,7 +135,7 @@ class VllmEngine:
         self.SamplingParams = SamplingParams
         self.temperature = args.temperature
         t = time.perf_counter()
-        kw = dict(dtype=args.dtype, max_model_len=args.max_model_len or 2048, seed=0,
+        kw = dict(dtype=args.dtype, max_model_len=model_len(args, 2048), seed=0,
                   enforce_eager=args.enforce_eager, disable_log_stats=True)
         self.llm = LLM(model=args.model, **{**kw, **args.engine_args})
         self.construct_s = time.perf_counter() - t
@@ -240,7 +246,9 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="HF safetensors folder with a tokenizer")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help="default 1024 for jaxllm, 2048 for vllm")
+                        help="default 1024 for jaxllm, 2048 for vllm (or --min-model-len)")
+    parser.add_argument("--min-model-len", type=int, default=0,
+                        help="the longest prompt + output of the runs to come")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="jaxllm only")
     parser.add_argument("--enforce-eager", action="store_true", help="vllm only")
     parser.add_argument("--threads", type=int, default=2, help="hf only: torch threads")

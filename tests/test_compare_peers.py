@@ -27,3 +27,20 @@ def test_paired_ratio_is_the_median_of_each_repetitions_ratio():
     assert ratio["best"] == pytest.approx(100 / 200)
     assert ratio["median"] == pytest.approx(90 / 115)
     assert ratio["paired"] == pytest.approx(100 / 110)  # median of 0.909, 1.0, 0.45
+
+
+def test_worker_model_length_fits_the_runs():
+    """A 16 x 1024 -> 64 run: jaxllm's worker default (1024) would leave each prompt room for
+    one output token, so the length is raised to 1088; a longer default or an explicit
+    --max-model-len stands."""
+    import argparse
+
+    import peer_worker
+
+    def args(max_len=None, min_len=0):
+        return argparse.Namespace(max_model_len=max_len, min_model_len=min_len)
+
+    assert peer_worker.model_len(args(min_len=1024 + 64), 1024) == 1088
+    assert peer_worker.model_len(args(min_len=256), 1024) == 1024
+    assert peer_worker.model_len(args(min_len=1088), 2048) == 2048
+    assert peer_worker.model_len(args(max_len=512, min_len=1088), 1024) == 512
