@@ -273,6 +273,27 @@ def test_config_gemma3_local_and_global_rope():
         assert cfg.embed_scale == pytest.approx(48 ** 0.5)
 
 
+def test_config_dtype_auto_reads_a_legacy_torch_dtype_without_the_alias():
+    """--dtype auto takes the checkpoint's dtype, also from a config.json that spells it
+    `torch_dtype` (transformers 5 reads it into `dtype`), and never touches transformers'
+    deprecated `torch_dtype` alias, which logged a warning in a new user's first run (the
+    GGUF default model's config names no dtype)."""
+    from transformers import LlamaConfig
+
+    class NoAlias(LlamaConfig):
+        @property
+        def torch_dtype(self):
+            raise AssertionError("read the deprecated torch_dtype alias")
+
+    legacy = {k: v for k, v in _llama_hf().to_dict().items() if k != "dtype"}
+    for key, value, expected in (("torch_dtype", "float16", "float16"),
+                                 ("dtype", "bfloat16", "bfloat16"),
+                                 ("torch_dtype", "float32", "bfloat16"),  # vLLM's auto rule
+                                 (None, None, "bfloat16")):  # no dtype: float32, then the rule
+        c = NoAlias.from_dict({**legacy, **({key: value} if key else {})})
+        assert ModelConfig.from_hf(c, EngineArgs(dtype="auto")).dtype == expected, key
+
+
 def test_config_engine_overrides():
     args = EngineArgs(rope_theta=1234.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
                       hf_overrides={"num_hidden_layers": 1})

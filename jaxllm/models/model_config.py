@@ -1,8 +1,8 @@
 """`ModelConfig`: everything the decoder needs, normalized from a transformers config.
 
 One place reads the many spellings of Hugging Face configs (transformers 5 `rope_parameters`
-vs. legacy `rope_theta`/`rope_scaling`, `hidden_act` vs. `hidden_activation`, `dtype` vs.
-`torch_dtype`) and applies the engine's overrides and vLLM's rules for `--dtype auto` and
+vs. legacy `rope_theta`/`rope_scaling`, `hidden_act` vs. `hidden_activation`; a config.json's
+`torch_dtype` arrives as `dtype`) and applies the engine's overrides and vLLM's rules for `--dtype auto` and
 `--max-model-len`. The result is frozen and hashable, so it can sit in a jitted module.
 """
 
@@ -186,7 +186,9 @@ def _max_model_len(c, rope, window, args: EngineArgs) -> int:
 
 def _resolve_dtype(requested: str, c) -> str:
     """vLLM's --dtype: auto = the checkpoint's dtype, float32 checkpoints in bfloat16."""
-    ckpt = getattr(c, "dtype", None) or getattr(c, "torch_dtype", None) or "float32"
+    # (not `torch_dtype`: transformers 5 keeps it as an alias that logs a deprecation warning
+    # in the user's first run)
+    ckpt = getattr(c, "dtype", None) or "float32"
     ckpt = str(ckpt).removeprefix("torch.")
     model_type = getattr(c, "model_type", "")
     if requested == "auto":
