@@ -2,8 +2,9 @@
 
 One place reads the many spellings of Hugging Face configs (transformers 5 `rope_parameters`
 vs. legacy `rope_theta`/`rope_scaling`, `hidden_act` vs. `hidden_activation`; a config.json's
-`torch_dtype` arrives as `dtype`) and applies the engine's overrides and vLLM's rules for `--dtype auto` and
-`--max-model-len`. The result is frozen and hashable, so it can sit in a jitted module.
+`torch_dtype` arrives as `dtype`) and applies the engine's overrides and vLLM's rules for
+`--dtype auto` and `--max-model-len`. The result is frozen and hashable, so it can sit in a
+jitted module.
 """
 
 from __future__ import annotations
