@@ -49,7 +49,8 @@ async def chat_prompt(state: ServingState, req, tools: Optional[list] = None
                          add_generation_prompt=req.add_generation_prompt,
                          continue_final_message=req.continue_final_message, tools=tools,
                          chat_template_kwargs=req.chat_template_kwargs,
-                         content_format=state.chat_template_content_format)
+                         content_format=state.chat_template_content_format,
+                         template_source=_template_source(state, req))
         text = await state.in_tokenizer_thread(call_with_deadline, render,
                                                limits.chat_template_timeout)
     except ValueError as e:
@@ -58,6 +59,15 @@ async def chat_prompt(state: ServingState, req, tools: Optional[list] = None
     prompt = Prompt(await state.encode(text, add_special), text)
     check_token_ids(state, prompt.token_ids)
     return prompt, messages
+
+
+def _template_source(state: ServingState, req) -> str:
+    """Which template renders `req`, for the log (the warning about dropped tools)."""
+    if req.chat_template is not None:
+        return "the request's chat_template"
+    if state.chat_template is not None:
+        return "the --chat-template template"
+    return f"the chat template of model {state.model_path}"
 
 
 async def create_chat_completion(state: ServingState, req: ChatCompletionRequest, base_id: str

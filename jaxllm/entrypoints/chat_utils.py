@@ -2,14 +2,24 @@
 
 Shared by the server and `LLM.chat`, so both render a conversation identically. Errors are
 ValueErrors whose message the server can return to the client as a 400.
+
+A template that never reads `tools` (SmolLM2's) drops them without a word, and tool_choice
+"auto" then cannot call what the model never saw. So the first time a template is given tools
+it is rendered again without them: the same prompt both ways is a warning naming the template,
+logged once per template and process.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import threading
+from functools import partial
 from typing import Any, Iterable, Optional
+
+logger = logging.getLogger("jaxllm")
 
 TEXT_PART_TYPES = ("text", "input_text")
 # Arguments apply_chat_template takes from us; chat_template_kwargs may not override them.
@@ -112,9 +122,12 @@ def render_chat_prompt(tokenizer, messages: Iterable[Any], *,
                         continue_final_message: bool = False,
                         tools: Optional[list[dict]] = None,
                         chat_template_kwargs: Optional[dict] = None,
-                        content_format: str = "auto") -> str:
+                        content_format: str = "auto",
+                        template_source: Optional[str] = None) -> str:
     """The prompt text for `messages`; tokenize it without adding special tokens again.
-    `content_format` is vLLM's --chat-template-content-format (auto, string or openai)."""
+    `content_format` is vLLM's --chat-template-content-format (auto, string or openai).
+    `template_source` names the template in the warning about dropped tools (say, "the chat
+    template of MODEL" or "--chat-template")."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer (this engine was started with "
                          "skip_tokenizer_init)")
@@ -130,11 +143,45 @@ def render_chat_prompt(tokenizer, messages: Iterable[Any], *,
     template = chat_template or tokenizer.chat_template
     conversation = normalize_messages(messages, content_format_of(
         template if isinstance(template, str) else None, content_format))
+    render = partial(tokenizer.apply_chat_template, conversation, chat_template=chat_template,
+                     add_generation_prompt=add_generation_prompt,
+                     continue_final_message=continue_final_message, tokenize=False, **kwargs)
     try:
-        return tokenizer.apply_chat_template(
-            conversation, tools=tools, chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tokenize=False, **kwargs)
+        text = render(tools=tools)
     except Exception as e:  # whatever a (sandboxed) template raises is the template's fault,
         # or its input's: ZeroDivisionError, OverflowError (range(10**9)), a timeout...
         raise ValueError(f"chat template error: {str(e) or type(e).__name__}") from None
+    if tools and _first_render_with_tools(template):
+        _warn_if_tools_dropped(render, text, len(tools), template_source or (
+            "the given chat template" if chat_template else
+            f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'}"))
+    return text
+
+
+_TEMPLATES_WITH_TOOLS: set[int] = set()  # hashes of the templates checked for dropped tools
+_TEMPLATES_LOCK = threading.Lock()
+
+
+def _first_render_with_tools(template: Any) -> bool:
+    """True once per template (a string, or a tokenizer's dict of named templates)."""
+    key = hash(template if isinstance(template, str) else repr(template))
+    with _TEMPLATES_LOCK:
+        if key in _TEMPLATES_WITH_TOOLS:
+            return False
+        _TEMPLATES_WITH_TOOLS.add(key)
+        return True
+
+
+def _warn_if_tools_dropped(render, text: str, num_tools: int, source: str) -> None:
+    """`text` (rendered with the tools) against a render without them."""
+    try:
+        dropped = render(tools=None) == text
+    except Exception:  # a template that fails without tools does read them
+        return
+    if dropped:
+        logger.warning(
+            "%s does not render `tools`: the %d tool(s) of this request are not in the prompt, "
+            "so the model does not see them and tool_choice \"auto\" will not call them. Pass "
+            "--chat-template with a template that renders tools, or use tool_choice "
+            "\"required\" or a named function (which constrain the output to a call). Logged "
+            "once per template.", source[:1].upper() + source[1:], num_tools)

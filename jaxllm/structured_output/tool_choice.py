@@ -6,6 +6,12 @@ so the arguments always parse and validate, whatever the model and its tool-call
   "required"       the output is a JSON array of {"name": <a tool's name>, "parameters": {...}}
                    with at least one item (exactly one when parallel_tool_calls is false)
 
+Both are closed, as vLLM's default grammar backend (xgrammar, strict mode) closes them: a call
+has no keys beside name and parameters, and the arguments no keys their schema does not name
+(unless it says so with its own additionalProperties). Left open, a small model (SmolLM2)
+invents keys - "temperature", "windSpeedInCelsius", ... - until max_tokens and never finishes
+a call.
+
 `tool_choice_params` builds the constraint, `calls_from_output` turns the constrained output
 into (name, arguments JSON) pairs. "none" and "auto" need no constraint ("auto" is the tool
 parser's job). The JSON is compact (no optional whitespace): calls are read by programs, and a
@@ -32,19 +38,44 @@ def tool_choice_params(tools: Optional[list], tool_choice: Any,
     if tool_choice == "required":
         if not functions:
             raise ValueError('tool_choice "required" needs at least one tool in tools')
-        items = {"type": "object", "anyOf": [
-            {"properties": {"name": {"type": "string", "enum": [name]},
-                            "parameters": params},
-             "required": ["name", "parameters"]} for name, params in functions.items()]}
-        schema = {"type": "array", "minItems": 1, "items": items}
-        if not parallel_tool_calls:
-            schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        return _closed(_calls_schema(functions, parallel_tool_calls))
     name = _named(tool_choice)
     if name not in functions:
         raise ValueError(f"tool_choice names function {name!r}, which is not in tools "
                          f"({sorted(functions)})")
-    return StructuredOutputsParams(json=functions[name], disable_any_whitespace=True)
+    return _closed(functions[name])
+
+
+def _closed(schema: dict) -> StructuredOutputsParams:
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True,
+                                   disable_additional_properties=True)
+
+
+def _calls_schema(functions: dict[str, dict], parallel: bool) -> dict:
+    """vLLM's array of calls: each item one tool's {"name", "parameters"} and nothing else.
+    The tools' `$defs` move to the root, where their "#/$defs/..." references resolve (nested
+    under the array they would point at nothing), as vLLM moves them."""
+    defs: dict = {}
+    branches = []
+    for name, params in functions.items():
+        params = dict(params)
+        own = params.pop("$defs", {})
+        if not isinstance(own, dict):
+            raise ValueError(f"the $defs of tool {name!r} must be an object")
+        for key, value in own.items():
+            if defs.setdefault(key, value) != value:
+                raise ValueError(f"tools define $defs {key!r} differently (tool {name!r}); "
+                                 f"give the definitions distinct names")
+        branches.append({"type": "object",
+                         "properties": {"name": {"type": "string", "enum": [name]},
+                                        "parameters": params},
+                         "required": ["name", "parameters"], "additionalProperties": False})
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
 
 
 def calls_from_output(text: str, tool_choice: Any) -> list[tuple[str, str]]:
