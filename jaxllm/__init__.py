@@ -2,33 +2,30 @@
 
 __version__ = "0.1.0"
 
+# Public name -> the module defining it. Imported on first use (`__getattr__`), so that
+# `import jaxllm` (e.g. for the CLI's --help) does not import JAX.
+_EXPORTS = {
+    "LLM": "jaxllm.entrypoints.llm",
+    "EngineArgs": "jaxllm.config",
+    "SamplingParams": "jaxllm.sampling_params",
+    "BeamSearchParams": "jaxllm.sampling_params",
+    "RequestOutputKind": "jaxllm.sampling_params",
+    "StructuredOutputsParams": "jaxllm.structured_output.params",
+    "GuidedDecodingParams": "jaxllm.structured_output.params",
+    "PoolingParams": "jaxllm.pooling_params",
+    "RequestOutput": "jaxllm.outputs",
+    "CompletionOutput": "jaxllm.outputs",
+    "PoolingRequestOutput": "jaxllm.outputs",
+    "EmbeddingRequestOutput": "jaxllm.outputs",
+}
+
+__all__ = list(_EXPORTS)
+
 
 def __getattr__(name):
-    # Lazy so `import jaxllm` (e.g. for the CLI's --help) does not import JAX.
-    if name == "LLM":
-        from jaxllm.entrypoints.llm import LLM
-        return LLM
-    if name == "SamplingParams":
-        from jaxllm.sampling_params import SamplingParams
-        return SamplingParams
-    if name in ("StructuredOutputsParams", "GuidedDecodingParams"):
-        from jaxllm.structured_output import params
-        return getattr(params, name)
-    if name in ("RequestOutput", "CompletionOutput"):
-        from jaxllm import outputs
-        return getattr(outputs, name)
-    if name == "PoolingParams":
-        from jaxllm.pooling_params import PoolingParams
-        return PoolingParams
-    if name in ("PoolingRequestOutput", "EmbeddingRequestOutput"):
-        from jaxllm import outputs
-        return getattr(outputs, name)
-    if name == "EngineArgs":
-        from jaxllm.config import EngineArgs
-        return EngineArgs
-    raise AttributeError(name)
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxllm' has no attribute {name!r}")
+    import importlib
 
-
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams",
-           "RequestOutput", "CompletionOutput", "EngineArgs", "PoolingParams",
-           "PoolingRequestOutput", "EmbeddingRequestOutput"]
+    return getattr(importlib.import_module(module), name)

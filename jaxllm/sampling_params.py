@@ -1,4 +1,6 @@
-"""SamplingParams with vLLM's fields, defaults and validation (invalid values name the field)."""
+"""SamplingParams and BeamSearchParams with vLLM's fields, defaults and validation (invalid
+values name the field). Both live here, as in vLLM (`vllm.sampling_params.BeamSearchParams`),
+so that user code imports them from one host-level module without JAX."""
 
 from __future__ import annotations
 
@@ -181,3 +183,21 @@ def _output_kind(value) -> RequestOutputKind:
         return RequestOutputKind(value)
     raise ValueError(f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
                      f"got {value!r}.")
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's: `LLM.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=32))`; the
+    search itself is jaxllm/entrypoints/beam_search.py."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")

@@ -1,9 +1,14 @@
-"""The `jaxllm` command: every sub-command's --help (fast, without JAX), collect-env, chat and
-complete against a real server, a busy --port, run-batch on a mixed file, and generate."""
+"""The `jaxllm` command: every sub-command's --help (fast, without JAX), an unknown flag
+reported by its sub-command, collect-env, chat, complete and bench serve against a real server,
+a busy --port, a missing model path, run-batch on a mixed file, generate and the offline
+benches."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -109,6 +114,30 @@ def test_serve_reads_config_files(tmp_path):
     assert r.returncode == 2 and "unknown option 'prot'" in r.stderr
 
 
+@pytest.mark.parametrize("argv, prog", [
+    (["serve", "--bogus-flag"], "jaxllm serve"),
+    (["bench", "latency", "--bogus-flag"], "jaxllm bench latency"),
+    (["chat", "-q", "hi", "--bogus-flag"], "jaxllm chat"),
+    (["collect-env", "--bogus-flag"], "jaxllm collect-env"),
+    (["--bogus-flag"], "jaxllm"),
+])
+def test_unknown_flag_shows_its_commands_usage(argv, prog, capsys):
+    """argparse reports a sub-command's unknown flag with the top-level usage unless told."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {prog} "), err
+    assert f"\n{prog}: error: unrecognized arguments: --bogus-flag" in err
+
+
+def test_missing_model_path_is_named():
+    r = jaxllm("serve", "./no/such/model", "--port", "0", timeout=120)
+    assert r.returncode != 0
+    assert "no such file or folder: ./no/such/model" in r.stderr
+    assert "Repo id" not in r.stderr and "Traceback" not in r.stderr
+
+
 def test_client_without_server_says_so():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -171,6 +200,40 @@ def test_interactive_complete_reads_lines(server, http):
 def test_wrong_key_is_reported(server):
     r = jaxllm("complete", "--url", server.url + "/v1", "--api-key", "wrong", "-q", "x")
     assert r.returncode == 1 and "401" in r.stderr
+
+
+def test_bench_serve_without_the_key_says_so(server, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    r = jaxllm("bench", "serve", "--base-url", server.url, "--num-prompts", "1")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert (f"error: GET {server.url}/v1/models: HTTP 401 Unauthorized: Invalid or missing "
+            "API key; pass --api-key or set OPENAI_API_KEY\n") in r.stderr
+    assert "Benchmark Result" not in r.stdout
+
+
+def test_bench_serve_prints_vllms_table_and_saves_the_result(server, http, tmp_path):
+    before = _requests_done(http)
+    results = tmp_path / "results"
+    r = jaxllm("bench", "serve", "--base-url", server.url, "--api-key", API_KEY,
+               "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "4",
+               "--vocab-size", "256", "--max-concurrency", "2", "--save-result",
+               "--result-dir", str(results))
+    assert r.returncode == 0, r.stderr
+    assert _requests_done(http) == before + 3
+    out = r.stdout
+    assert "============ Serving Benchmark Result ============" in out
+    assert re.search(r"^Successful requests: +3$", out, re.M)
+    assert re.search(r"^Total generated tokens: +12$", out, re.M)
+    for label in ("Benchmark duration (s)", "Total input tokens", "Request throughput (req/s)",
+                  "Output token throughput (tok/s)", "Mean TTFT (ms)", "Median TTFT (ms)",
+                  "P99 TTFT (ms)", "Mean TPOT (ms)", "Mean ITL (ms)", "P99 E2EL (ms)"):
+        assert re.search(rf"^{re.escape(label)}: +\d+(\.\d\d)?$", out, re.M), label
+    [saved] = glob.glob(str(results / "jaxllm-infqps-concurrency2-tiny-*.json"))
+    assert f"Results written to {saved}" in out
+    res = json.loads(open(saved).read())
+    assert res["completed"] == 3 and res["failed"] == 0 and res["total_output_tokens"] == 12
+    assert res["model_id"] == NAME and res["request_rate"] == "inf"
+    assert res["max_concurrency"] == 2 and res["ttft_ms"]["mean"] > 0
 
 
 # --- offline commands (each loads the model in its own process) -------------------------------
@@ -248,5 +311,11 @@ def test_offline_bench_runs_and_reports(tiny_llama, tmp_path, mode):
     if mode[0] == "latency":
         assert 0 < res["prefill_s_median"] < res["avg_latency_s"]
         assert res["decode_tokens_per_s"] > 0
+        avg_ms = f"{res['avg_latency_s'] * 1e3:.2f}"
+        table = ("Latency Benchmark Result", rf"^Avg latency \(ms\): +{avg_ms}$")
     else:
         assert res["output_tokens_per_s"] > 0 and res["num_requests"] == 5
+        table = ("Throughput Benchmark Result", r"^Successful requests: +5$")
+    assert f" {table[0]} " in r.stdout and re.search(table[1], r.stdout, re.M), r.stdout
+    assert re.search(r"^Since process start \(s\): +\d+\.\d\d$", r.stdout, re.M)
+    assert f"Results written to {out}" in r.stdout and not r.stdout.lstrip().startswith("{")

@@ -1,12 +1,16 @@
-"""Benchmark workloads: random token prompts (fixed or ranged lengths), or a JSONL/ShareGPT file."""
+"""Benchmark workloads: random token prompts (fixed or ranged lengths), or a JSONL/ShareGPT file;
+and `format_table`, the human-readable result every `jaxllm bench` prints (vLLM's layout)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
+
+# A table row: (label, value), or a section title (str).
+Row = Union[str, tuple[str, Union[int, float, str]]]
 
 
 @dataclass
@@ -62,3 +66,26 @@ def file_requests(path: str, tokenizer, num: int, output_len: Optional[int] = No
     picks = rng.permutation(len(pairs))[:num] if num < len(pairs) else range(len(pairs))
     return [BenchRequest(pairs[i][0], len(tokenizer.encode(pairs[i][0])), pairs[i][1])
             for i in picks]
+
+
+def format_table(title: str, rows: list[Row]) -> str:
+    """vLLM's result table, so that its users read ours at a glance:
+
+    ============ Serving Benchmark Result ============
+    Successful requests:                     100
+    ---------------Time to First Token----------------
+    Mean TTFT (ms):                          12.34
+    ==================================================
+
+    Floats get two decimals; a str row is a section title.
+    """
+    lines = [f"{' ' + title + ' ':=^50}"]
+    for row in rows:
+        if isinstance(row, str):
+            lines.append(f"{row:-^50}")
+            continue
+        label, value = row
+        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
+        lines.append(f"{label + ':':<40} {shown}")
+    lines.append("=" * 50)
+    return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""`jaxllm bench throughput` and `jaxllm bench latency`: the engine in-process, as vLLM's."""
+"""`jaxllm bench throughput` and `jaxllm bench latency`: the engine in-process, as vLLM's; each
+result as a dict (the --output-json file) and as the table printed (`format_*_result`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import time
 
 import numpy as np
 
-from jaxllm.benchmarks.datasets import BenchRequest, file_requests, random_requests
+from jaxllm.benchmarks.datasets import (BenchRequest, Row, file_requests, format_table,
+                                        random_requests)
 
 
 def peak_rss_gib() -> float:
@@ -85,3 +87,45 @@ def spec_decode_summary(stats: dict) -> dict:
         "acceptance_rate": accepted / proposed if proposed else 0.0,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
         "tokens_per_step": stats["generation_tokens_total"] / steps if steps else 0.0}}
+
+
+def format_latency_result(res: dict) -> str:
+    """`bench latency`'s dict (run_latency's, plus startup_s and spec_decode) as a table."""
+    ms = 1e3  # milliseconds: two decimals of seconds would hide a small model's latency
+    rows: list[Row] = [("Avg latency (ms)", res["avg_latency_s"] * ms)]
+    rows += [(f"{p.upper()} latency (ms)", v * ms)
+             for p, v in res["latency_percentiles_s"].items()]
+    rows += [("Prefill, median (ms)", res["prefill_s_median"] * ms),
+             ("Decode (ms/token)", res["decode_s_per_token"] * ms),
+             ("Decode throughput (tok/s)", float(res["decode_tokens_per_s"]))]
+    return format_table("Latency Benchmark Result", rows + _common_rows(res))
+
+
+def format_throughput_result(res: dict) -> str:
+    """`bench throughput`'s dict (run_throughput's, plus startup_s and spec_decode) as a table."""
+    rows: list[Row] = [
+        ("Successful requests", res["num_requests"]),
+        ("Benchmark duration (s)", res["elapsed_s"]),
+        ("Total input tokens", res["prompt_tokens"]),
+        ("Total generated tokens", res["output_tokens"]),
+        ("Request throughput (req/s)", res["requests_per_s"]),
+        ("Output token throughput (tok/s)", res["output_tokens_per_s"]),
+        ("Total Token throughput (tok/s)", res["total_tokens_per_s"])]
+    return format_table("Throughput Benchmark Result", rows + _common_rows(res))
+
+
+def _common_rows(res: dict) -> list[Row]:
+    """Memory, start-up and (with --speculative-config) speculation rows of both tables."""
+    rows: list[Row] = [("Peak RSS (GiB)", res["peak_rss_gib"])]
+    startup = res.get("startup_s") or {}
+    if startup:
+        rows.append("Start-up")
+        rows += [(f"{name.replace('_', ' ').capitalize()} (s)", float(seconds))
+                 for name, seconds in startup.items()]
+    spec = res.get("spec_decode")
+    if spec:
+        rows += ["Speculative Decoding",
+                 ("Draft acceptance rate", float(spec["acceptance_rate"])),
+                 ("Mean acceptance length", float(spec["mean_acceptance_length"])),
+                 ("Tokens per step", float(spec["tokens_per_step"]))]
+    return rows

@@ -1,7 +1,9 @@
 """`jaxllm bench serve`: load an OpenAI-compatible server (ours or any) and measure latencies.
 
 Streams every request and records TTFT, inter-token latencies (ITL), TPOT and end-to-end latency;
-requests start at a Poisson rate (or all at once) under an optional concurrency cap.
+requests start at a Poisson rate (or all at once) under an optional concurrency cap. Before
+that, `served_model` asks /v1/models, so that a server that cannot be used (unreachable, wrong
+or missing API key) is reported once, in a line, instead of as N failed requests.
 """
 
 from __future__ import annotations
@@ -16,7 +18,49 @@ import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxllm.benchmarks.datasets import BenchRequest
+from jaxllm.benchmarks.datasets import BenchRequest, format_table
+
+_KEY_HINT = "; pass --api-key or set OPENAI_API_KEY"
+
+
+class ServerError(RuntimeError):
+    """The server cannot be benchmarked (unreachable, refuses the key, serves no model)."""
+
+
+def http_error(status: int, body: bytes) -> str:
+    """'HTTP 401 Unauthorized: <the server's error message>', plus what to do about a refused
+    key."""
+    try:
+        data = json.loads(body)
+        error = data.get("error", data.get("detail", data))
+        message = error.get("message", error) if isinstance(error, dict) else error
+    except (ValueError, AttributeError):
+        message = body.decode("utf-8", "replace")
+    message = str(message).strip()[:300]
+    if status in (401, 403):
+        message = message.rstrip(".") + _KEY_HINT
+    return f"HTTP {status} {httpx.codes.get_reason_phrase(status)}: {message}"
+
+
+def served_model(base_url: str, api_key: str, model: Optional[str] = None,
+                 timeout: float = 30.0) -> str:
+    """`model`, or the first model the server lists; raises ServerError (one line) when
+    /v1/models cannot be read, so a missing API key fails before any request is timed."""
+    url = base_url.rstrip("/") + "/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(url, headers=headers, timeout=timeout)
+    except httpx.HTTPError as e:
+        raise ServerError(f"cannot reach a server at {base_url}: {e}") from None
+    if r.status_code != 200:
+        raise ServerError(f"GET {url}: {http_error(r.status_code, r.content)}")
+    if model:
+        return model
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ServerError(f"GET {url}: no model in the answer {r.text[:200]!r}; "
+                          "pass --model") from None
 
 
 @dataclass
@@ -40,7 +84,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, req: BenchReques
     try:
         async with client.stream("POST", url, json=body, headers=headers) as r:
             if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                res.error = http_error(r.status_code, await r.aread())
                 return res
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -99,6 +143,7 @@ def summarize(results: list[RequestResult], duration: float, goodput: dict) -> d
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itl = [x for r in ok for x in r.itl]
     out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
 
     def good(r: RequestResult) -> bool:
         t = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
@@ -110,10 +155,34 @@ def summarize(results: list[RequestResult], duration: float, goodput: dict) -> d
         "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "duration_s": duration,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
-        "total_token_throughput": (out_tokens + sum(r.prompt_len for r in ok)) / duration,
+        "total_token_throughput": (out_tokens + in_tokens) / duration,
         "goodput": sum(good(r) for r in ok) / duration if goodput else None,
         "ttft_ms": ms([r.ttft for r in ok]), "tpot_ms": ms(tpot), "itl_ms": ms(itl),
         "e2el_ms": ms([r.latency for r in ok]),
     }
+
+
+def format_serve_result(res: dict, max_concurrency: Optional[int] = None) -> str:
+    """`summarize`'s result as vLLM's `bench serve` prints it."""
+    rows = [("Successful requests", res["completed"]), ("Failed requests", res["failed"])]
+    if max_concurrency:
+        rows.append(("Maximum request concurrency", max_concurrency))
+    rows += [("Benchmark duration (s)", float(res["duration_s"])),
+             ("Total input tokens", res["total_input_tokens"]),
+             ("Total generated tokens", res["total_output_tokens"]),
+             ("Request throughput (req/s)", float(res["request_throughput"]))]
+    if res["goodput"] is not None:
+        rows.append(("Request goodput (req/s)", float(res["goodput"])))
+    rows += [("Output token throughput (tok/s)", float(res["output_throughput"])),
+             ("Total Token throughput (tok/s)", float(res["total_token_throughput"]))]
+    for key, title, short in (("ttft_ms", "Time to First Token", "TTFT"),
+                              ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
+                              ("itl_ms", "Inter-token Latency", "ITL"),
+                              ("e2el_ms", "End-to-end Latency", "E2EL")):
+        rows += [title, (f"Mean {short} (ms)", res[key]["mean"]),
+                 (f"Median {short} (ms)", res[key]["median"]),
+                 (f"P99 {short} (ms)", res[key]["p99"])]
+    return format_table("Serving Benchmark Result", rows)

@@ -14,23 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from jaxllm.sampling_params import SamplingParams
-
-
-@dataclass
-class BeamSearchParams:
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self):
-        if self.beam_width < 1:
-            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+# BeamSearchParams is a host type defined with SamplingParams (as vLLM's); re-exported here.
+from jaxllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass

@@ -11,6 +11,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors c
 import numpy as np
 
 from jaxllm.config import ConfigError, EngineArgs
+from jaxllm.loader.default_model import check_local_path
 from jaxllm.loader.weights import CheckpointError
 
 # Config, tokenizer and generation-config files fetched with the weights.
@@ -26,6 +27,8 @@ def download(args: EngineArgs) -> str:
     """snapshot_download of --model at --revision into --download-dir, weights of --load-format
     only (auto: safetensors, else .bin)."""
     from huggingface_hub import snapshot_download
+
+    check_local_path(args.model)  # a missing path is not a hub name: say so, not the hub's error
 
     def fetch(weights: list[str]) -> str:
         return snapshot_download(args.model, revision=args.revision, cache_dir=args.download_dir,

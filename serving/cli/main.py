@@ -79,6 +79,27 @@ def make_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:
     return parser, {"serve": serve_parser}
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, except that an unknown flag is reported by the sub-command it was given to
+    (`jaxllm serve --bogus` shows `serve`'s usage): argparse hands sub-commands' unrecognized
+    arguments up to the top-level parser, whose usage lists only the commands."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _selected_parser(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def _selected_parser(parser: argparse.ArgumentParser,
+                     argv: list[str]) -> argparse.ArgumentParser:
+    """The innermost (sub-)parser that argv selects: `bench latency ...` -> bench latency's."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for i, arg in enumerate(argv):
+                if arg in action.choices:
+                    return _selected_parser(action.choices[arg], argv[i + 1:])
+    return parser
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from serving.cli_args import expand_config_file
 
@@ -86,7 +107,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser, with_config = make_parser(argv)
     if argv[:1] and argv[0] in with_config:
         argv = [argv[0], *expand_config_file(with_config[argv[0]], argv[1:])]
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if not hasattr(args, "func"):
         parser.print_help()
         return 0
