@@ -1,6 +1,21 @@
 """jaxllm: LLM inference and serving on JAX/XLA with vLLM's API."""
 
+import logging
+
 __version__ = "0.1.0"
+
+
+class _NoTorchAdvisory(logging.Filter):
+    """Drops transformers' "PyTorch was not found. Models won't be available ..." line, logged
+    when it is imported without torch (the plain install): jaxllm takes only configs,
+    tokenizers and chat templates from transformers, never its models, and a new user reads
+    the line as fatal. Its other messages pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("PyTorch was not found.")
+
+
+logging.getLogger("transformers").addFilter(_NoTorchAdvisory())
 
 # Public name -> the module defining it. Imported on first use (`__getattr__`), so that
 # `import jaxllm` (e.g. for the CLI's --help) does not import JAX.

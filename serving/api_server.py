@@ -20,6 +20,7 @@ import jaxllm
 from serving.cli_args import chat_output_settings
 from serving.errors import document_errors, error_response, install_error_handlers
 from serving.limits import RequestLimits
+from serving.log_setup import setup_logging
 from serving.middleware import APIKeyMiddleware, HTTPLimitsMiddleware, RequestIdMiddleware
 from serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                               ModelCard, ModelList, TokenizeRequest, random_id)
@@ -174,7 +175,7 @@ def run_server(args: argparse.Namespace) -> None:
     from jaxllm.entrypoints.chat_utils import load_chat_template
     from serving.vllm_flags import check_vllm_flags
 
-    _setup_logging()
+    setup_logging(args.log_level)
     if args.disable_log_requests:
         logger.warning("--disable-log-requests is deprecated (as in vLLM): requests are not "
                        "logged unless --enable-log-requests is given.")
@@ -248,8 +249,3 @@ async def _announce(server, where: str) -> None:
     logger.info("jaxllm API server ready at %s", where)
 
 
-def _setup_logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO,
-                            format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
-                            datefmt="%m-%d %H:%M:%S")

@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -319,3 +320,22 @@ def test_offline_bench_runs_and_reports(tiny_llama, tmp_path, mode):
     assert f" {table[0]} " in r.stdout and re.search(table[1], r.stdout, re.M), r.stdout
     assert re.search(r"^Since process start \(s\): +\d+\.\d\d$", r.stdout, re.M)
     assert f"Results written to {out}" in r.stdout and not r.stdout.lstrip().startswith("{")
+
+
+def test_generate_takes_the_models_generation_config_and_logs_only_its_own_lines(
+        tiny_llama, tmp_path, http):
+    """Unset sampling flags come from generation_config.json (vLLM's `--generation-config
+    auto`): greedy and 3 tokens here, as the server's request says explicitly. stderr holds
+    jaxllm's log lines only (no progress bar, no other library's notice)."""
+    model = tmp_path / "with_generation_config"
+    shutil.copytree(tiny_llama, model)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.0, "max_new_tokens": 3}))
+    r = jaxllm("generate", str(model), "--prompt", "Hello", "--ignore-eos", *ENGINE_FLAGS)
+    assert r.returncode == 0, r.stderr
+    served = http.post("/v1/completions", json={"model": NAME, "prompt": "Hello",
+                                                "max_tokens": 3, "temperature": 0,
+                                                "ignore_eos": True}).json()
+    assert r.stdout == served["choices"][0]["text"] + "\n"
+    log_line = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:]+ \[jaxllm")
+    assert r.stderr.strip() and all(log_line.match(line) for line in r.stderr.splitlines())

@@ -87,7 +87,7 @@ def _child(path: str) -> dict:
 
     llm = small_llm(path, max_num_seqs=2, max_num_batched_tokens=16)  # few programs
     runner = llm.llm_engine.runner
-    runner.wait_for_background_compiles()
+    runner.wait_for_background_compiles(load_cached=True)  # the damaged one too
     tokens = token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
                                     use_tqdm=False))
     cm = runner.compile_manager
@@ -128,9 +128,10 @@ def test_a_program_from_jax_cache_is_never_reported_compiled_here(tmp_path):
 
 
 def test_only_the_engines_thread_loads_from_the_cache(tmp_path):
-    """Deferred programs the cache holds are loaded before the background thread starts, and
-    on-demand ones by the caller; the compile threads only compile (and save). Loading in a
-    compile thread while the engine's thread ran steps crashed the process."""
+    """Deferred programs the cache holds are loaded by the step that first runs them (none at
+    start: a warm start deserializes nothing it does not use), on-demand ones by the caller;
+    the compile threads only compile (and save). Loading in a compile thread while the
+    engine's thread ran steps crashed the process."""
     import threading
 
     import jax
@@ -165,6 +166,22 @@ def test_only_the_engines_thread_loads_from_the_cache(tmp_path):
     warm.wait_for_background_compiles()
     assert warm.programs_from_cache == 3 and key(4) in warm.programs()
     assert len(list(tmp_path.iterdir())) == 4  # the compiled one saved
+    assert loads == []  # nothing deserialized before a step needs it
+    assert np.allclose(warm.run(key(2), f, *args(2)), 2 + c)
+    assert np.allclose(warm.run(key(2), f, *args(2)), 2 + c)
+    assert len(loads) == 1 and warm.num_recompiles == 0  # loaded once, on first use
+
+    damaged = ExecutableCache(str(tmp_path), jax.devices()[:1], context="test")
+    with open(damaged.path(damaged.key(key(3), args(3))), "wb") as file:
+        file.write(b"not an executable")
+    again = CompileManager(executable_cache=damaged)
+    again.defer(key(3), f, args(3))
+    again.start_background()
+    assert again.programs_from_cache == 1
+    assert np.allclose(again.run(key(3), f, *args(3)), 2 + c)  # compiled instead, and saved
+    assert again.programs_from_cache == 0 and again.num_recompiles == 0
+    assert ExecutableCache(str(tmp_path), jax.devices()[:1], context="test").get(
+        damaged.key(key(3), args(3))) is not None
 
     on_demand = CompileManager(executable_cache=cache)
     assert on_demand.ready(key(4), f, lambda: args(4))  # loaded now, by the caller

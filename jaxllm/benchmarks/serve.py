@@ -114,7 +114,7 @@ async def run_serve_benchmark(base_url: str, model: str, requests: list[BenchReq
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(max_concurrency or len(requests))
     rng = np.random.default_rng(seed)
-    bar = tqdm(total=len(requests), desc="Requests", unit="req")
+    bar = tqdm(total=len(requests), desc="Requests", unit="req", disable=None)
     limits = httpx.Limits(max_connections=max_concurrency or len(requests))
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         async def limited(req):

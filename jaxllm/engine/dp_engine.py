@@ -134,9 +134,9 @@ class DataParallelEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._failed) + sum(r.get_num_unfinished_requests() for r in self.replicas)
 
-    def wait_for_background_compiles(self) -> None:
+    def wait_for_background_compiles(self, load_cached: bool = False) -> None:
         for r in self.replicas:
-            r.wait_for_background_compiles()
+            r.wait_for_background_compiles(load_cached)
 
     def step(self) -> list[Union[RequestOutput, ReplicaLostError]]:
         """One step of every replica with work, each in its own thread. The requests of a

@@ -168,8 +168,9 @@ class RemoteReplica:
     def get_num_unfinished_requests(self) -> int:
         return self._unfinished
 
-    def wait_for_background_compiles(self) -> None:
-        """The node compiled everything before it registered."""
+    def wait_for_background_compiles(self, load_cached: bool = False) -> None:
+        """The node compiled everything before it registered (its cached programs load on
+        their node)."""
 
     def stats(self) -> dict:
         """As of the last reply; a lost replica holds nothing and has no cache (its token

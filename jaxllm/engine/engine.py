@@ -239,16 +239,18 @@ class LLMEngine:
                 if self.speculator is not None:
                     self.speculator.free(sid)
 
-    def wait_for_background_compiles(self) -> None:
+    def wait_for_background_compiles(self, load_cached: bool = False) -> None:
         """Block until the programs warm-up left to the background are compiled (the server
-        waits for them before it listens: see async_engine); the wait is in startup_times."""
+        waits for them before it listens: see async_engine); the wait is in startup_times.
+        load_cached: also load the programs the executable cache holds (benchmarks)."""
         pending = self.runner.compile_manager.pending()
         if not pending:
+            self.runner.wait_for_background_compiles(load_cached)
             return
         logger.info("Waiting for the %d programs compiling in the background before serving",
                     len(pending))
         t = time.perf_counter()
-        self.runner.wait_for_background_compiles()
+        self.runner.wait_for_background_compiles(load_cached)
         self.startup_times["background_compile"] = time.perf_counter() - t
         logger.info("Compiled them in %.1f s", self.startup_times["background_compile"])
 

@@ -52,6 +52,17 @@ class EngineParts:
     step_follower: Any = None  # a multi-host follower's end of the step channel
 
 
+def process_age() -> float:
+    """Wall time since this process started (Linux /proc): what start-up figures measured
+    from the command line include (the interpreter, imports) and the engine's own clocks
+    miss."""
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 def executable_cache_dir() -> str | None:
     """Where compiled step programs are kept ($JAXLLM_CACHE_DIR, '' to disable); see
     jaxllm/worker/executable_cache.py."""
@@ -151,6 +162,8 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
     """headless: a follower host's parts (its runner replays rank 0's steps: jaxllm/engine/
     headless.py). devices: the mesh's (a data-parallel replica's share; default all)."""
     times = {}
+    logger.debug("Engine start-up begins %.2f s after the process (interpreter, imports)",
+                 process_age())
     topo = join_hosts(args)
     if topo.rank > 0 and not headless:
         raise ConfigError(f"--node-rank: this process is rank {topo.rank} of "

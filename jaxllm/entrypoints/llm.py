@@ -97,7 +97,8 @@ class LLM:
         ids = [engine.process_prompt(p)[1] for p in _as_list(prompts)]
         search = BeamSearch(ids, params, engine.eos_token_ids,
                             engine.model_config.max_model_len, engine.args.max_logprobs)
-        steps = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
+        steps = tqdm(total=params.max_tokens, desc="Beam search",
+                     disable=None if use_tqdm else True)
         while not search.done:
             outs = self.generate(search.pending(), search.sampling_params, use_tqdm=False)
             search.advance([o.outputs[0].logprobs[0] for o in outs])
@@ -116,7 +117,7 @@ class LLM:
         prompts = _as_list(prompts)
         return [self.llm_engine.encode(str(next(self._ids)), p, params)
                 for p in tqdm(prompts, desc="Processed prompts", unit="req",
-                              disable=not use_tqdm, dynamic_ncols=True)]
+                              disable=None if use_tqdm else True, dynamic_ncols=True)]
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
               pooling_params: Optional[PoolingParams] = None,
@@ -131,7 +132,9 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm,
+        # disable=None: shown on a terminal only, as a log line a bar is noise
+        bar = tqdm(total=len(ids), desc="Processed prompts", unit="req",
+                   disable=None if use_tqdm else True,
                    dynamic_ncols=True)
         t0, n_in, n_out = time.perf_counter(), 0, 0
         while engine.has_unfinished_requests():

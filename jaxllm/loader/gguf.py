@@ -80,12 +80,32 @@ def read_gguf(path: str):
 
 @functools.lru_cache(maxsize=4)
 def _read_gguf(path: str, size: int, mtime_ns: int):
-    from gguf import GGUFReader
-
     try:
-        return GGUFReader(path)
+        return _plain_view_reader()(path)
     except _READ_ERRORS as e:
         raise GGUFError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
+
+
+@functools.lru_cache(maxsize=1)
+def _plain_view_reader():
+    """`gguf.GGUFReader` over a plain ndarray view of its memory map.
+
+    The reader parses metadata with one small slice per value (~250,000 for SmolLM2's
+    vocabulary), and every slice of an `np.memmap` runs its Python `__array_finalize__`: over
+    the same mapping as a plain ndarray the parse takes a third of the time. Tensor data are
+    still views into the file."""
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        @property
+        def data(self):
+            return self._plain_data
+
+        @data.setter
+        def data(self, value):
+            self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return Reader
 
 
 def gguf_value(reader, key: str, default: Any = None) -> Any:

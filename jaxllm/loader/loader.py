@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 from flax import nnx
@@ -17,6 +19,8 @@ from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.weights import load_weights, param_shardings
 from jaxllm.models.decoder import Decoder, abstract_decoder, init_decoder
 from jaxllm.models.model_config import ModelConfig
+
+logger = logging.getLogger("jaxllm")
 
 
 def model_path(args: EngineArgs) -> str:
@@ -56,11 +60,17 @@ def hf_config(path: str):
 
 def load_model(args: EngineArgs, mesh: Mesh) -> tuple[Decoder, ModelConfig]:
     """The model of --model with its weights placed (sharded) on `mesh`, and its config."""
+    t0 = time.perf_counter()
     path = model_path(args)
     fmt = load_format(args, path)
-    cfg = ModelConfig.from_hf(hf_config(path), args)
-    _check_expert_parallel(cfg, mesh)
-    backend = _resolve_backend_in_background(args, mesh)
+    kernels = _kernel_builder(args)
+    try:
+        cfg = ModelConfig.from_hf(hf_config(path), args)
+        _check_expert_parallel(cfg, mesh)
+        backend = kernels.submit(make_backend, args.attention_backend, mesh, cfg.num_experts > 0)
+    finally:
+        kernels.shutdown(wait=False)
+    t_config = time.perf_counter()
     model = abstract_decoder(cfg)  # the weights' shapes, whatever the backend
     if fmt == "dummy":
         shardings = param_shardings(nnx.state(model), mesh)
@@ -74,7 +84,11 @@ def load_model(args: EngineArgs, mesh: Mesh) -> tuple[Decoder, ModelConfig]:
         tensors = hf.iter_weight_files(files, fmt, origins)
         where = lambda name: origins.get(name, path)  # noqa: E731
     state = load_weights(model, tensors, mesh, where=where, progress=args.use_tqdm_on_load)
-    return nnx.merge(nnx.graphdef(abstract_decoder(cfg, backend.result())), state), cfg
+    t_weights = time.perf_counter()
+    backend = backend.result()
+    logger.debug("Load: config %.2f s, weights %.2f s, then %.2f s waiting for the kernels' "
+                 "build", t_config - t0, t_weights - t_config, time.perf_counter() - t_weights)
+    return nnx.merge(nnx.graphdef(abstract_decoder(cfg, backend)), state), cfg
 
 
 def _check_expert_parallel(cfg: ModelConfig, mesh: Mesh) -> None:
@@ -86,12 +100,11 @@ def _check_expert_parallel(cfg: ModelConfig, mesh: Mesh) -> None:
                           f"over {n} devices (--tensor-parallel-size {n})")
 
 
-def _resolve_backend_in_background(args: EngineArgs, mesh: Mesh) -> Future:
-    """The backend, made in threads: on one CPU device that builds the native kernels (g++,
-    seconds each on a cold cache) side by side while the weights load."""
+def _kernel_builder(args: EngineArgs) -> ThreadPoolExecutor:
+    """Threads that make the backend while the config and weights load: on one CPU device
+    that builds the native kernels (g++, seconds each on a cold cache), the dense projection
+    kernels from the start, before the config says what else the model needs."""
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxllm-kernels")
     if jax.default_backend() == "cpu" and args.tensor_parallel_size == 1:
-        pool.submit(build_projection_kernels)
-    backend = pool.submit(make_backend, args.attention_backend, mesh)
-    pool.shutdown(wait=False)
-    return backend
+        pool.submit(build_projection_kernels, experts=False)
+    return pool

@@ -157,7 +157,7 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
 
     dtype, seen = cfg.jnp_dtype, set()
     for name, array in tqdm(tensors, total=len(targets), desc="Loading weights", unit="tensor",
-                            disable=not progress):
+                            disable=None if progress else True, leave=False):
         t = targets.get(name)
         if t is None:
             if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight"

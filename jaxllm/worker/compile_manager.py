@@ -7,7 +7,9 @@ optional multi-step programs, which it skips while they compile). A step needing
 that is not compiled yet compiles it or waits for the compile under way (`run`); a shape
 outside every known program is compiled too, but counted and logged as a recompile, and raised
 when JAXLLM_FAIL_ON_RECOMPILE=1 (the tests set it). Compiled programs are saved to and loaded
-from the executable cache (jaxllm/worker/executable_cache.py) when one is given.
+from the executable cache (jaxllm/worker/executable_cache.py) when one is given; a program the
+cache holds is loaded when a step first runs it, not at warm-up: deserializing one costs about
+as much as a step, and a short run uses a few of the two dozen programs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, NamedTuple, Optional
 
@@ -53,6 +56,8 @@ class CompileManager:
         self._futures: dict[ProgramKey, Future] = {}  # every program compiled in the background
         self._unclaimed: dict[ProgramKey, tuple] = {}  # deferred (fn, args) nobody started yet
         self._deferred: list[ProgramKey] = []
+        self._on_disk: dict[ProgramKey, str] = {}  # in the executable cache, not loaded yet
+        self._on_disk_jobs: dict[ProgramKey, tuple] = {}  # their (fn, args), to load them all
         self._lock = threading.Lock()
         self._on_demand = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxllm-compile")
         self.num_recompiles = 0
@@ -68,8 +73,8 @@ class CompileManager:
 
     # --- what exists ------------------------------------------------------------------------
     def programs(self) -> list[ProgramKey]:
-        """The programs compiled so far (and ready to run)."""
-        return list(self._executables)
+        """The programs ready to run: compiled, or in the executable cache."""
+        return [*self._executables, *self._on_disk]
 
     def deferred(self) -> list[ProgramKey]:
         """The programs warm-up left to the background thread, in compile order."""
@@ -79,12 +84,16 @@ class CompileManager:
         """Programs being compiled (or queued) in the background, not finished yet."""
         return [k for k, f in list(self._futures.items()) if not f.done()]
 
-    def wait_for_background_compiles(self) -> None:
+    def wait_for_background_compiles(self, load_cached: bool = False) -> None:
         """Block until the deferred programs and those asked for on demand so far are compiled
         (a server is ready, and benchmarks time the steady state, only then); a failure is
-        raised where the program is used."""
+        raised where the program is used. load_cached: also load now the programs left to
+        their first use in the executable cache (a benchmark's steps then load nothing)."""
         for future in list(self._futures.values()):
             future.exception()
+        if load_cached:
+            for key in list(self._on_disk):
+                self._load(key, *self._on_disk_jobs[key])
 
     # --- running ----------------------------------------------------------------------------
     def run(self, key: ProgramKey, fn, *args, first_use: bool = False):
@@ -108,6 +117,8 @@ class CompileManager:
         if self.enforce_eager:
             return fn(*args)
         exe = self._executables.get(key)
+        if exe is None and key in self._on_disk:
+            exe = self._load(key, fn, args)
         if exe is None and key in self._futures:
             exe = self._claim(key, load=True)
         if exe is None and first_use:
@@ -134,6 +145,9 @@ class CompileManager:
         """Whether key is compiled; if not, its compile starts in the background (the caller
         runs something else meanwhile) and False is returned."""
         if key in self._executables:
+            return True
+        if key in self._on_disk:
+            self._load(key, fn, make_args())
             return True
         future = self._futures.get(key)
         if future is None:
@@ -165,7 +179,8 @@ class CompileManager:
         """Compile jobs on all cores. Lowering (Python, this thread) feeds the compiler threads
         as it goes, so a cold start compiles while the remaining programs are still being
         traced; a warm start loads them from the executable cache without tracing."""
-        bar = tqdm(total=total, desc="Compiling buckets", unit="shape", leave=False)
+        bar = tqdm(total=total, desc="Compiling buckets", unit="shape", leave=False,
+                   disable=None)  # on a terminal only: in a log a bar is noise
 
         def compile_one(cache_key, lowered):
             exe = self._compile_lowered(cache_key, lowered)
@@ -178,15 +193,12 @@ class CompileManager:
                 if self.elsewhere(key):
                     bar.update(1)
                     continue
-                cache_key, exe = self._cached(key, args)
-                if exe is None:
-                    with mlir_lock:
-                        lowered = fn.lower(*args)
-                    done[key] = pool.submit(compile_one, cache_key, lowered)
-                else:
-                    done[key] = Future()
-                    done[key].set_result(exe)
+                if self._found_on_disk(key, fn, args):
                     bar.update(1)
+                    continue
+                with mlir_lock:
+                    lowered = fn.lower(*args)
+                done[key] = pool.submit(compile_one, self._cache_key(key, args), lowered)
             self._executables.update((key, f.result()) for key, f in done.items())
         bar.close()
 
@@ -200,10 +212,10 @@ class CompileManager:
         self._deferred.append(key)
 
     def start_background(self) -> None:
-        """Load the deferred programs the executable cache holds, then compile the others one
-        by one in a daemon thread, in the order deferred. At interpreter exit it stops after
-        the program in hand (XLA aborts the process if a compile is still running while Python
-        shuts down).
+        """Leave the deferred programs the executable cache holds to their first use, then
+        compile the others one by one in a daemon thread, in the order deferred. At
+        interpreter exit it stops after the program in hand (XLA aborts the process if a
+        compile is still running while Python shuts down).
 
         Only the engine's thread loads from the cache, never while a compile thread runs one
         of its loads: loading an XLA:CPU executable in a compile thread while the engine's
@@ -211,22 +223,23 @@ class CompileManager:
         in tests/test_engine.py::test_multi_step_keeps_outputs, not reproduced alone)."""
         for key in self.deferred():
             job = self._unclaimed.get(key)
-            exe = None if job is None else self._cached(key, job[1])[1]
-            if exe is not None:
+            if job is not None and self._found_on_disk(key, *job):
                 del self._unclaimed[key]
-                self._executables[key] = exe
-                self._futures[key].set_result(exe)
+                del self._futures[key]
         stop = threading.Event()
+        to_compile = [key for key in self.deferred() if key in self._futures]
 
         def run():
-            for key in self.deferred():
+            _lower_priority()
+            for key in to_compile:
                 if stop.is_set():
                     return
                 try:
                     self._claim(key, load=False)
                 except Exception:  # raised again to the step that needs the program
                     logger.exception("compiling %s in the background failed", key.kind)
-            logger.info("Compiled the %d deferred programs", len(self._deferred))
+            if to_compile:
+                logger.info("Compiled the %d deferred programs", len(to_compile))
 
         thread = threading.Thread(target=run, name="jaxllm-compile", daemon=True)
         thread.start()
@@ -250,6 +263,34 @@ class CompileManager:
         exe = self._executables[key] = self.compile(key, fn, args, load)
         return exe
 
+    def _cache_key(self, key: ProgramKey, args) -> Optional[str]:
+        return None if self._cache is None else self._cache.key(key, args)
+
+    def _found_on_disk(self, key: ProgramKey, fn, args) -> bool:
+        """Whether the executable cache holds key's program (then loaded on first use)."""
+        cache_key = self._cache_key(key, args)
+        if cache_key is None or not self._cache.holds(cache_key):
+            return False
+        self._on_disk[key] = cache_key
+        self._on_disk_jobs[key] = (fn, args)
+        self.programs_from_cache += 1
+        return True
+
+    def _load(self, key: ProgramKey, fn, args):
+        """The executable of a program found on disk at warm-up: loaded, or compiled again if
+        the file no longer loads (damaged, or removed meanwhile)."""
+        cache_key = self._on_disk.pop(key)
+        del self._on_disk_jobs[key]
+        t = time.perf_counter()
+        exe = self._cache.get(cache_key)
+        logger.debug("loaded %s T=%d from the executable cache in %.2f s", key.kind, key.tokens,
+                     time.perf_counter() - t)
+        if exe is None:
+            self.programs_from_cache -= 1
+            exe = self.compile(key, fn, args, load=False)
+        self._executables[key] = exe
+        return exe
+
     def _cached(self, key: ProgramKey, args, load: bool = True):
         """(executable-cache key, its executable or None (always without `load`)); (None,
         None) without the cache."""
@@ -265,3 +306,14 @@ class CompileManager:
         if cache_key is not None and compiled_here:
             self._cache.put(cache_key, exe)
         return exe
+
+
+def _lower_priority() -> None:
+    """Run this thread (and the compiler threads it starts) at a lower CPU priority: the
+    background compiles then take only what the engine's steps leave, and a request served
+    meanwhile is not slowed by programs it may never use. Linux gives each thread its own
+    nice value; elsewhere this does nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass

@@ -125,11 +125,16 @@ class ExecutableCache:
         h.update(_signature(args).encode())
         return h.hexdigest()[:32]
 
-    def _path(self, key: str) -> str:
+    def path(self, key: str) -> str:
+        """The file that holds (or would hold) the executable saved under key."""
         return os.path.join(self.directory, f"{key}.exe")
 
+    def holds(self, key: str) -> bool:
+        """Whether an executable is saved under key (it may still fail to load: `get`)."""
+        return os.path.exists(self.path(key))
+
     def get(self, key: str):
-        path = self._path(key)
+        path = self.path(key)
         if not os.path.exists(path):
             return None
         try:
@@ -149,7 +154,7 @@ class ExecutableCache:
             os.makedirs(self.directory, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.directory, delete=False) as f:
                 f.write(blob)
-            os.replace(f.name, self._path(key))  # atomic: readers see a whole file or none
+            os.replace(f.name, self.path(key))  # atomic: readers see a whole file or none
         except Exception as e:
             logger.warning("could not cache executable %s: %s", key, e)
 

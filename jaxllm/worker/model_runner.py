@@ -158,9 +158,10 @@ class ModelRunner:
         """Programs compiled after warm-up for a shape outside the buckets."""
         return self.compile_manager.num_recompiles
 
-    def wait_for_background_compiles(self) -> None:
-        """Block until the programs left to the background are compiled."""
-        self.compile_manager.wait_for_background_compiles()
+    def wait_for_background_compiles(self, load_cached: bool = False) -> None:
+        """Block until the programs left to the background are compiled (and, with
+        load_cached, those left in the executable cache are loaded)."""
+        self.compile_manager.wait_for_background_compiles(load_cached)
 
     def startup_arrays(self) -> tuple:
         """The device arrays made at start-up that steps take (the KV cache, the no-previous-
@@ -396,7 +397,7 @@ class ModelRunner:
         if background:
             cm.start_background()
         logger.info("Compiled %d forward shapes (token buckets %s, decode buckets %s) and %d "
-                    "sampler variants (%d more programs in the background); %d loaded from the "
+                    "sampler variants (%d more programs in the background); %d found in the "
                     "executable cache", len(shapes), self.input_batch.token_buckets,
                     self.input_batch.decode_buckets, len(plain), len(cm.deferred()),
                     cm.programs_from_cache)

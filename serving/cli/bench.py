@@ -18,15 +18,6 @@ from datetime import datetime
 from jaxllm.config import EngineArgs
 
 
-def seconds_since_process_start() -> float:
-    """Wall time since this process started (Linux /proc), so start-up includes imports."""
-    with open("/proc/self/stat") as f:
-        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/uptime") as f:
-        uptime = float(f.read().split()[0])
-    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-
-
 # --- options -----------------------------------------------------------------------------------
 
 @functools.cache
@@ -169,10 +160,11 @@ def _write_json(path: str, results: dict) -> None:
 
 def _load(args):
     from jaxllm import LLM
+    from jaxllm.engine.startup import process_age
 
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**{k: getattr(engine_args, k) for k in EngineArgs.__dataclass_fields__})
-    startup = dict(llm.llm_engine.startup_times, since_process_start=seconds_since_process_start())
+    startup = dict(llm.llm_engine.startup_times, since_process_start=process_age())
     llm.llm_engine.wait_for_background_compiles(load_cached=True)  # the steady state
     return llm, engine_args, startup
 

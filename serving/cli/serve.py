@@ -6,11 +6,13 @@ import argparse
 
 from jaxllm.config import EngineArgs
 from serving.cli_args import add_server_args, expand_config_file
+from serving.log_setup import add_log_level_arg, setup_logging
 from serving.vllm_flags import add_vllm_flags
 
 
 def make_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_server_args(parser)
+    add_log_level_arg(parser)
     EngineArgs.add_cli_args(parser, positional_model=True)
     add_vllm_flags(parser)  # the rest of vLLM's flags: refused by name at start-up
     return parser
@@ -36,6 +38,7 @@ def run(args: argparse.Namespace) -> None:
     from jaxllm.config import ConfigError
     from jaxllm.engine.dp_node import run_dp_node
     from jaxllm.engine.headless import follows_rank_0, run_headless
+    setup_logging(args.log_level)
     try:
         engine_args = EngineArgs.from_cli_args(args)
         if engine_args.headless and engine_args.data_parallel_size > 1:

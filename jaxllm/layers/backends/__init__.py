@@ -34,13 +34,14 @@ def resolve_backend(requested: str, num_devices: int = 1) -> str:
     return "cpu" if num_devices == 1 and kernel_cpu.available() else "reference"
 
 
-def make_backend(requested: str = "reference", mesh: Optional[Mesh] = None) -> Backend:
+def make_backend(requested: str = "reference", mesh: Optional[Mesh] = None,
+                 experts: bool = True) -> Backend:
     """The backend for --attention-backend on the model's mesh, its kernels built now (never
-    inside a trace)."""
+    inside a trace); `experts=False` for a dense model, whose backend never runs experts."""
     name = resolve_backend(requested, 1 if mesh is None else mesh.size)
     if name == "cpu":
         from jaxllm.layers.backends.cpu import CpuBackend
-        return CpuBackend.create()
+        return CpuBackend.create(experts)
     multi = None if mesh is None or mesh.size == 1 else mesh.abstract_mesh
     if name == "pallas":
         from jaxllm.layers.backends.pallas import PallasBackend

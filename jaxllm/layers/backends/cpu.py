@@ -38,10 +38,12 @@ EXPERTS = {"experts_gate_up": lambda L, X, E: (L, X, E, -1),
            "experts_down": lambda L, X, E: (L, X, -1, E)}
 
 
-def build_projection_kernels() -> bool:
-    """Build (once) the matmul, grouped matmul and activation kernels; False if this machine
+def build_projection_kernels(experts: bool = True) -> bool:
+    """Build (once) the matmul and activation kernels, and with `experts` the grouped matmul
+    (a dense model's start-up skips its build, seconds on a cold cache); False if this machine
     cannot."""
-    return matmul_cpu.available() and grouped_cpu.available() and activation_cpu.available()
+    return (matmul_cpu.available() and activation_cpu.available()
+            and (not experts or grouped_cpu.available()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +53,12 @@ class CpuBackend(ReferenceBackend):
     native_sampling: bool = True
 
     @classmethod
-    def create(cls) -> "CpuBackend":
+    def create(cls, experts: bool = True) -> "CpuBackend":
         """Build the kernels now: the attention kernel (`resolve_backend` checked it builds),
-        and the projection and sampling kernels if they can be built here."""
+        and the projection (with `experts`, the MoE experts' too) and sampling kernels if they
+        can be built here."""
         attention_cpu.available()
-        return cls(native_matmul=build_projection_kernels(),
+        return cls(native_matmul=build_projection_kernels(experts),
                    native_sampling=sampling_cpu.available())
 
     @property
