@@ -377,7 +377,7 @@ def test_kv_cache_dtype_on_cpu(requested, model_dtype, backend, want):
     import jax.numpy as jnp
 
     from jaxllm.config import EngineArgs
-    from jaxllm.engine.startup import kv_cache_dtype
+    from jaxllm.engine.runner_settings import kv_cache_dtype
 
     args = EngineArgs(model="m", kv_cache_dtype=requested)
     assert jnp.dtype(kv_cache_dtype(args, jnp.dtype(model_dtype), backend)) == jnp.dtype(want)

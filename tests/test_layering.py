@@ -98,3 +98,109 @@ def test_the_check_sees_an_upward_import(tmp_path):
     found = list(imported(str(src), "jaxllm.layers.m"))
     assert sorted(found) == ["jaxllm.layers.sampler", "serving.api_server"]
     assert layer("serving.api_server") > layer("jaxllm.layers.m")
+
+
+def graph():
+    """Module-level import graph: module -> the modules of this repository it imports.
+
+    `from X import Y` counts as an import of `X.Y` when that is a module, else of `X`;
+    a package's `__init__` is the package itself. Function-level imports count too: a
+    circle hidden inside a function is still a circle (the order of first use decides
+    whether it breaks, not the code).
+    """
+    known = dict(modules())
+    edges: dict[str, set[str]] = {m: set() for m in known}
+    for module, path in known.items():
+        tree = ast.parse(open(path).read(), path)
+        package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                           for a in node.names]
+            for target in targets:
+                # `import a.b.c` names a.b.c; an unknown name falls back to its package.
+                while target and target not in known:
+                    target = target.rpartition(".")[0]
+                if target:
+                    edges[module].add(target)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components (Tarjan) with more than one module, or a self-import."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in edges.get(v, ()):
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def path_within(edges, component):
+    """One circle through the component's first module, for the failure message."""
+    members = set(component)
+    start = component[0]
+    trail, seen = [start], {start}
+
+    def walk(v):
+        for w in sorted(edges[v] & members):
+            if w == start:
+                return True
+            if w not in seen:
+                seen.add(w)
+                trail.append(w)
+                if walk(w):
+                    return True
+                trail.pop()
+        return False
+
+    walk(start)
+    return " -> ".join(trail + [start])
+
+
+def test_no_import_circles():
+    edges = graph()
+    found = cycles(edges)
+    assert not found, "import circles:\n" + "\n".join(
+        f"{c}: {path_within(edges, c)}" for c in found)
+
+
+def test_the_check_sees_a_circle():
+    """The cycle finder finds a hidden (function-level) circle and a self-import."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"a"}}) == [["a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    edges = graph()
+    assert "jaxllm.engine.scheduler" in edges["jaxllm.engine.engine"]

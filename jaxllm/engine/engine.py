@@ -19,12 +19,14 @@ from jaxllm.engine.detokenizer import IncrementalDetokenizer, decode_logprob_tok
 from jaxllm.engine.grammar import Grammars, advance
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.startup import build_engine_parts
 from jaxllm.layers.sampling_tensors import EXTRA_PENALTY_IDS, SamplingTensors, needs_processing
 from jaxllm.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput,
                             RequestOutput)
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxllm.sequence import Sequence, SequenceStatus
+from jaxllm.spec_decode.draft_model import build_speculator
 from jaxllm.worker.pooler import Pooler, pool
 
 logger = logging.getLogger("jaxllm")
@@ -71,8 +73,6 @@ def _reads_output_history(sp: SamplingParams) -> bool:
 class LLMEngine:
     def __init__(self, args: EngineArgs, devices: Optional[list] = None):
         """devices: the ones this engine's mesh uses (a data-parallel replica's share)."""
-        from jaxllm.engine.startup import build_engine_parts
-        from jaxllm.spec_decode.draft_model import build_speculator
         self.args = args
         t0 = time.perf_counter()
         parts = build_engine_parts(args, devices=devices)

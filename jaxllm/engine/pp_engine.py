@@ -10,43 +10,21 @@ earlier stages (jaxllm/worker/pipeline_runner.py). A step never needs a token st
 flight, so penalties, grammars and stop strings see every output token, as on one device.
 KV blocks freed or reused while a step is in flight are safe: each stage runs its steps in
 dispatch order, so a block's writes and reads on a stage keep the order the scheduler gave.
+
+The stages and their `PipelineRunner` are built by start-up (`build_pipeline_runner` in
+jaxllm/engine/startup.py), like any engine's runner: this module only schedules them, so it
+imports the engine and start-up never imports it.
 """
 
 from __future__ import annotations
 
 import collections
-import logging
 import time
 from typing import Optional
 
 from jaxllm.config import EngineArgs
 from jaxllm.engine.engine import LLMEngine
-from jaxllm.engine.startup import num_kv_blocks
-from jaxllm.models.pipeline_stage import split_stage
 from jaxllm.outputs import RequestOutput
-from jaxllm.parallel.pipeline import stage_layer_ranges
-from jaxllm.worker.pipeline_runner import PipelineRunner
-
-logger = logging.getLogger("jaxllm")
-
-
-def build_pipeline_runner(args: EngineArgs, model, mc, meshes: list,
-                          runner_args: dict) -> tuple[PipelineRunner, int]:
-    """The stages of the loaded `model` on `meshes`, their runner, and the KV blocks: each
-    stage sizes its own layers' cache on its devices, and the least of them is every stage's
-    (a block holds a token's keys and values in every layer)."""
-    ranges = stage_layer_ranges(mc.num_layers, len(meshes))
-    stages = [split_stage(model, a, b, mesh) for (a, b), mesh in zip(ranges, meshes)]
-    dtype = runner_args["kv_cache_dtype"]
-    num_blocks = min(num_kv_blocks(args, mc, dtype, layers=b - a, device=mesh.devices.flat[0])
-                     for (a, b), mesh in zip(ranges, meshes))
-    runner = PipelineRunner(stages, meshes, mc, num_blocks=num_blocks, **runner_args)
-    for (a, b), r in zip(ranges, runner.memory_report()):
-        logger.info("Pipeline stage %d: layers [%d, %d) on host %d, devices %s; per device "
-                    "%.1f MiB of weights, %.1f MiB of KV cache", r["stage"], a, b, r["host"],
-                    r["devices"],
-                    r["weight_bytes_per_device"] / 2**20, r["kv_bytes_per_device"] / 2**20)
-    return runner, num_blocks
 
 
 class PipelineEngine(LLMEngine):

@@ -1,6 +1,10 @@
 """Start-up: resolve the model, build the mesh, load weights, size the KV cache, compile.
 
-Kept apart from the engine loop so the loop file reads as the data path only.
+Kept apart from the engine loop so the loop file reads as the data path only. It builds the
+runner of either kind here, one device mesh's `ModelRunner` or a pipeline's `PipelineRunner`
+(the engine that drives a pipeline, jaxllm/engine/pp_engine.py, only schedules it), and takes
+its sizing rules from jaxllm/engine/runner_settings.py, shared with the draft model's start-up.
+Nothing here imports the engine: the engine imports this.
 """
 
 from __future__ import annotations
@@ -17,25 +21,24 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import ConfigError, EngineArgs, cpu_kv_cache_bytes
-from jaxllm.layers.attention import native_cpu_attention
+from jaxllm.config import ConfigError, EngineArgs
+from jaxllm.engine.runner_settings import (executable_cache_dir, kv_cache_dtype,
+                                           max_num_batched_tokens, num_kv_blocks)
 from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.loader import load_model
+from jaxllm.models.pipeline_stage import split_stage
 from jaxllm.parallel import distributed
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.parallel.pipeline import is_local, stage_meshes
+from jaxllm.parallel.pipeline import is_local, stage_layer_ranges, stage_meshes
 from jaxllm.parallel.step_channel import StepFollower, StepLeader
 from jaxllm.tokenizer import get_tokenizer, load_generation_config
 from jaxllm.worker.host_memory import keep_freed_memory
 from jaxllm.worker.model_runner import ModelRunner
+from jaxllm.worker.pipeline_runner import PipelineRunner
 from jaxllm.worker.pooler import PoolerConfig, read_pooler_config
 
 logger = logging.getLogger("jaxllm")
 
-_KV_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32,
-              "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
-              "fp8_e5m2": jnp.float8_e5m2}
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass
@@ -61,80 +64,6 @@ def process_age() -> float:
     with open("/proc/uptime") as f:
         uptime = float(f.read().split()[0])
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-
-
-def executable_cache_dir() -> str | None:
-    """Where compiled step programs are kept ($JAXLLM_CACHE_DIR, '' to disable); see
-    jaxllm/worker/executable_cache.py."""
-    path = os.environ.get("JAXLLM_CACHE_DIR",
-                          os.path.join(os.path.expanduser("~"), ".cache", "jaxllm", "xla"))
-    return path or None
-
-
-def kv_cache_dtype(args: EngineArgs, model_dtype, attention_backend: str) -> Any:
-    """'auto' = the model's dtype, except on CPU without the native attention kernel: XLA:CPU
-    upcasts a 16-bit cache update to float32 over the whole cache (measured: +7 GB and ~100x
-    slower steps for SmolLM2 at 8k context), so that cache is float32. The native kernel
-    writes a float32 or bfloat16 cache in place."""
-    on_cpu = jax.default_backend() == "cpu"
-    dtype = model_dtype if args.kv_cache_dtype == "auto" else _KV_DTYPES[args.kv_cache_dtype]
-    if not on_cpu or native_cpu_attention(attention_backend, dtype):
-        return dtype
-    if args.kv_cache_dtype == "auto":
-        return jnp.float32
-    if jnp.dtype(dtype).itemsize < 4:
-        logger.warning("--kv-cache-dtype %s on CPU without the native attention kernel: XLA:CPU "
-                       "converts the whole cache to float32 on every step (slow, and "
-                       "memory-hungry); 'auto' uses float32 here", args.kv_cache_dtype)
-    return dtype
-
-
-def num_kv_blocks(args: EngineArgs, mc, dtype, layers: Optional[int] = None,
-                  device=None) -> int:
-    """Blocks that fit the KV budget; fails early when one max_model_len sequence cannot fit.
-    A pipeline stage sizes its `layers` on its own devices (`device`, the first of them): a
-    budget given as a total (CPU, --kv-cache-memory-bytes) is shared in proportion to layers,
-    an accelerator's free memory is the stage's own."""
-    layers = mc.num_layers if layers is None else layers
-    per_block = (2 * layers * mc.num_kv_heads * args.block_size * mc.head_dim
-                 * jnp.dtype(dtype).itemsize)
-    if args.num_gpu_blocks_override is not None:
-        num, source = args.num_gpu_blocks_override, "--num-gpu-blocks-override"
-    else:
-        if args.kv_cache_memory_bytes is not None:
-            budget, source = args.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
-        elif jax.default_backend() == "cpu":
-            budget, source = cpu_kv_cache_bytes(), "JAXLLM_CPU_KVCACHE_SPACE"
-        else:
-            budget, source = _device_kv_budget(args, device), "--gpu-memory-utilization"
-        if source != "--gpu-memory-utilization":  # a total: each stage's share
-            budget = budget * layers // mc.num_layers
-        # More blocks than max_num_seqs full-length sequences can hold would only feed the
-        # prefix cache; cap there so small models do not allocate the whole budget.
-        cap = args.max_num_seqs * math.ceil(mc.max_model_len / args.block_size)
-        num = min(int(budget // per_block), cap)
-    need = math.ceil(mc.max_model_len / args.block_size)
-    if num < need:
-        raise ConfigError(
-            f"The KV cache holds {num} blocks of {args.block_size} tokens ({num * per_block / 2**30:.2f}"
-            f" GiB, set by {source}) = {num * args.block_size} tokens, but one sequence of "
-            f"max_model_len={mc.max_model_len} needs {need} blocks ({need * per_block / 2**30:.2f} "
-            f"GiB). Lower --max-model-len (at most {num * args.block_size} fits), or give the cache "
-            f"more memory (--gpu-memory-utilization, --kv-cache-memory-bytes, "
-            f"JAXLLM_CPU_KVCACHE_SPACE on CPU, --num-gpu-blocks-override), or use "
-            f"--kv-cache-dtype fp8.")
-    return num
-
-
-def _device_kv_budget(args: EngineArgs, device=None) -> int:
-    """Accelerator memory left for the KV cache after weights, per device, times devices used."""
-    stats = (device or jax.devices()[0]).memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    if not limit:
-        raise ConfigError("cannot read device memory; pass --num-gpu-blocks-override or "
-                          "--kv-cache-memory-bytes")
-    free = limit * args.gpu_memory_utilization - stats.get("bytes_in_use", 0)
-    return int(max(free, 0) * 0.9) * args.tensor_parallel_size  # 10% for activations
 
 
 def join_hosts(args: EngineArgs) -> distributed.Topology:
@@ -176,7 +105,7 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
     t = time.perf_counter()
     pp = args.pipeline_parallel_size
     # A pipeline loads onto the sub-mesh of this host's first stage, then hands each stage its
-    # layers (pp_engine; a host keeps only its own stages' weights).
+    # layers (build_pipeline_runner; a host keeps only its own stages' weights).
     meshes = stage_meshes(pp, args.tensor_parallel_size, devices) if pp > 1 else None
     mesh = next(m for m in meshes if is_local(m)) if meshes else \
         make_mesh(args.tensor_parallel_size, devices=devices)
@@ -203,11 +132,7 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
                           "expert loads (only the generate runner's steps do)")
     pooler_config = (read_pooler_config(path, args.pooler_config) if runner_type == "pooling"
                      else None)
-    max_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    if not args.chunked_prefill:
-        max_tokens = max(max_tokens, mc.max_model_len)  # a whole prompt must fit one step
-    if max_tokens < args.max_num_seqs:
-        max_tokens = args.max_num_seqs
+    max_tokens = max_num_batched_tokens(args, mc.max_model_len)
     t = time.perf_counter()
     runner_args = dict(kv_cache_dtype=dtype, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_tokens,
@@ -219,7 +144,6 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
                           f"chose it for this sentence-transformers folder) is not implemented "
                           f"with a pipeline; give --runner generate or drop the flag")
     if meshes is not None:
-        from jaxllm.engine.pp_engine import build_pipeline_runner
         runner, num_blocks = build_pipeline_runner(args, model, mc, meshes, runner_args)
     else:
         # Pooling runs each prompt with a scratch cache of its own (jaxllm/worker/pooler.py):
@@ -243,6 +167,25 @@ def build_engine_parts(args: EngineArgs, headless: bool = False,
     defaults = {k: v for k, v in gen.items() if k != "eos_token_id"}
     return EngineParts(mc, tokenizer, frozenset(eos), defaults, runner, num_blocks, times,
                        runner_type, pooler_config, follower)
+
+
+def build_pipeline_runner(args: EngineArgs, model, mc, meshes: list,
+                          runner_args: dict) -> tuple[PipelineRunner, int]:
+    """The stages of the loaded `model` on `meshes`, their runner, and the KV blocks: each
+    stage sizes its own layers' cache on its devices, and the least of them is every stage's
+    (a block holds a token's keys and values in every layer)."""
+    ranges = stage_layer_ranges(mc.num_layers, len(meshes))
+    stages = [split_stage(model, a, b, mesh) for (a, b), mesh in zip(ranges, meshes)]
+    dtype = runner_args["kv_cache_dtype"]
+    num_blocks = min(num_kv_blocks(args, mc, dtype, layers=b - a, device=mesh.devices.flat[0])
+                     for (a, b), mesh in zip(ranges, meshes))
+    runner = PipelineRunner(stages, meshes, mc, num_blocks=num_blocks, **runner_args)
+    for (a, b), r in zip(ranges, runner.memory_report()):
+        logger.info("Pipeline stage %d: layers [%d, %d) on host %d, devices %s; per device "
+                    "%.1f MiB of weights, %.1f MiB of KV cache", r["stage"], a, b, r["host"],
+                    r["devices"],
+                    r["weight_bytes_per_device"] / 2**20, r["kv_bytes_per_device"] / 2**20)
+    return runner, num_blocks
 
 
 def _num_speculative_tokens(args: EngineArgs, runner_type: str) -> int:

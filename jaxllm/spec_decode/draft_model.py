@@ -34,8 +34,8 @@ import numpy as np
 
 from jaxllm.config import EngineArgs
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.startup import (DEFAULT_MAX_NUM_BATCHED_TOKENS, executable_cache_dir,
-                                   kv_cache_dtype, num_kv_blocks)
+from jaxllm.engine.runner_settings import (executable_cache_dir, kv_cache_dtype,
+                                           max_num_batched_tokens, num_kv_blocks)
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.sampling_params import SamplingParams
@@ -85,8 +85,7 @@ class DraftModelProposer:
                 num_blocks = min(num_blocks, target_num_blocks + args.max_num_seqs * per_seq)
         self.max_num_seqs = args.max_num_seqs
         # Catch-up steps hold 1-2 tokens per row in the steady state: room for two per row.
-        self.max_tokens = max(args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                              2 * args.max_num_seqs)
+        self.max_tokens = max_num_batched_tokens(args, per_seq=2)
         self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(
             model, mc, mesh, num_blocks=num_blocks, block_size=args.block_size,

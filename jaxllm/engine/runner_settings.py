@@ -1,0 +1,114 @@
+"""What a `ModelRunner` is built with, read from EngineArgs: the KV cache's dtype and number
+of blocks, a step's token budget, and where compiled programs are kept.
+
+Two start-ups build runners by these rules: the target model's (jaxllm/engine/startup.py) and
+the draft model's (jaxllm/spec_decode/draft_model.py). The rules live here, below both, so
+that each imports them and neither imports the other (tests/test_layering.py forbids import
+circles), and so each rule is written once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import ConfigError, EngineArgs, cpu_kv_cache_bytes
+from jaxllm.layers.attention import native_cpu_attention
+
+logger = logging.getLogger("jaxllm")
+
+_KV_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32,
+              "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
+              "fp8_e5m2": jnp.float8_e5m2}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def max_num_batched_tokens(args: EngineArgs, max_model_len: Optional[int] = None,
+                           per_seq: int = 1) -> int:
+    """Tokens one step may hold: --max-num-batched-tokens (default 2048), raised to per_seq
+    tokens for each of max_num_seqs rows, and, given max_model_len without chunked prefill,
+    to a whole prompt (it must fit one step). The draft model gives no max_model_len (it
+    chunks a long catch-up itself) and per_seq=2 (a catch-up feeds 1-2 tokens a row)."""
+    tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if max_model_len is not None and not args.chunked_prefill:
+        tokens = max(tokens, max_model_len)
+    return max(tokens, per_seq * args.max_num_seqs)
+
+
+def executable_cache_dir() -> str | None:
+    """Where compiled step programs are kept ($JAXLLM_CACHE_DIR, '' to disable); see
+    jaxllm/worker/executable_cache.py."""
+    path = os.environ.get("JAXLLM_CACHE_DIR",
+                          os.path.join(os.path.expanduser("~"), ".cache", "jaxllm", "xla"))
+    return path or None
+
+
+def kv_cache_dtype(args: EngineArgs, model_dtype, attention_backend: str) -> Any:
+    """'auto' = the model's dtype, except on CPU without the native attention kernel: XLA:CPU
+    upcasts a 16-bit cache update to float32 over the whole cache (measured: +7 GB and ~100x
+    slower steps for SmolLM2 at 8k context), so that cache is float32. The native kernel
+    writes a float32 or bfloat16 cache in place."""
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = model_dtype if args.kv_cache_dtype == "auto" else _KV_DTYPES[args.kv_cache_dtype]
+    if not on_cpu or native_cpu_attention(attention_backend, dtype):
+        return dtype
+    if args.kv_cache_dtype == "auto":
+        return jnp.float32
+    if jnp.dtype(dtype).itemsize < 4:
+        logger.warning("--kv-cache-dtype %s on CPU without the native attention kernel: XLA:CPU "
+                       "converts the whole cache to float32 on every step (slow, and "
+                       "memory-hungry); 'auto' uses float32 here", args.kv_cache_dtype)
+    return dtype
+
+
+def num_kv_blocks(args: EngineArgs, mc, dtype, layers: Optional[int] = None,
+                  device=None) -> int:
+    """Blocks that fit the KV budget; fails early when one max_model_len sequence cannot fit.
+    A pipeline stage sizes its `layers` on its own devices (`device`, the first of them): a
+    budget given as a total (CPU, --kv-cache-memory-bytes) is shared in proportion to layers,
+    an accelerator's free memory is the stage's own."""
+    layers = mc.num_layers if layers is None else layers
+    per_block = (2 * layers * mc.num_kv_heads * args.block_size * mc.head_dim
+                 * jnp.dtype(dtype).itemsize)
+    if args.num_gpu_blocks_override is not None:
+        num, source = args.num_gpu_blocks_override, "--num-gpu-blocks-override"
+    else:
+        if args.kv_cache_memory_bytes is not None:
+            budget, source = args.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
+        elif jax.default_backend() == "cpu":
+            budget, source = cpu_kv_cache_bytes(), "JAXLLM_CPU_KVCACHE_SPACE"
+        else:
+            budget, source = _device_kv_budget(args, device), "--gpu-memory-utilization"
+        if source != "--gpu-memory-utilization":  # a total: each stage's share
+            budget = budget * layers // mc.num_layers
+        # More blocks than max_num_seqs full-length sequences can hold would only feed the
+        # prefix cache; cap there so small models do not allocate the whole budget.
+        cap = args.max_num_seqs * math.ceil(mc.max_model_len / args.block_size)
+        num = min(int(budget // per_block), cap)
+    need = math.ceil(mc.max_model_len / args.block_size)
+    if num < need:
+        raise ConfigError(
+            f"The KV cache holds {num} blocks of {args.block_size} tokens ({num * per_block / 2**30:.2f}"
+            f" GiB, set by {source}) = {num * args.block_size} tokens, but one sequence of "
+            f"max_model_len={mc.max_model_len} needs {need} blocks ({need * per_block / 2**30:.2f} "
+            f"GiB). Lower --max-model-len (at most {num * args.block_size} fits), or give the cache "
+            f"more memory (--gpu-memory-utilization, --kv-cache-memory-bytes, "
+            f"JAXLLM_CPU_KVCACHE_SPACE on CPU, --num-gpu-blocks-override), or use "
+            f"--kv-cache-dtype fp8.")
+    return num
+
+
+def _device_kv_budget(args: EngineArgs, device=None) -> int:
+    """Accelerator memory left for the KV cache after weights, per device, times devices used."""
+    stats = (device or jax.devices()[0]).memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        raise ConfigError("cannot read device memory; pass --num-gpu-blocks-override or "
+                          "--kv-cache-memory-bytes")
+    free = limit * args.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+    return int(max(free, 0) * 0.9) * args.tensor_parallel_size  # 10% for activations
