@@ -40,7 +40,6 @@ from jaxllm.worker.pooler import PoolerConfig, read_pooler_config
 logger = logging.getLogger("jaxllm")
 
 
-
 @dataclass
 class EngineParts:
     model_config: Any

@@ -56,8 +56,8 @@ class CompileManager:
         self._futures: dict[ProgramKey, Future] = {}  # every program compiled in the background
         self._unclaimed: dict[ProgramKey, tuple] = {}  # deferred (fn, args) nobody started yet
         self._deferred: list[ProgramKey] = []
-        self._on_disk: dict[ProgramKey, str] = {}  # in the executable cache, not loaded yet
-        self._on_disk_jobs: dict[ProgramKey, tuple] = {}  # their (fn, args), to load them all
+        # In the executable cache, not loaded yet: (cache key, fn, args).
+        self._on_disk: dict[ProgramKey, tuple[str, Callable, tuple]] = {}
         self._lock = threading.Lock()
         self._on_demand = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxllm-compile")
         self.num_recompiles = 0
@@ -93,7 +93,7 @@ class CompileManager:
             future.exception()
         if load_cached:
             for key in list(self._on_disk):
-                self._load(key, *self._on_disk_jobs[key])
+                self._load(key)
 
     # --- running ----------------------------------------------------------------------------
     def run(self, key: ProgramKey, fn, *args, first_use: bool = False):
@@ -118,7 +118,7 @@ class CompileManager:
             return fn(*args)
         exe = self._executables.get(key)
         if exe is None and key in self._on_disk:
-            exe = self._load(key, fn, args)
+            exe = self._load(key)
         if exe is None and key in self._futures:
             exe = self._claim(key, load=True)
         if exe is None and first_use:
@@ -147,7 +147,7 @@ class CompileManager:
         if key in self._executables:
             return True
         if key in self._on_disk:
-            self._load(key, fn, make_args())
+            self._load(key)
             return True
         future = self._futures.get(key)
         if future is None:
@@ -178,7 +178,8 @@ class CompileManager:
     def compile_now(self, jobs: Iterable[Job], total: int) -> None:
         """Compile jobs on all cores. Lowering (Python, this thread) feeds the compiler threads
         as it goes, so a cold start compiles while the remaining programs are still being
-        traced; a warm start loads them from the executable cache without tracing."""
+        traced; a warm start finds them in the executable cache without tracing (and loads
+        each when a step first runs it)."""
         bar = tqdm(total=total, desc="Compiling buckets", unit="shape", leave=False,
                    disable=None)  # on a terminal only: in a log a bar is noise
 
@@ -193,12 +194,13 @@ class CompileManager:
                 if self.elsewhere(key):
                     bar.update(1)
                     continue
-                if self._found_on_disk(key, fn, args):
+                cache_key = self._cache_key(key, args)
+                if self._found_on_disk(key, cache_key, fn, args):
                     bar.update(1)
                     continue
                 with mlir_lock:
                     lowered = fn.lower(*args)
-                done[key] = pool.submit(compile_one, self._cache_key(key, args), lowered)
+                done[key] = pool.submit(compile_one, cache_key, lowered)
             self._executables.update((key, f.result()) for key, f in done.items())
         bar.close()
 
@@ -223,7 +225,7 @@ class CompileManager:
         in tests/test_engine.py::test_multi_step_keeps_outputs, not reproduced alone)."""
         for key in self.deferred():
             job = self._unclaimed.get(key)
-            if job is not None and self._found_on_disk(key, *job):
+            if job is not None and self._found_on_disk(key, self._cache_key(key, job[1]), *job):
                 del self._unclaimed[key]
                 del self._futures[key]
         stop = threading.Event()
@@ -266,28 +268,26 @@ class CompileManager:
     def _cache_key(self, key: ProgramKey, args) -> Optional[str]:
         return None if self._cache is None else self._cache.key(key, args)
 
-    def _found_on_disk(self, key: ProgramKey, fn, args) -> bool:
+    def _found_on_disk(self, key: ProgramKey, cache_key: Optional[str], fn, args) -> bool:
         """Whether the executable cache holds key's program (then loaded on first use)."""
-        cache_key = self._cache_key(key, args)
         if cache_key is None or not self._cache.holds(cache_key):
             return False
-        self._on_disk[key] = cache_key
-        self._on_disk_jobs[key] = (fn, args)
+        self._on_disk[key] = (cache_key, fn, args)
         self.programs_from_cache += 1
         return True
 
-    def _load(self, key: ProgramKey, fn, args):
+    def _load(self, key: ProgramKey):
         """The executable of a program found on disk at warm-up: loaded, or compiled again if
         the file no longer loads (damaged, or removed meanwhile)."""
-        cache_key = self._on_disk.pop(key)
-        del self._on_disk_jobs[key]
+        cache_key, fn, args = self._on_disk.pop(key)
         t = time.perf_counter()
         exe = self._cache.get(cache_key)
-        logger.debug("loaded %s T=%d from the executable cache in %.2f s", key.kind, key.tokens,
-                     time.perf_counter() - t)
         if exe is None:
             self.programs_from_cache -= 1
             exe = self.compile(key, fn, args, load=False)
+        else:
+            logger.debug("loaded %s T=%d from the executable cache in %.2f s", key.kind,
+                         key.tokens, time.perf_counter() - t)
         self._executables[key] = exe
         return exe
 
