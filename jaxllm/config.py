@@ -2,20 +2,21 @@
 
 Field names, defaults and choices follow vLLM's engine arguments, so `--tensor-parallel-size 4`
 means the same thing here. A value the engine cannot honour yet is refused in `validate()` with
-an error that names the flag.
+an error that names the flag. The engine reads them as `create_engine_config()` resolves them
+(jaxllm/engine_config.py): nothing below the engine imports EngineArgs.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
+from jaxllm.engine_config import (ConfigError, EngineConfig, check_data_parallel,
+                                  check_pipeline, engine_config_from, flag_name)
 from jaxllm.json_object import json_object
 from jaxllm.spec_decode.config import SpeculativeConfig
 
@@ -56,10 +57,6 @@ def parse_speculative_config(value) -> Optional[SpeculativeConfig]:
 def _arg(help: str, choices: tuple = (), parse=None, cli: bool = True, **kw) -> Any:
     meta = {"help": help, "choices": choices, "parse": parse, "cli": cli}
     return field(metadata=meta, **kw)
-
-
-class ConfigError(ValueError):
-    """A bad engine argument; the message names the flag."""
 
 
 @dataclass
@@ -228,7 +225,7 @@ class EngineArgs:
                 try:
                     setattr(self, f.name, parse(value))
                 except ValueError as e:
-                    raise ConfigError(f"--{_flag(f.name)}: {e}") from None
+                    raise ConfigError(f"--{flag_name(f.name)}: {e}") from None
         if self.optimization_level == 0:
             self.enforce_eager = True
         if isinstance(self.served_model_name, str):
@@ -237,7 +234,7 @@ class EngineArgs:
 
     def validate(self) -> None:
         def bad(name: str, why: str):
-            raise ConfigError(f"--{_flag(name)}={getattr(self, name)!r}: {why}")
+            raise ConfigError(f"--{flag_name(name)}={getattr(self, name)!r}: {why}")
 
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
@@ -268,8 +265,8 @@ class EngineArgs:
         if self.distributed_timeout_seconds < 1:
             bad("distributed_timeout_seconds", "must be positive")
         if self.pipeline_parallel_size > 1:
-            self._validate_pipeline()
-        self._validate_data_parallel(bad)
+            check_pipeline(self)
+        check_data_parallel(self, bad)
         if self.quantization is not None:
             bad("quantization", "no quantization method is implemented yet")
         if self.tokenizer_mode != "auto":
@@ -289,68 +286,11 @@ class EngineArgs:
             bad("trust_remote_code", "jaxllm never runs a model's own Python code; the models it "
                 "supports need none, so drop the flag")
 
-    def _validate_data_parallel(self, bad) -> None:
-        """vLLM's multi-node DP flags: the API node (no --headless) holds ranks 0 .. local-1,
-        each --headless node `local` ranks from its start rank. A replica spanning hosts
-        (--nnodes with DP) is not implemented."""
-        n = self.data_parallel_size
-        local = self.data_parallel_local
-        if self.data_parallel_size > 1 and self.nnodes > 1:
-            bad("data_parallel_size", "a data-parallel group whose replicas span hosts "
-                "(--nnodes) is not implemented: across hosts use --data-parallel-size-local "
-                "(a replica per node or more), or --nnodes with --tensor-parallel-size alone")
-        if not 0 < self.data_parallel_rpc_port < 65536:
-            bad("data_parallel_rpc_port", "must be a port number (1-65535)")
-        if self.data_parallel_size_local is not None and not 0 <= local <= n:
-            bad("data_parallel_size_local", f"must be in 0 .. --data-parallel-size = {n}")
-        if not 0 <= self.data_parallel_start_rank < n:
-            bad("data_parallel_start_rank", f"must be in 0 .. --data-parallel-size - 1 = {n - 1}")
-        if self.headless and self.nnodes == 1:
-            if n == 1:
-                bad("headless", "a headless node runs remote data-parallel replicas (give "
-                    "--data-parallel-size and --data-parallel-size-local) or follows rank 0 "
-                    "of --nnodes hosts")
-            if local == 0:
-                bad("data_parallel_size_local", "a --headless node runs at least one replica")
-            if self.data_parallel_start_rank == 0:
-                bad("data_parallel_start_rank", "rank 0 is the API node's; a --headless node "
-                    "starts at the API node's --data-parallel-size-local or above")
-        elif not self.headless:
-            if self.data_parallel_start_rank != 0:
-                bad("data_parallel_start_rank", "the API node holds ranks 0 .. "
-                    "--data-parallel-size-local - 1; start ranks are for --headless nodes")
-            if local == 0:
-                bad("data_parallel_size_local", "0 (an API node without a replica) is not "
-                    "implemented: the API node tokenizes with its own first replica; keep one "
-                    "there")
-        if self.data_parallel_start_rank + local > n:
-            bad("data_parallel_size_local", f"ranks {self.data_parallel_start_rank} .. "
-                f"{self.data_parallel_start_rank + local - 1} go past --data-parallel-size {n}")
-
     @property
     def data_parallel_local(self) -> int:
         """Replicas this node runs (--data-parallel-size-local, default all of them)."""
         return (self.data_parallel_size if self.data_parallel_size_local is None
                 else self.data_parallel_size_local)
-
-    def _validate_pipeline(self) -> None:
-        """What --pipeline-parallel-size does not combine with yet, refused by name."""
-        for name, on, why in (
-                ("data_parallel_size", self.data_parallel_size > 1, "replicas of a pipeline"),
-                ("enable_expert_parallel", self.enable_expert_parallel,
-                 "experts sharded inside a stage"),
-                ("num_scheduler_steps", self.num_scheduler_steps > 1,
-                 "multi-step programs (the pipeline already keeps the stages busy)"),
-                ("speculative_config", self.speculative_config is not None,
-                 "speculative decoding"),
-                ("enable_expert_load_metrics", self.enable_expert_load_metrics,
-                 "counting expert loads across stages"),
-                ("runner", self.runner == "pooling" or self.convert == "embed",
-                 "the pooling runner")):
-            if on:
-                raise ConfigError(f"--pipeline-parallel-size={self.pipeline_parallel_size} with "
-                                  f"--{_flag(name)}={getattr(self, name)!r}: {why} is not "
-                                  f"implemented; drop one of the two")
 
     def _validate_structured_outputs(self) -> None:
         from jaxllm.structured_output.params import BACKENDS
@@ -385,22 +325,10 @@ class EngineArgs:
                                   f"{getattr(self, name)} was given")
         self.runner, self.convert, self.task = runner, convert, "auto"
 
-    def runner_type(self, model_path: str) -> str:
-        """'generate' or 'pooling' (--runner auto resolved for the model at `model_path`)."""
-        if self.runner != "auto":
-            return self.runner
-        st = os.path.isdir(model_path) and os.path.exists(os.path.join(model_path,
-                                                                       "modules.json"))
-        return "pooling" if self.convert == "embed" or (st and self.convert == "auto") \
-            else "generate"
-
-    @property
-    def prefix_caching(self) -> bool:
-        return True if self.enable_prefix_caching is None else self.enable_prefix_caching
-
-    @property
-    def chunked_prefill(self) -> bool:
-        return True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
+    def create_engine_config(self) -> EngineConfig:
+        """The engine's typed, frozen configuration of these arguments, defaults resolved
+        (vLLM's create_engine_config): what the layers below the engine read instead."""
+        return engine_config_from(self)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -433,7 +361,7 @@ class EngineArgs:
                 kw["type"] = str  # parsed (with a flag-naming error) in __post_init__
             elif base in (int, float, str):
                 kw["type"] = base
-            flags = [f"--{_flag(f.name)}", *_SHORT_FLAGS.get(f.name, ())]
+            flags = [f"--{flag_name(f.name)}", *_SHORT_FLAGS.get(f.name, ())]
             if f.name == "model" and positional_model:
                 flags.append("--model")  # `serve MODEL` or `serve --model MODEL`
                 group.add_argument("model_tag", nargs="?", default=None,
@@ -471,18 +399,9 @@ _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-p
                 "speculative_config": ("-sc",)}
 
 
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
 def _base_type(hint):
     if get_origin(hint) is Union:
         args = [a for a in get_args(hint) if a is not type(None)]
         hint = args[0]
     origin = get_origin(hint)
     return origin or hint
-
-
-def cpu_kv_cache_bytes() -> int:
-    """The CPU KV-cache budget: $JAXLLM_CPU_KVCACHE_SPACE GiB, default 4 (like vLLM's CPU backend)."""
-    return int(float(os.environ.get("JAXLLM_CPU_KVCACHE_SPACE", "4")) * 1024**3)

@@ -170,6 +170,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
 
+    @property
+    def needs_output_history(self) -> bool:
+        """Penalties count the output tokens, bad words match their ends, and a grammar's
+        matcher must have taken them all before the next mask: each needs every output token
+        on the host before the next step samples."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0 or bool(self.bad_words)
+                or self.structured_outputs is not None)
+
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
 

@@ -126,3 +126,18 @@ class SchedulerOutput:
     @property
     def total_num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
+
+
+@dataclass
+class Stop:
+    """A sequence ended outside the scheduler's own rules (a stop string, the grammar's end,
+    found by the output processor), for the scheduler to apply: its status and stop_reason,
+    and (a stop string inside accepted drafts) the output tokens after it to drop,
+    [drop_from, drop_to). override: it ends the sequence even if a later token of the same
+    step already did (the earlier stop comes first)."""
+    seq: Sequence
+    status: SequenceStatus
+    reason: Union[int, str, None]
+    drop_from: int = 0
+    drop_to: int = 0
+    override: bool = False

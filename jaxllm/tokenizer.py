@@ -19,10 +19,10 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
 
 def get_tokenizer(model, *, revision: Optional[str] = None, gguf_file: Optional[str] = None,
                   download_dir: Optional[str] = None):
-    """A transformers tokenizer for `model`: an `EngineArgs`, a folder, a hub name, a .gguf path
+    """A transformers tokenizer for `model`: a `LoadConfig`, a folder, a hub name, a .gguf path
     or None (the default model).
 
-    From `EngineArgs` it uses `tokenizer` (else `model`), `tokenizer_revision` and
+    From a `LoadConfig` it uses `tokenizer` (else `model`), `tokenizer_revision` and
     `download_dir`, as vLLM does. The result is shared per source: do not mutate it.
     """
     if model is not None and not isinstance(model, str):

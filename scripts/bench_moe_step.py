@@ -65,7 +65,7 @@ class StepTimer:
                           dtype=dtype, enforce_eager=True, max_num_seqs=batch, block_size=bs,
                           num_gpu_blocks_override=batch * per_seq + 1, max_model_len=context,
                           use_tqdm_on_load=False, disable_log_stats=True, **engine)
-        self.runner = r = build_engine_parts(args).runner
+        self.runner = r = build_engine_parts(args.create_engine_config()).runner
         ib = r.input_batch
         tables = np.zeros((batch, ib.blocks_per_seq), np.int32)
         tables[:, :per_seq] = np.arange(batch * per_seq).reshape(batch, per_seq)

@@ -19,18 +19,18 @@ from pydantic import BaseModel
 import jaxllm
 from serving.cli_args import chat_output_settings
 from serving.errors import document_errors, error_response, install_error_handlers
-from serving.limits import RequestLimits
+from serving.generation import EventStreamResponse, until_disconnect
 from serving.log_setup import setup_logging
 from serving.middleware import APIKeyMiddleware, HTTPLimitsMiddleware, RequestIdMiddleware
-from serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                              ModelCard, ModelList, TokenizeRequest, random_id)
+from serving.protocol import (ChatCompletionRequest, DetokenizeRequest, ModelCard, ModelList,
+                              TokenizeRequest, random_id)
+from serving.protocol_completion import CompletionRequest
 from serving.protocol_pooling import EmbeddingRequest, PoolingRequest
 from serving.serving_chat import create_chat_completion
 from serving.serving_completion import create_completion
 from serving.serving_embedding import create_embedding, create_pooling
 from serving.serving_tokenization import detokenize, tokenize
-from serving.sse import EventStreamResponse, until_disconnect
-from serving.state import ServingState
+from serving.state import RequestLimits, ServingState
 
 logger = logging.getLogger("jaxllm.serving")
 router = APIRouter()
@@ -203,10 +203,11 @@ async def _serve(args, engine_args, chat_template, settings: dict,
                  sock: socket.socket) -> None:
     import uvicorn
 
+    from jaxllm.deploy.data_parallel import make_engine
     from jaxllm.engine.async_engine import AsyncLLMEngine
     from serving.http_server import Server, h11_protocol
 
-    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    engine = AsyncLLMEngine(make_engine(engine_args))
     state = ServingState.from_engine(engine, limits=request_limits(args),
                                      chat_template=chat_template,
                                      response_role=args.response_role,

@@ -11,8 +11,9 @@ from jaxllm.entrypoints.beam_search import BeamSearch, BeamSearchParams
 from serving.errors import APIError
 from serving.generation import collect, submit
 from serving.prompts import Prompt, max_tokens_for
-from serving.protocol import STRUCTURED_FIELDS, CompletionRequest, CompletionResponse, \
-    CompletionResponseChoice, UsageInfo
+from serving.protocol import STRUCTURED_FIELDS, UsageInfo
+from serving.protocol_completion import (CompletionRequest, CompletionResponse,
+                                         CompletionResponseChoice)
 from serving.state import ServingState
 
 _NOT_WITH_BEAM_SEARCH = ("stream", "logprobs", "echo", "stop", "stop_token_ids", "seed",

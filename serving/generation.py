@@ -1,24 +1,34 @@
-"""Submitting engine requests and reading their outputs, with abort on every way out.
+"""A generation request's streams, from the engine to the client, with abort on every way out.
 
 Each prompt of a request is one engine request. `submit` waits for every first output, so an
 engine ValueError becomes a 400 before any response byte is sent. Closing or cancelling the
 streams returned here (client gone) closes the engine generators, which aborts the requests.
+
+The other end of the same streams is here too: the server-sent events that carry them, and the
+disconnect watch that closes them. Starlette's StreamingResponse notices a disconnect only
+through an anyio cancel scope, where any `await` in the stream's clean-up is cancelled again;
+here the stream runs as a plain asyncio task and is closed explicitly, so the engine generators'
+clean-up (the abort) runs to completion.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import re
 from contextlib import aclosing
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Awaitable, Optional, Union
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from serving.errors import APIError
-from serving.limits import Ticket
 from serving.prompts import Prompt
-from serving.state import ServingState
+from serving.state import ServingState, Ticket
 
 _PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -132,3 +142,52 @@ async def collect(streams: list[AsyncIterator[RequestOutput]]) -> list[Optional[
         async for i, out in outputs:
             final[i] = out
     return final
+
+
+# --- the client's end: server-sent events, and the disconnect that aborts the work ----------------
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(chunk: Union[BaseModel, dict], **dump_kwargs) -> str:
+    if isinstance(chunk, BaseModel):
+        return f"data: {chunk.model_dump_json(**dump_kwargs)}\n\n"
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    def __init__(self, events: AsyncIterator[str]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        watch = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, watch):
+                task.cancel()
+            await asyncio.gather(stream, watch, return_exceptions=True)
+            await self.body_iterator.aclose()
+
+
+async def until_disconnect(request: Request, work: Awaitable) -> Union[object, Response]:
+    """Await `work`, cancelling it if the client disconnects first (a non-streamed request)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+    return task.result()

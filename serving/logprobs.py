@@ -6,7 +6,8 @@ from typing import Optional
 
 from jaxllm.outputs import LogprobDict
 from serving.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
-                              ChatCompletionLogProbsContent, CompletionLogProbs)
+                              ChatCompletionLogProbsContent)
+from serving.protocol_completion import CompletionLogProbs
 from serving.state import ServingState
 
 

@@ -46,47 +46,47 @@ class EngineStatsCollector:
             c.add_metric(label, value)
             return c
 
-        queries, hits = s["prefix_cache_queries"], s["prefix_cache_hits"]
+        queries, hits = s.prefix_cache_queries, s.prefix_cache_hits
         yield gauge("jaxllm:num_requests_running", "Requests in the running batch.",
-                    s["num_running"])
+                    s.num_running)
         yield gauge("jaxllm:num_requests_waiting", "Requests waiting to be scheduled.",
-                    s["num_waiting"])
+                    s.num_waiting)
         yield gauge("jaxllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
-                    s["kv_cache_usage"])
+                    s.kv_cache_usage)
         yield gauge("jaxllm:num_kv_cache_blocks", "KV-cache blocks in total.",
-                    s["num_total_blocks"])
+                    s.num_total_blocks)
         yield counter("jaxllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       queries)
         yield counter("jaxllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
         yield gauge("jaxllm:prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries.",
-                    hits / queries if queries else 0.0)
+                    s.prefix_cache_hit_rate)
         yield counter("jaxllm:num_preemptions", "Requests preempted (KV cache ran out).",
-                      s["num_preemptions"])
-        yield from self._spec_decode_counters(s, counter)
-        yield from self._replica_gauges(s.get("replicas", ()))
-        if "expert_load" in s:  # --enable-expert-load-metrics
+                      s.num_preemptions)
+        yield from self._spec_decode_counters(s.spec_decode, counter)
+        yield from self._replica_gauges(s.replicas)
+        if s.expert_load is not None:  # --enable-expert-load-metrics
             c = CounterMetricFamily("jaxllm:moe_expert_tokens", "Tokens routed to an expert of "
                                     "an MoE layer (a token counts once per expert of its top-k; "
                                     "layer is the decoder layer's index).",
                                     labels=["model_name", "layer", "expert"])
-            for layer, counts in s["expert_load"].items():
+            for layer, counts in s.expert_load.items():
                 for expert, n in enumerate(counts):
                     c.add_metric([self.model_name, str(layer), str(expert)], int(n))
             yield c
 
-    def _spec_decode_counters(self, s, counter):
+    def _spec_decode_counters(self, sd, counter):
         """With --speculative-config: vLLM's spec_decode counters (acceptance rate = accepted
         / draft tokens; mean acceptance length = 1 + accepted / drafts)."""
-        if "spec_decode_num_drafts" not in s:
+        if sd is None:
             return
         for key, doc in (("num_drafts", "Requests-steps that carried draft tokens."),
                          ("num_draft_tokens", "Draft tokens proposed."),
                          ("num_accepted_tokens", "Draft tokens accepted.")):
-            yield counter(f"jaxllm:spec_decode_{key}", doc, s[f"spec_decode_{key}"])
+            yield counter(f"jaxllm:spec_decode_{key}", doc, getattr(sd, key))
         c = CounterMetricFamily("jaxllm:spec_decode_num_accepted_tokens_per_pos",
                                 "Draft tokens accepted at each position.",
                                 labels=["model_name", "position"])
-        for pos, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+        for pos, n in enumerate(sd.num_accepted_tokens_per_pos):
             c.add_metric([self.model_name, str(pos)], n)
         yield c
 
@@ -98,7 +98,7 @@ class EngineStatsCollector:
                 ("kv_cache_usage", "kv_cache_usage_perc", "A replica's KV-cache use (0-1).")):
             g = GaugeMetricFamily(f"jaxllm:replica_{name}", doc, labels=["model_name", "engine"])
             for i, r in enumerate(replicas):
-                g.add_metric([self.model_name, str(i)], r[key])
+                g.add_metric([self.model_name, str(i)], getattr(r, key))
             if replicas:
                 yield g
 

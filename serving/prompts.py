@@ -1,16 +1,33 @@
-"""Prompts in every shape OpenAI allows, turned into checked token ids before the engine sees them.
+"""Prompts in every shape OpenAI allows, turned into checked token ids before the engine sees them:
+a text, token ids, lists of either (/v1/completions), and a chat conversation rendered with its
+template (/v1/chat/completions, /tokenize).
 
 Checking here (not only in the engine) lets the server give vLLM's messages, with both numbers,
 and pick the default max_tokens, which depends on the prompt length.
+
+Chat templates render under a time budget. Jinja compiles a template to Python code (its frames'
+file name is "<template>"), so a trace function on the rendering thread can stop a template that
+loops too long: nested `{% for %}` loops would otherwise hold the tokenizer thread, and every
+text request behind it, for as long as they like. Only template frames are traced line by line;
+other calls cost one check each. What one operation does is beyond its reach:
+`{{ 'a' * 10**10 }}` allocates before any line ends, which is why request-supplied templates need
+--trust-request-chat-template.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from functools import partial
+from typing import Callable, Optional, TypeVar, Union
 
+from jaxllm.entrypoints.chat_utils import normalize_messages, render_chat_prompt
 from serving.errors import APIError
 from serving.state import ServingState
+
+T = TypeVar("T")
+TEMPLATE_FILE = "<template>"
 
 
 @dataclass
@@ -82,3 +99,73 @@ def max_tokens_for(state: ServingState, num_prompt_tokens: int, requested: Optio
                        f"{num_prompt_tokens} input tokens ({requested} > {limit} - "
                        f"{num_prompt_tokens}).", param="max_tokens")
     return requested
+
+
+# --- chat conversations ---------------------------------------------------------------------------
+
+async def chat_prompt(state: ServingState, req, tools: Optional[list] = None
+                      ) -> tuple[Prompt, list[dict]]:
+    """The conversation as prompt tokens, and the normalized messages.
+
+    A request's own `chat_template` is used (as a Jinja string, never a file path) only when
+    the operator trusts them (--trust-request-chat-template, as vLLM). Rendering runs on the
+    tokenizer thread within --chat-template-timeout; a template that fails or overruns is a
+    400. `tools` are rendered into the prompt by the template's `tools` argument."""
+    tokenizer = state.require_tokenizer()
+    limits = state.limits
+    if req.chat_template is not None and not limits.trust_request_chat_template:
+        raise APIError("Chat template is passed with request, but --trust-request-chat-template "
+                       "is not set. Refused request with untrusted chat template.",
+                       param="chat_template")
+    try:
+        messages = normalize_messages(req.messages)
+        render = partial(render_chat_prompt, tokenizer, messages,
+                         chat_template=req.chat_template or state.chat_template,
+                         add_generation_prompt=req.add_generation_prompt,
+                         continue_final_message=req.continue_final_message, tools=tools,
+                         chat_template_kwargs=req.chat_template_kwargs,
+                         content_format=state.chat_template_content_format,
+                         template_source=_template_source(state, req))
+        text = await state.in_tokenizer_thread(call_with_deadline, render,
+                                               limits.chat_template_timeout)
+    except ValueError as e:
+        raise APIError(str(e), param="messages") from None
+    add_special = bool(req.add_special_tokens)
+    prompt = Prompt(await state.encode(text, add_special), text)
+    check_token_ids(state, prompt.token_ids)
+    return prompt, messages
+
+
+def _template_source(state: ServingState, req) -> str:
+    """Which template renders `req`, for the log (the warning about dropped tools)."""
+    if req.chat_template is not None:
+        return "the request's chat_template"
+    if state.chat_template is not None:
+        return "the --chat-template template"
+    return f"the chat template of model {state.model_path}"
+
+
+class RenderTimeout(Exception):
+    """A chat template ran past its time budget."""
+
+
+def call_with_deadline(fn: Callable[[], T], seconds: float) -> T:
+    """fn() on this thread, raising RenderTimeout once template code runs past `seconds`."""
+    deadline = time.monotonic() + seconds
+
+    def on_line(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise RenderTimeout(f"the chat template took longer than {seconds:g} s to render")
+        return on_line
+
+    def on_call(frame, event, arg):
+        if frame.f_code.co_filename == TEMPLATE_FILE:
+            return on_line(frame, event, arg)
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        return fn()
+    finally:
+        sys.settrace(previous)

@@ -1,4 +1,7 @@
-"""Request and response bodies of the OpenAI-compatible API, with vLLM's extra sampling fields.
+"""Request and response bodies of the OpenAI-compatible API, with vLLM's extra sampling fields:
+what every generation request shares, /v1/chat/completions, /v1/models, /tokenize, /detokenize
+and batch files. /v1/completions' own bodies are in serving/protocol_completion.py, and those
+of /v1/embeddings and /pooling in serving/protocol_pooling.py, both built on these.
 
 Unknown request fields are accepted and ignored (logged), as OpenAI clients send new fields
 before servers know them; wrong types are refused with 400 by the error handlers. Types are
@@ -137,8 +140,11 @@ class SamplingRequest(RequestBody):
 
     def structured_output_params(self):
         """The request's constraint (or None); an APIError naming the field if it is invalid,
-        unsupported or given twice."""
+        unsupported or given twice. A request without any of these fields has none, and does
+        not enter structured output at all."""
         body = {name: getattr(self, name) for name in STRUCTURED_FIELDS}
+        if all(value is None for value in body.values()):
+            return None
         try:
             return from_request(body)
         except ValueError as e:
@@ -191,29 +197,7 @@ def _or(value, default):
     return default if value is None else value
 
 
-# --- /v1/completions ---------------------------------------------------------------------------
-
-class CompletionRequest(SamplingRequest):
-    beam_search_supported: ClassVar[bool] = True
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    echo: bool = False
-    logprobs: Optional[int] = None
-    max_tokens: Optional[int] = 16
-    suffix: Optional[str] = None
-    add_special_tokens: bool = True
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.suffix is not None:
-            raise APIError("suffix is not supported.", param="suffix")
-
-
-class CompletionLogProbs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
-
+# --- usage, in every generation and pooling response -------------------------------------------
 
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
@@ -225,42 +209,6 @@ class UsageInfo(BaseModel):
     def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens)
-
-
-class CompletionResponseChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogProbs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-    prompt_logprobs: Optional[list[Optional[dict[int, dict[str, Any]]]]] = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo
-    system_fingerprint: Optional[str] = None
-
-
-class CompletionResponseStreamChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogProbs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-
-
-class CompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionResponseStreamChoice]
-    usage: Optional[UsageInfo] = None
 
 
 # --- /v1/chat/completions ----------------------------------------------------------------------

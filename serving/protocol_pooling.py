@@ -1,5 +1,6 @@
 """Request and response bodies of /v1/embeddings and /pooling (a server started with
-`--runner pooling`), apart from the generation API's bodies in serving/protocol.py.
+`--runner pooling`), apart from the generation API's bodies in serving/protocol.py and
+serving/protocol_completion.py.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ from jaxllm.entrypoints.chat_utils import load_chat_template
 from serving.cli_args import chat_output_settings
 from serving.errors import APIError, describe_validation_errors, error_body
 from serving.protocol import (BatchRequestInput, BatchRequestOutput, BatchResponseData,
-                              ChatCompletionRequest, CompletionRequest, random_id)
+                              ChatCompletionRequest, random_id)
+from serving.protocol_completion import CompletionRequest
 from serving.serving_chat import create_chat_completion
 from serving.serving_completion import create_completion
 from serving.state import ServingState
@@ -54,9 +55,10 @@ def run(args: argparse.Namespace) -> int:
 
 async def _run(engine_args, lines: list[str], response_role: str, chat_template,
                settings: dict):
-    from jaxllm.engine.async_engine import AsyncLLMEngine  # JAX loads here, not at import
+    from jaxllm.deploy.data_parallel import make_engine  # JAX loads here, not at import
+    from jaxllm.engine.async_engine import AsyncLLMEngine
 
-    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    engine = AsyncLLMEngine(make_engine(engine_args))
     state = ServingState.from_engine(engine, chat_template=chat_template,
                                      response_role=response_role, log_requests=False,
                                      **settings)

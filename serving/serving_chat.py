@@ -1,73 +1,42 @@
-"""POST /v1/chat/completions: render the conversation with the chat template, then generate."""
+"""POST /v1/chat/completions: the conversation rendered into a prompt (serving/prompts.py),
+generated, and each choice's text read back as the chat message, whole or as the stream's deltas.
+
+A choice's text -> the message fields: `reasoning` (--reasoning-parser), `content` and
+`tool_calls` (tool_choice "auto" with --tool-call-parser, or "required" / a named function
+through structured output). Reasoning comes first: its parser splits the text, and the tool
+parser reads only the content part, so a <tool_call> inside the reasoning is not a call. The
+deltas of a stream join to what `whole` returns on the final text, because both come from the
+same parsers' scans. A request without tools or a reasoning parser enters no parser: its text is
+all content.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from contextlib import aclosing
-from functools import partial
-from typing import AsyncIterator, Optional, Union
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator, Optional, Union
 
-from jaxllm.entrypoints.chat_utils import normalize_messages, render_chat_prompt
+from jaxllm.entrypoints.openai_parsers.reasoning_parsers import get_reasoning_parser
+from jaxllm.entrypoints.openai_parsers.tool_parsers import get_tool_parser
+from jaxllm.entrypoints.openai_parsers.tool_parsers.base import ToolParser
+from jaxllm.entrypoints.openai_parsers.tool_parsers.forced import (NamedToolParser,
+                                                                   RequiredToolParser)
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
-from serving.chat_output import ChoiceParser, ToolChoice
+from jaxllm.structured_output import StructuredOutputsParams
+from jaxllm.structured_output.tool_choice import tool_choice_params
 from serving.errors import APIError, error_body, stream_error_status
-from serving.deadline import call_with_deadline
-from serving.generation import build_params, collect, merge, submit
-from serving.limits import check_request_limits
+from serving.generation import DONE, build_params, collect, merge, sse, submit
 from serving.logprobs import chat_logprobs, prompt_logprobs_json
-from serving.prompts import Prompt, check_token_ids, max_tokens_for, truncated
+from serving.prompts import Prompt, chat_prompt, max_tokens_for, truncated
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                               ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo)
-from serving.sse import DONE, sse
-from serving.state import ServingState
+from serving.state import ServingState, check_request_limits
 
 logger = logging.getLogger("jaxllm.serving")
-
-
-async def chat_prompt(state: ServingState, req, tools: Optional[list] = None
-                      ) -> tuple[Prompt, list[dict]]:
-    """The conversation as prompt tokens, and the normalized messages.
-
-    A request's own `chat_template` is used (as a Jinja string, never a file path) only when
-    the operator trusts them (--trust-request-chat-template, as vLLM). Rendering runs on the
-    tokenizer thread within --chat-template-timeout; a template that fails or overruns is a
-    400. `tools` are rendered into the prompt by the template's `tools` argument."""
-    tokenizer = state.require_tokenizer()
-    limits = state.limits
-    if req.chat_template is not None and not limits.trust_request_chat_template:
-        raise APIError("Chat template is passed with request, but --trust-request-chat-template "
-                       "is not set. Refused request with untrusted chat template.",
-                       param="chat_template")
-    try:
-        messages = normalize_messages(req.messages)
-        render = partial(render_chat_prompt, tokenizer, messages,
-                         chat_template=req.chat_template or state.chat_template,
-                         add_generation_prompt=req.add_generation_prompt,
-                         continue_final_message=req.continue_final_message, tools=tools,
-                         chat_template_kwargs=req.chat_template_kwargs,
-                         content_format=state.chat_template_content_format,
-                         template_source=_template_source(state, req))
-        text = await state.in_tokenizer_thread(call_with_deadline, render,
-                                               limits.chat_template_timeout)
-    except ValueError as e:
-        raise APIError(str(e), param="messages") from None
-    add_special = bool(req.add_special_tokens)
-    prompt = Prompt(await state.encode(text, add_special), text)
-    check_token_ids(state, prompt.token_ids)
-    return prompt, messages
-
-
-def _template_source(state: ServingState, req) -> str:
-    """Which template renders `req`, for the log (the warning about dropped tools)."""
-    if req.chat_template is not None:
-        return "the request's chat_template"
-    if state.chat_template is not None:
-        return "the --chat-template template"
-    return f"the chat template of model {state.model_path}"
 
 
 async def create_chat_completion(state: ServingState, req: ChatCompletionRequest, base_id: str
@@ -111,10 +80,10 @@ def _with_tool_choice(params: SamplingParams, choice: ToolChoice) -> SamplingPar
             raise ValueError(f"structured_outputs (or response_format, guided_*) cannot be "
                              f"combined with tool_choice {choice.mode!r}, which constrains "
                              f"the output itself")
-        return dataclasses.replace(params, structured_outputs=choice.constraint,
+        return replace(params, structured_outputs=choice.constraint,
                                    guided_decoding=None)
     if choice.mode == "auto":
-        return dataclasses.replace(params, skip_special_tokens=False)
+        return replace(params, skip_special_tokens=False)
     return params
 
 
@@ -198,3 +167,128 @@ async def _stream(state: ServingState, req: ChatCompletionRequest, model: str, r
         logger.exception("Error while streaming %s", request_id)
         yield sse(error_body(str(e), stream_error_status(e)))
     yield DONE
+
+
+# --- a choice's text -> the message fields --------------------------------------------------------
+
+@dataclass
+class ToolChoice:
+    """How one request's output is read: the tool_choice mode ("none", "auto", "required",
+    "named"), the named function, whether several calls may be made, and the constraint that
+    required/named put on the output."""
+    mode: str = "none"
+    function: Optional[str] = None
+    parallel: bool = True
+    constraint: Optional[StructuredOutputsParams] = None
+
+    @classmethod
+    def of(cls, req, auto_parser: Optional[str], auto_enabled: bool) -> "ToolChoice":
+        """vLLM's rules for a request's tools and tool_choice; a 400 naming the field."""
+        choice, tools = req.tool_choice, req.tools
+        if choice is None:  # OpenAI's default: "auto" when there are tools
+            choice = "auto" if tools else "none"
+        if choice == "none" or (choice == "required" and tools == []):  # vLLM: [] means none
+            return cls()
+        if not tools:
+            raise APIError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+        if choice == "auto" and not (auto_enabled and auto_parser):
+            raise APIError('"auto" tool choice requires --enable-auto-tool-choice and '
+                           '--tool-call-parser to be set', param="tool_choice")
+        parallel = req.parallel_tool_calls is not False
+        try:
+            constraint = tool_choice_params(tools, choice, parallel)
+        except ValueError as e:
+            raise APIError(str(e), param="tool_choice") from None
+        if choice == "auto":
+            return cls("auto", parallel=parallel)
+        if choice == "required":
+            return cls("required", parallel=parallel, constraint=constraint)
+        return cls("named", choice["function"]["name"], parallel, constraint)
+
+
+class ChoiceParser:
+    """One choice's parsers (they keep the stream state), built per choice. Without tools
+    (tool_choice "none") there is no tool parser: all the text that is not reasoning is content."""
+
+    def __init__(self, choice: ToolChoice, tool_parser: Optional[str],
+                 reasoning_parser: Optional[str], tokenizer: Any = None,
+                 constrained: bool = False):
+        self.choice = choice
+        self.tools: Optional[ToolParser] = None
+        if choice.mode == "auto":
+            self.tools = get_tool_parser(tool_parser)(tokenizer)
+        elif choice.mode == "required":
+            self.tools = RequiredToolParser(tokenizer)
+        elif choice.mode == "named":
+            self.tools = NamedToolParser(choice.function, tokenizer)
+        # The grammar of a constrained output (structured output, tool_choice required/named)
+        # applies from the first token, not after the reasoning: such an output has reasoning
+        # only where it writes <think>...</think> itself, which is qwen3's reading
+        # (deepseek_r1's would call a JSON answer reasoning, as it never sees </think>).
+        if reasoning_parser and constrained:
+            reasoning_parser = "qwen3"
+        self.reasoning = (get_reasoning_parser(reasoning_parser)(tokenizer)
+                          if reasoning_parser else None)
+        self._reasoning_sent = ""
+        self._content_sent = ""  # without a tool parser (which keeps its own)
+        self.called = False
+
+    def whole(self, text: str) -> dict:
+        """{"reasoning", "content", "tool_calls"} of a finished output."""
+        reasoning, content = (self.reasoning.extract(text) if self.reasoning
+                              else (None, text))
+        if self.tools is None:
+            return {"reasoning": reasoning, "content": content, "tool_calls": []}
+        found = self.tools.extract(content or "")
+        calls = [c.to_openai() for c in self._at_most_allowed(found.tool_calls)]
+        self.called = bool(calls)
+        if not calls:
+            return {"reasoning": reasoning, "content": content, "tool_calls": []}
+        return {"reasoning": reasoning, "content": found.content, "tool_calls": calls}
+
+    def delta(self, text: str, final: bool) -> Optional[dict]:
+        """What the stream sends for the text so far (`final`: the output is complete, send
+        what was held back), or None when there is nothing new."""
+        out: dict = {}
+        content = text
+        if self.reasoning:
+            reasoning, content = self.reasoning.split(text, final)
+            if reasoning.startswith(self._reasoning_sent) and reasoning != self._reasoning_sent:
+                out["reasoning"] = reasoning[len(self._reasoning_sent):]
+                self._reasoning_sent = reasoning
+        if self.tools is None:
+            tools = self._new_content(content)
+        else:
+            tools = (self.tools.flush(content) if final
+                     else self.tools.extract_delta("", content, ""))
+        if tools:
+            calls = [c for c in tools.get("tool_calls", ()) if self._allowed(c["index"])]
+            if calls:
+                out["tool_calls"] = calls
+                self.called = True
+            if tools.get("content"):
+                out["content"] = tools["content"]
+        return out or None
+
+    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+        """vLLM's: "tool_calls" when auto calls were made, or required ones and the model
+        stopped; a named call keeps the engine's reason."""
+        if reason is None or not self.called:
+            return reason
+        if self.choice.mode == "auto" or (self.choice.mode == "required" and reason == "stop"):
+            return "tool_calls"
+        return reason
+
+    def _new_content(self, content: str) -> Optional[dict]:
+        """The content not sent yet (as a tool parser's delta without calls would be)."""
+        sent = self._content_sent
+        if not (content.startswith(sent) and len(content) > len(sent)):
+            return None
+        self._content_sent = content
+        return {"content": content[len(sent):]}
+
+    def _allowed(self, index: int) -> bool:
+        return self.choice.parallel or index == 0
+
+    def _at_most_allowed(self, calls: list) -> list:
+        return calls if self.choice.parallel else calls[:1]

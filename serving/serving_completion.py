@@ -10,15 +10,14 @@ from typing import AsyncIterator, Union
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from serving.beam_search import beam_search_completion
 from serving.errors import error_body, stream_error_status
-from serving.generation import build_params, collect, merge, submit
+from serving.generation import DONE, build_params, collect, merge, sse, submit
 from serving.logprobs import completion_logprobs, prompt_logprobs_json
-from serving.limits import check_request_limits
 from serving.prompts import Prompt, max_tokens_for, split_prompts, to_prompts, truncated
-from serving.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
-                              CompletionResponseChoice, CompletionResponseStreamChoice,
-                              CompletionStreamResponse, UsageInfo)
-from serving.sse import DONE, sse
-from serving.state import ServingState
+from serving.protocol import UsageInfo
+from serving.protocol_completion import (CompletionLogProbs, CompletionRequest,
+                                         CompletionResponse, CompletionResponseChoice,
+                                         CompletionResponseStreamChoice, CompletionStreamResponse)
+from serving.state import ServingState, check_request_limits
 
 logger = logging.getLogger("jaxllm.serving")
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from serving.errors import APIError
-from serving.prompts import Prompt
+from serving.prompts import Prompt, chat_prompt
 from serving.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                               TokenizeResponse)
-from serving.serving_chat import chat_prompt
 from serving.state import ServingState
 
 

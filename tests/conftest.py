@@ -303,9 +303,9 @@ def load_tiny(path: str, tp: int = 1, **engine_args):
     from jaxllm.parallel.mesh import make_mesh
 
     mesh = make_mesh(tp)
-    args = EngineArgs(model=path, use_tqdm_on_load=False, tensor_parallel_size=tp,
-                      **{"dtype": "float32", **engine_args})
-    model, cfg = load_model(args, mesh)
+    config = EngineArgs(model=path, use_tqdm_on_load=False, tensor_parallel_size=tp,
+                        **{"dtype": "float32", **engine_args}).create_engine_config()
+    model, cfg = load_model(config.load, config.model, mesh)
     return model, cfg, mesh
 
 

@@ -1,4 +1,4 @@
-"""What the server makes of a chat choice's text (serving/chat_output.py): vLLM's tool_choice
+"""What the server makes of a chat choice's text (serving/serving_chat.py): vLLM's tool_choice
 rules, reasoning split before tool calls, and streams that reassemble to the plain response,
 on recorded model outputs cut at every boundary. No model, no server."""
 
@@ -12,8 +12,8 @@ import pytest
 from jaxllm.entrypoints.openai_parsers.reasoning_parsers import REASONING_PARSERS
 from jaxllm.entrypoints.openai_parsers.tool_parsers import TOOL_PARSERS
 from serving import cli_args
-from serving.chat_output import ChoiceParser, ToolChoice
 from serving.errors import APIError
+from serving.serving_chat import ChoiceParser, ToolChoice
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}},
            "required": ["city"]}

@@ -19,7 +19,9 @@ def test_vllm_defaults():
     a = EngineArgs()
     assert (a.tensor_parallel_size, a.block_size, a.max_num_seqs, a.gpu_memory_utilization,
             a.dtype, a.load_format, a.max_logprobs) == (1, 16, 256, 0.9, "auto", "auto", 20)
-    assert a.prefix_caching and a.chunked_prefill and a.scheduling_policy == "fcfs"
+    c = a.create_engine_config()
+    assert c.cache.enable_prefix_caching and c.scheduler.enable_chunked_prefill
+    assert a.scheduling_policy == "fcfs"
 
 
 @pytest.mark.parametrize("kwargs,flag", [
@@ -86,6 +88,32 @@ def test_expert_parallel_is_refused_for_a_model_without_experts(tiny_llama):
     from jaxllm.loader.loader import load_model
     from jaxllm.parallel.mesh import make_mesh
 
-    args = EngineArgs(model=tiny_llama, enable_expert_parallel=True)
+    config = EngineArgs(model=tiny_llama, enable_expert_parallel=True).create_engine_config()
     with pytest.raises(ConfigError, match="--enable-expert-parallel: LlamaForCausalLM"):
-        load_model(args, make_mesh())
+        load_model(config.load, config.model, make_mesh())
+
+
+def test_engine_config_resolves_the_defaults_and_is_frozen():
+    """create_engine_config: the flags' defaults that depend on others resolved, the user's
+    own values (None: decided at start-up) kept, renamed flags mapped, every part frozen."""
+    import dataclasses
+
+    from jaxllm.engine_config import ModelOptions
+
+    c = EngineArgs().create_engine_config()
+    assert c.cache.enable_prefix_caching is True and c.scheduler.enable_chunked_prefill is True
+    assert c.scheduler.enforce_eager is False and c.parallel.data_parallel_size_local == 1
+    assert c.model.max_model_len is None and c.scheduler.max_num_batched_tokens is None
+    assert c.model == ModelOptions()  # the neutral options are EngineArgs' defaults
+    off = EngineArgs(enable_prefix_caching=False, enable_chunked_prefill=False,
+                     optimization_level=0, data_parallel_size=4, data_parallel_size_local=2,
+                     kv_cache_dtype="fp8", scheduling_policy="priority").create_engine_config()
+    assert (off.cache.enable_prefix_caching, off.scheduler.enable_chunked_prefill) == (False, False)
+    assert off.scheduler.enforce_eager is True  # -O0
+    assert (off.parallel.data_parallel_size, off.parallel.data_parallel_size_local) == (4, 2)
+    assert EngineArgs(data_parallel_size=4).create_engine_config().parallel \
+        .data_parallel_size_local == 4  # default: every replica on this node
+    assert (off.cache.cache_dtype, off.scheduler.policy) == ("fp8", "priority")
+    for part in (c, c.load, c.model, c.cache, c.scheduler, c.parallel):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(part, dataclasses.fields(part)[0].name, None)

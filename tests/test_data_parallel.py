@@ -13,13 +13,14 @@ import sys
 
 import pytest
 
-from jaxllm.engine.dp_router import PrefixAffinityRouter
+from jaxllm.deploy.router import PrefixAffinityRouter
+from jaxllm.engine.stats import EngineStats
 
 NEW = 10
 
 
 def _load(waiting=0, usage=0.0, running=0):
-    return {"num_waiting": waiting, "kv_cache_usage": usage, "num_running": running}
+    return EngineStats(num_waiting=waiting, kv_cache_usage=usage, num_running=running)
 
 
 def test_router_prefers_the_least_loaded_replica():
@@ -56,18 +57,20 @@ def test_router_memory_is_bounded():
     r = PrefixAffinityRouter(block_size=1, capacity=8)
     for i in range(20):
         r.choose([i, i + 1, i + 2], [_load(), _load()])
-    assert len(r._owner) == 8
+    assert r.num_remembered_prefixes == 8
 
 
 def test_metrics_show_each_replica():
+    from jaxllm.engine.stats import sum_stats
     from serving.metrics import EngineStatsCollector
 
     class Engine:
         def stats(self):
-            one = dict(num_running=1, num_waiting=2, kv_cache_usage=0.25, num_total_blocks=8,
-                       prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
-            two = dict(one, num_running=3, kv_cache_usage=0.75)
-            return dict(one, num_running=4, kv_cache_usage=0.5, replicas=[one, two])
+            one = EngineStats(num_running=1, num_waiting=2, kv_cache_usage=0.25,
+                              num_total_blocks=8)
+            two = EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.75,
+                              num_total_blocks=8)
+            return sum_stats([one, two])
 
     families = {m.name: m for m in EngineStatsCollector(Engine(), "m").collect()}
     assert families["jaxllm:num_requests_running"].samples[0].value == 4  # the total
@@ -128,7 +131,7 @@ def _run(path: str, **kw) -> dict:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     engine = llm.llm_engine
     replicas = getattr(engine, "replicas", [engine])
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "stats": engine.stats(),
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "stats": engine.stats().to_dict(),
             "devices": [[d.id for d in r.runner.mesh.devices.flat] for r in replicas],
             "experts_spec": _experts_spec(replicas[0])}
 

@@ -44,7 +44,7 @@ class WindowOnly:
 def tok(request, fast_tok):
     """Both paths: tokenizers' DecodeStream (a fast tokenizer) and the decoded window."""
     t = fast_tok if request.param == "stream" else WindowOnly(fast_tok)
-    assert (IncrementalDetokenizer(t, [1, 2])._stream is not None) == (request.param == "stream")
+    assert IncrementalDetokenizer(t, [1, 2]).streams == (request.param == "stream")
     return t
 
 
@@ -193,5 +193,5 @@ def test_a_decode_stream_that_cannot_be_primed_leaves_the_window(fast_tok, monke
     monkeypatch.setattr(detok, "DecodeStream", unprimed)
     ids = fast_tok.encode(TEXTS[2])
     deltas, _, d = stream(fast_tok, ids, fast_tok.encode("prompt"))
-    assert d._stream is None
+    assert not d.streams
     assert "".join(deltas) == fast_tok.decode(ids)

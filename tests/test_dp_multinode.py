@@ -117,7 +117,7 @@ def _head(path: str, kw: dict) -> dict:
     import numpy as np
 
     from jaxllm import LLM, SamplingParams
-    from jaxllm.engine.dp_remote import RemoteReplica
+    from jaxllm.deploy.remote_replica import RemoteReplica
 
     llm = LLM(path, **_args(kw))
     rng = np.random.default_rng(0)
@@ -131,7 +131,7 @@ def _head(path: str, kw: dict) -> dict:
         def timed(rid, *a, **k):
             t = time.perf_counter()
             add(rid, *a, **k)
-            kind = "remote" if isinstance(engine._replica_of[rid], RemoteReplica) else "local"
+            kind = "remote" if isinstance(engine.replica_of[rid], RemoteReplica) else "local"
             add_us[kind].append((time.perf_counter() - t) * 1e6)
         engine.add_request = timed
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -142,7 +142,7 @@ def _head(path: str, kw: dict) -> dict:
     seconds = time.perf_counter() - t
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
     remote = [r for r in getattr(engine, "replicas", []) if isinstance(r, RemoteReplica)]
-    stats = engine.stats()
+    stats = engine.stats().to_dict()
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "stats": stats,
             "local_requests": counts["local"], "remote_requests": counts["remote"],
             "tokens_per_s": len(prompts) * NEW / seconds,
@@ -153,7 +153,7 @@ def _head(path: str, kw: dict) -> dict:
 
 def _node(path: str, kw: dict) -> int:
     from jaxllm.config import EngineArgs
-    from jaxllm.engine.dp_node import run_dp_node
+    from jaxllm.deploy.replica_node import run_dp_node
     return run_dp_node(EngineArgs(model=path, **_args(kw)))
 
 

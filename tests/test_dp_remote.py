@@ -20,9 +20,10 @@ import pytest
 
 from jaxllm import SamplingParams
 from jaxllm.config import ConfigError, EngineArgs
-from jaxllm.engine import dp_engine, dp_node
-from jaxllm.engine.dp_remote import RemoteReplica, accept_replicas, listen
+from jaxllm.deploy import data_parallel, replica_node
+from jaxllm.deploy.remote_replica import RemoteReplica, accept_replicas, listen
 from jaxllm.engine.errors import ReplicaLostError
+from jaxllm.engine.stats import EngineStats
 from jaxllm.outputs import CompletionOutput, RequestOutput
 
 NEW = 6
@@ -84,6 +85,7 @@ class CountingEngine:
 
     model_config = tokenizer = eos_token_ids = generation_defaults = None
     startup_times: dict = {}
+    alive = True
 
     def __init__(self):
         self.requests: dict = {}
@@ -118,8 +120,9 @@ class CountingEngine:
         return outs
 
     def stats(self):
-        return dict(dict.fromkeys(dp_engine._SUMMED, 0), num_running=len(self.requests),
-                    kv_cache_usage=0.0, num_total_blocks=8, generation_tokens_total=self.generated)
+        """An engine's stats: zero but what it counts."""
+        return EngineStats(num_running=len(self.requests), num_total_blocks=8,
+                           generation_tokens_total=self.generated)
 
     def get_num_unfinished_requests(self):
         return len(self.requests)
@@ -137,17 +140,18 @@ class _Node:
     def __init__(self, args: EngineArgs, monkeypatch):
         self.lost = []
         self.engine = CountingEngine()
-        monkeypatch.setattr(dp_node, "host_lost", self._host_lost)
-        self.thread = threading.Thread(target=self._run, args=(args,), daemon=True)
+        monkeypatch.setattr(replica_node, "host_lost", self.host_lost)
+        self.thread = threading.Thread(target=self.serve, args=(args,), daemon=True)
         self.thread.start()
 
-    def _run(self, args):
+    def serve(self, args):
         try:
-            dp_node.serve(dp_node.connect(args, 1, self.engine, timeout=30), self.engine, 1)
-        except SystemExit:  # from _host_lost
+            sock = replica_node.connect(args, 1, self.engine, timeout=30)
+            replica_node.serve(sock, self.engine, 1)
+        except SystemExit:  # from host_lost
             pass
 
-    def _host_lost(self, reason):
+    def host_lost(self, reason):
         self.lost.append(reason)
         raise SystemExit(reason)  # ends the thread, not the test process (as os._exit would)
 
@@ -157,8 +161,8 @@ def pair(monkeypatch):
     """(API node's DP engine, the other node) on one loopback port."""
     port = _free_port()
     node = _Node(_args(port, headless=True, data_parallel_start_rank=1), monkeypatch)
-    monkeypatch.setattr(dp_engine, "local_replicas", lambda args: [CountingEngine()])
-    engine = dp_engine.DataParallelEngine(_args(port))
+    monkeypatch.setattr(data_parallel, "local_replicas", lambda args: [CountingEngine()])
+    engine = data_parallel.DataParallelEngine(_args(port))
     yield engine, node
     engine.close()
     node.thread.join(timeout=10)
@@ -185,9 +189,9 @@ def test_remote_replica_serves_like_a_local_one(pair):
     params = SamplingParams(max_tokens=NEW)
     got = _run(engine, prompts, params)
     assert node.engine.generated > 0 and engine.replicas[0].generated > 0  # both served
-    per = engine.stats()["replicas"]
-    assert per[1]["generation_tokens_total"] == node.engine.generated  # the node's own count
-    assert engine.stats()["generation_tokens_total"] == 6 * NEW
+    per = engine.stats().replicas
+    assert per[1].generation_tokens_total == node.engine.generated  # the node's own count
+    assert engine.stats().generation_tokens_total == 6 * NEW
     alone = _run(engine.replicas[0], {k: p for k, p in prompts.items()}, params)
     assert ({k: o.outputs[0].token_ids for k, o in got["done"].items()}
             == {k: o.outputs[0].token_ids for k, o in alone["done"].items()})
@@ -224,7 +228,7 @@ def test_a_node_with_other_engine_arguments_is_refused():
     def node():
         args = _args(port, headless=True, data_parallel_start_rank=1, max_num_seqs=8)
         try:
-            dp_node.connect(args, 1, CountingEngine(), timeout=30)
+            replica_node.connect(args, 1, CountingEngine(), timeout=30)
         except ConfigError as e:
             errors.append(str(e))
 
@@ -242,7 +246,7 @@ def test_a_lost_node_fails_its_requests_and_the_rest_serve_on(pair):
     params = SamplingParams(max_tokens=NEW)
     for i in range(4):  # two per replica (least loaded)
         engine.add_request(f"x{i}", {"prompt_token_ids": [7, 8, 9, i + 3]}, params)
-    on_remote = {rid for rid, r in engine._replica_of.items() if r is remote}
+    on_remote = {rid for rid, r in engine.replica_of.items() if r is remote}
     assert len(on_remote) == 2
     engine.step()
     remote.sock.shutdown(socket.SHUT_RDWR)  # the connection dies mid-service
@@ -256,9 +260,9 @@ def test_a_lost_node_fails_its_requests_and_the_rest_serve_on(pair):
     assert set(got["failed"]) == on_remote
     assert all("rank 1 is lost" in m for m in got["failed"].values())
     assert set(got["done"]) == {f"x{i}" for i in range(4)} - on_remote
-    assert not remote.alive and engine.stats()["replicas"][1]["num_total_blocks"] == 0
+    assert not remote.alive and engine.stats().replicas[1].num_total_blocks == 0
     out = _run(engine, {"y": [5, 6, 7]}, params)  # new requests go to the replica left
-    assert len(out["done"]["y"].outputs[0].token_ids) == NEW and engine._replica_of == {}
+    assert len(out["done"]["y"].outputs[0].token_ids) == NEW and engine.replica_of == {}
     node.thread.join(timeout=10)
     assert node.lost  # the node saw its API node go and would exit (HOST_LOST_EXIT)
 
@@ -268,6 +272,6 @@ def test_a_node_lost_while_idle_is_found_at_routing(pair):
     engine.replicas[1].sock.shutdown(socket.SHUT_RDWR)
     engine.add_request("a", {"prompt_token_ids": [3, 4]}, SamplingParams(max_tokens=NEW))
     engine.add_request("b", {"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=NEW))
-    assert set(engine._replica_of.values()) == {engine.replicas[0]}  # b rerouted
+    assert set(engine.replica_of.values()) == {engine.replicas[0]}  # b rerouted
     got = _run(engine, {}, None)
     assert set(got["done"]) == {"a", "b"} and not got["failed"]

@@ -379,5 +379,5 @@ def test_kv_cache_dtype_on_cpu(requested, model_dtype, backend, want):
     from jaxllm.config import EngineArgs
     from jaxllm.engine.runner_settings import kv_cache_dtype
 
-    args = EngineArgs(model="m", kv_cache_dtype=requested)
-    assert jnp.dtype(kv_cache_dtype(args, jnp.dtype(model_dtype), backend)) == jnp.dtype(want)
+    cache = EngineArgs(model="m", kv_cache_dtype=requested).create_engine_config().cache
+    assert jnp.dtype(kv_cache_dtype(cache, jnp.dtype(model_dtype), backend)) == jnp.dtype(want)

@@ -44,7 +44,8 @@ def _config() -> ModelConfig:
     hf = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     hf.architectures = ["LlamaForCausalLM"]
-    return ModelConfig.from_hf(hf, EngineArgs(model="tiny", dtype="bfloat16"))
+    return ModelConfig.from_hf(hf, EngineArgs(model="tiny", dtype="bfloat16")
+                               .create_engine_config().model)
 
 
 def _exported(platform: str, tp: int, cfg: ModelConfig = None) -> export.Exported:

@@ -57,7 +57,7 @@ def test_smollm2_tokenizer_equals_transformers(smollm2):
 
 
 def _model_config(hf_config) -> ModelConfig:
-    return ModelConfig.from_hf(hf_config, EngineArgs(dtype="float32"))
+    return ModelConfig.from_hf(hf_config, EngineArgs(dtype="float32").create_engine_config().model)
 
 
 def test_smollm2_config_gives_the_same_model_config(smollm2):

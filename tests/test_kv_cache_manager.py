@@ -162,8 +162,7 @@ def test_lru_eviction_order_and_free_pool_first():
 
 
 def test_collisions_never_give_wrong_blocks():
-    kv = KVCacheManager(8, 4)
-    kv._hash = lambda parent, tokens: 0      # every block collides
+    kv = KVCacheManager(8, 4, hash_fn=lambda parent, tokens: 0)  # every block collides
     run(kv, req("a", range(9)))
     assert kv.get_computed_blocks(req("b", [9, 1, 2, 3, 4, 5, 6, 7, 8])) == ([], 0)
     assert kv.get_computed_blocks(req("c", range(9)))[1] == 4  # only one entry can be cached
@@ -172,8 +171,7 @@ def test_collisions_never_give_wrong_blocks():
 def test_collision_through_a_chain_is_caught():
     """Hash ignores a block's first token. A cached child whose parent was evicted must not be
     reached through a different, colliding parent, although hash, tokens and parent hash match."""
-    kv = KVCacheManager(5, 4)
-    kv._hash = lambda parent, tokens: hash((parent, tokens[1:]))
+    kv = KVCacheManager(5, 4, hash_fn=lambda parent, tokens: hash((parent, tokens[1:])))
     x, y = [1, 2, 3, 4], [5, 6, 7, 8]
     X, Y = req("X", x + [99]), req("Y", x + y + [98])
     assert kv.allocate_slots(X, 5) and kv.allocate_slots(Y, 9)  # computed side by side
@@ -228,9 +226,8 @@ class KVMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(6, 16), algo=st.sampled_from(ALGOS + list(WEAK)))
     def setup(self, num_blocks, algo):
-        self.kv = KVCacheManager(num_blocks, BS, hash_algo="builtin" if algo in WEAK else algo)
-        if algo in WEAK:
-            self.kv._hash = WEAK[algo]
+        self.kv = KVCacheManager(num_blocks, BS, hash_algo="builtin" if algo in WEAK else algo,
+                                 hash_fn=WEAK.get(algo))
         self.waiting, self.running = {}, {}
         self.slots = {}  # (block, offset) -> token prefix whose KV the slot holds
         self.count = 0
@@ -256,7 +253,7 @@ class KVMachine(RuleBasedStateMachine):
             del self.waiting[r.seq_id]
             self.running[r.seq_id] = r
             r.num_computed_tokens = cached
-            self._compute(r, n)
+            self.compute(r, n)
         else:
             assert self.kv.num_free_blocks == free_before
             assert self.kv.get_block_ids(r.seq_id) == []
@@ -268,11 +265,11 @@ class KVMachine(RuleBasedStateMachine):
         n = data.draw(st.integers(1, r.num_tokens - r.num_computed_tokens))
         free_before = self.kv.num_free_blocks
         if self.kv.allocate_slots(r, n):
-            self._compute(r, n)
+            self.compute(r, n)
         else:
             assert self.kv.num_free_blocks == free_before
 
-    def _compute(self, r, n):
+    def compute(self, r, n):
         """What the model step does: write the KV of n tokens, then cache the full blocks."""
         ids, toks = self.kv.get_block_ids(r.seq_id), r.all_token_ids
         assert len(ids) * BS >= r.num_computed_tokens + n
@@ -283,11 +280,11 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.cache_blocks(r)
         if r.num_computed_tokens == r.num_tokens:
             if r.num_tokens >= MAX_TOKENS:
-                self._finish(r)
+                self.finish(r)
             else:
                 r.output_token_ids.append(r.num_tokens % 2)
 
-    def _finish(self, r):
+    def finish(self, r):
         self.running.pop(r.seq_id, None)
         self.waiting.pop(r.seq_id, None)
         r.status = SequenceStatus.FINISHED_ABORTED
@@ -297,7 +294,7 @@ class KVMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish_or_abort(self, data):
         rid = data.draw(st.sampled_from(sorted(self.waiting) + sorted(self.running)))
-        self._finish(self.waiting.get(rid) or self.running[rid])
+        self.finish(self.waiting.get(rid) or self.running[rid])
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -324,17 +321,18 @@ class KVMachine(RuleBasedStateMachine):
             for i in ids:
                 refs[i] += 1
         assert [b.ref_cnt for b in kv.blocks] == refs
-        free, evictable = list(kv._free), list(kv._evictable)
+        free, evictable = list(kv.free_block_ids), list(kv.evictable_block_ids)
         in_use = [i for i in range(kv.num_blocks) if refs[i]]
         assert sorted(free + evictable + in_use) == list(range(kv.num_blocks))  # no leak or dup
         assert all(kv.blocks[i].hash is None for i in free)
         assert all(kv.blocks[i].hash is not None for i in evictable)
         cached = [b for b in kv.blocks if b.hash is not None]
-        assert sorted(b.block_id for b in kv._cached.values()) == sorted(b.block_id for b in cached)
+        index = kv.cached_blocks
+        assert sorted(b.block_id for b in index.values()) == sorted(b.block_id for b in cached)
         for b in cached:  # a cached block is full of the KV of its tokens
-            assert kv._cached[b.hash] is b
+            assert index[b.hash] is b
             assert self.slots[b.block_id, BS - 1][-BS:] == b.token_ids
-        assert set(kv._seq_hashes) <= set(self.waiting) | set(self.running)  # no per-sequence leak
+        assert kv.tracked_seq_ids <= set(self.waiting) | set(self.running)  # no per-sequence leak
         if not self.running:
             assert kv.num_free_blocks == kv.num_blocks and kv.usage == 0.0
 

@@ -1,5 +1,6 @@
-"""Imports run one way: serving -> entrypoints -> engine -> worker -> models -> layers ->
-kernels, with the host types (config, sampling params, sequences, outputs) below them all.
+"""Imports run one way: serving -> entrypoints -> deploy -> engine -> worker -> models ->
+layers -> kernels, with the host types (config, sampling params, sequences, outputs) below them
+all.
 
 Every import statement of every module (function-level ones too) is parsed with `ast`; an
 import of a module in a higher layer fails the test, naming both.
@@ -13,10 +14,11 @@ PACKAGES = ("jaxllm", "serving", "pallas_kernels")
 
 # Longest matching prefix wins. A module may import its own layer and any below it.
 LAYERS = {
-    "serving": 7,              # the OpenAI server and the `jaxllm` command (serving/cli)
-    "jaxllm": 6,               # the package itself re-exports LLM
-    "jaxllm.entrypoints": 6,
-    "jaxllm.benchmarks": 6,
+    "serving": 8,              # the OpenAI server and the `jaxllm` command (serving/cli)
+    "jaxllm": 7,               # the package itself re-exports LLM
+    "jaxllm.entrypoints": 7,
+    "jaxllm.benchmarks": 7,
+    "jaxllm.deploy": 6,        # topology: data-parallel replicas, other nodes, follower hosts
     "jaxllm.spec_decode.draft_model": 5,  # drives a ModelRunner and KVCacheManager of its own
     "jaxllm.engine": 5,
     "jaxllm.worker": 4,
@@ -28,6 +30,7 @@ LAYERS = {
     "jaxllm.parallel": 1,
     "pallas_kernels": 1,
     "jaxllm.config": 0,
+    "jaxllm.engine_config": 0,      # the resolved, typed engine config (EngineArgs builds it)
     "jaxllm.json_object": 0,        # host types: no JAX, importable from anywhere
     "jaxllm.sampling_params": 0,
     "jaxllm.pooling_params": 0,
@@ -98,6 +101,47 @@ def test_the_check_sees_an_upward_import(tmp_path):
     found = list(imported(str(src), "jaxllm.layers.m"))
     assert sorted(found) == ["jaxllm.layers.sampler", "serving.api_server"]
     assert layer("serving.api_server") > layer("jaxllm.layers.m")
+
+
+# The modules that may import EngineArgs, the user's flags (their submodules too; and the
+# package, which re-exports it). Everything else takes the typed parts of the EngineConfig it
+# builds (jaxllm/engine_config.py).
+ENGINE_ARGS_READERS = ("jaxllm.config", "jaxllm.engine", "jaxllm.deploy", "jaxllm.entrypoints")
+
+
+def may_read_engine_args(module: str) -> bool:
+    return module == "jaxllm" or any(module == r or module.startswith(r + ".")
+                                     for r in ENGINE_ARGS_READERS)
+
+
+def imports_engine_args(path: str) -> bool:
+    """Whether the module imports EngineArgs (from any module, function-level imports too)
+    or reaches it as an attribute (`jaxllm.config.EngineArgs`)."""
+    tree = ast.parse(open(path).read(), path)
+    return any(isinstance(node, ast.ImportFrom) and any(a.name == "EngineArgs"
+                                                        for a in node.names)
+               or isinstance(node, ast.Attribute) and node.attr == "EngineArgs"
+               for node in ast.walk(tree))
+
+
+def test_engine_args_stay_above_the_engine():
+    """Below the engine (worker, models, layers, loader, spec_decode, parallel, tokenizer,
+    structured_output, engine_config, ...) nothing imports EngineArgs."""
+    found = [module for module, path in modules() if module.split(".")[0] == "jaxllm"
+             and not may_read_engine_args(module) and imports_engine_args(path)]
+    assert not found, f"these modules import EngineArgs; give them EngineConfig parts: {found}"
+
+
+def test_the_check_sees_an_engine_args_import(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from jaxllm.config import ConfigError, EngineArgs\n")
+    assert imports_engine_args(str(src))
+    src.write_text("import jaxllm.config\nx = jaxllm.config.EngineArgs\n")
+    assert imports_engine_args(str(src))
+    src.write_text("from jaxllm.config import ConfigError\n")
+    assert not imports_engine_args(str(src))
+    assert not may_read_engine_args("jaxllm.engine_config")
+    assert may_read_engine_args("jaxllm.engine.startup") and may_read_engine_args("jaxllm")
 
 
 def graph():

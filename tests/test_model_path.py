@@ -55,7 +55,7 @@ def test_download_refuses_a_missing_path_before_asking_the_hub(monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", no_hub)
     with pytest.raises(ConfigError, match="^no such file or folder: ./no/such/model"):
-        hf.download(EngineArgs(model="./no/such/model"))
+        hf.download(EngineArgs(model="./no/such/model").create_engine_config().load)
 
 
 def test_llm_with_a_missing_path():

@@ -236,6 +236,11 @@ def _llama_hf(**kw):
     return LlamaConfig(**{**base, **kw})
 
 
+def options(**engine_args):
+    """The model options of these engine arguments (what ModelConfig.from_hf applies)."""
+    return EngineArgs(**engine_args).create_engine_config().model
+
+
 def test_config_reads_legacy_rope_spelling():
     new = ModelConfig.from_hf(_llama_hf(rope_parameters={"rope_type": "linear", "factor": 2.0,
                                                          "rope_theta": 5e5}))
@@ -291,13 +296,13 @@ def test_config_dtype_auto_reads_a_legacy_torch_dtype_without_the_alias():
                                  ("torch_dtype", "float32", "bfloat16"),  # vLLM's auto rule
                                  (None, None, "bfloat16")):  # no dtype: float32, then the rule
         c = NoAlias.from_dict({**legacy, **({key: value} if key else {})})
-        assert ModelConfig.from_hf(c, EngineArgs(dtype="auto")).dtype == expected, key
+        assert ModelConfig.from_hf(c, options(dtype="auto")).dtype == expected, key
 
 
 def test_config_engine_overrides():
-    args = EngineArgs(rope_theta=1234.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
-                      hf_overrides={"num_hidden_layers": 1})
-    cfg = ModelConfig.from_hf(_llama_hf(), args)
+    opts = options(rope_theta=1234.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                   hf_overrides={"num_hidden_layers": 1})
+    cfg = ModelConfig.from_hf(_llama_hf(), opts)
     assert cfg.rope == (RopeSpec("linear", 1234.0, 4.0),)
     assert cfg.num_layers == 1
     assert cfg.max_model_len == 256 * 4  # linear scaling stretches the context, as in vLLM
@@ -305,11 +310,11 @@ def test_config_engine_overrides():
 
 def test_config_max_model_len(monkeypatch):
     assert ModelConfig.from_hf(_llama_hf()).max_model_len == 256
-    assert ModelConfig.from_hf(_llama_hf(), EngineArgs(max_model_len="128")).max_model_len == 128
+    assert ModelConfig.from_hf(_llama_hf(), options(max_model_len="128")).max_model_len == 128
     with pytest.raises(ConfigError, match="--max-model-len=512.*max_position_embeddings=256"):
-        ModelConfig.from_hf(_llama_hf(), EngineArgs(max_model_len=512))
+        ModelConfig.from_hf(_llama_hf(), options(max_model_len=512))
     monkeypatch.setenv(ALLOW_LONG_ENV, "1")
-    assert ModelConfig.from_hf(_llama_hf(), EngineArgs(max_model_len=512)).max_model_len == 512
+    assert ModelConfig.from_hf(_llama_hf(), options(max_model_len=512)).max_model_len == 512
     yarn = ROPE_SCALING["yarn"]
     assert ModelConfig.from_hf(_llama_hf(rope_parameters=yarn)).max_model_len == 64 * 4
 
@@ -320,7 +325,7 @@ def test_config_disable_sliding_window():
                        num_attention_heads=4, num_key_value_heads=2, sliding_window=100,
                        max_position_embeddings=256, architectures=["MistralForCausalLM"])
     assert ModelConfig.from_hf(hf).sliding_window == (100, 100)
-    cfg = ModelConfig.from_hf(hf, EngineArgs(disable_sliding_window=True))
+    cfg = ModelConfig.from_hf(hf, options(disable_sliding_window=True))
     assert (cfg.sliding_window, cfg.max_model_len) == ((0, 0), 100)
 
 
@@ -336,14 +341,14 @@ def test_config_disable_sliding_window():
 def test_config_dtype(ckpt, model_type, requested, want):
     hf = _llama_hf(dtype=ckpt)
     hf.model_type = model_type
-    assert ModelConfig.from_hf(hf, EngineArgs(dtype=requested)).dtype == want
+    assert ModelConfig.from_hf(hf, options(dtype=requested)).dtype == want
 
 
 def test_config_rejects_float16_gemma_and_unknown_architecture():
     hf = _llama_hf()
     hf.model_type = "gemma3_text"
     with pytest.raises(ConfigError, match="--dtype=float16"):
-        ModelConfig.from_hf(hf, EngineArgs(dtype="float16"))
+        ModelConfig.from_hf(hf, options(dtype="float16"))
     with pytest.raises(ConfigError, match="not supported; supported: LlamaForCausalLM, "
                                           "MistralForCausalLM, Qwen2ForCausalLM"):
         ModelConfig.from_hf(_llama_hf(architectures=["GPT2LMHeadModel"]))

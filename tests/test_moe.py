@@ -86,14 +86,14 @@ def test_expert_order_is_the_stable_argsort(experts):
     `experts`) last, whichever way it is computed."""
     import jax.numpy as jnp
 
-    from jaxllm.layers.experts import _stable_order
+    from jaxllm.layers.experts import stable_order
 
     rng = np.random.default_rng(experts % 97)
     flat = rng.integers(0, 9, 4096).astype(np.int32)  # few distinct ids: many ties
     flat[rng.random(4096) < 0.1] = experts  # not on this device
     flat = np.minimum(flat, experts)
     want = np.argsort(flat, kind="stable")
-    got = np.asarray(_stable_order(jnp.asarray(flat), experts))
+    got = np.asarray(stable_order(jnp.asarray(flat), experts))
     assert np.all(np.diff(flat[got]) >= 0)
     np.testing.assert_array_equal(got, want)
 

@@ -49,7 +49,7 @@ def test_moe_config_validates(config, model):
     args = EngineArgs.from_cli_args(parse_args(["--config", str(CONFIG_DIR / config)]))
     tp = args.tensor_parallel_size
     assert args.enable_expert_parallel and tp == 8
-    cfg = ModelConfig.from_hf(_hf(model), args)
+    cfg = ModelConfig.from_hf(_hf(model), args.create_engine_config().model)
     assert cfg.expert_parallel and cfg.num_experts % tp == 0
     assert [g.kind for g in layer_groups(cfg)] == ["moe"]
     assert cfg.max_model_len == args.max_model_len
@@ -67,8 +67,8 @@ def _moe_config(expert_parallel: bool) -> ModelConfig:
                         num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
                         max_position_embeddings=256)
     hf.architectures = ["Qwen3MoeForCausalLM"]
-    return ModelConfig.from_hf(hf, EngineArgs(model="tiny", dtype="bfloat16",
-                                              enable_expert_parallel=expert_parallel))
+    args = EngineArgs(model="tiny", dtype="bfloat16", enable_expert_parallel=expert_parallel)
+    return ModelConfig.from_hf(hf, args.create_engine_config().model)
 
 
 @pytest.mark.parametrize("tp,ep", [(1, False), (2, True), (2, False)],

@@ -59,7 +59,7 @@ def test_expert_load_equals_numpy_recount_of_router_topk(make_tiny_checkpoint, a
     # every computed token: a prompt, then each generated token but the last (never fed back)
     expected = recount(path, [p + o[:-1] for p, o in zip(prompts, outs)],
                        engine.model_config.num_experts_per_tok)
-    load = engine.stats()["expert_load"]
+    load = engine.stats().expert_load
     assert sorted(load) == sorted(expected)
     for layer in expected:
         np.testing.assert_array_equal(load[layer], expected[layer], err_msg=f"layer {layer}")
@@ -83,7 +83,7 @@ def test_without_the_flag_no_expert_load(make_tiny_checkpoint):
     llm = small_llm(make_tiny_checkpoint("mixtral"))
     llm.generate([{"prompt_token_ids": mixed_prompts(1)[0]}], GREEDY, use_tqdm=False)
     engine = llm.llm_engine
-    assert engine.runner.expert_load is None and "expert_load" not in engine.stats()
+    assert engine.runner.expert_load is None and engine.stats().expert_load is None
     assert "moe_expert_tokens" not in ServerMetrics(engine, "m").exposition().decode()
 
 

@@ -214,7 +214,7 @@ def test_server_on_rank_0_and_a_hung_follower(checkpoint, tmp_path):
         t = time.monotonic()
         r = httpx.post(url + "/v1/completions", json=body, timeout=90)
         assert r.status_code == 500 and "host" in r.json()["error"]["message"], r.text
-        assert leader.wait(timeout=60) != 0
+        assert leader.wait(timeout=60) == HOST_LOST_EXIT
         assert time.monotonic() - t < 20 + 30  # the heartbeat timeout, then a prompt exit
         assert "Host lost" in tail(0)
     finally:
@@ -265,7 +265,7 @@ def _leader(path: str, kw: dict) -> dict:
             "devices": sum(len(m.devices.flat) for m in meshes), "stages": len(meshes),
             "memory": engine.runner.memory_report() if len(meshes) > 1 else None,
             "processes": jax.process_count(),
-            "preemptions": engine.stats()["num_preemptions"], "steps": len(steps),
+            "preemptions": engine.stats().num_preemptions, "steps": len(steps),
             "channel_calls": leader.calls if leader else 0,
             "tokens_per_s": len(prompts) * NEW / seconds,
             "channel_us": leader and [float(np.median(leader.call_seconds) * 1e6),
@@ -274,7 +274,7 @@ def _leader(path: str, kw: dict) -> dict:
 
 def _follower(path: str, kw: dict) -> int:
     from jaxllm.config import EngineArgs
-    from jaxllm.engine.headless import run_headless
+    from jaxllm.deploy.follower import run_headless
     return run_headless(EngineArgs(model=path, **_engine_args(kw)))
 
 

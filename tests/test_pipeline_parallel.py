@@ -101,7 +101,10 @@ def test_timeline_overlap_arithmetic():
     tl.close()
     # (dispatch, end) per step; starts follow from the previous end on the stage and the
     # end of the stage before.
-    tl._done = [[(0.0, 1.0), (0.0, 2.0), (0.0, 3.0)], [(0.0, 2.0), (0.0, 3.0), (0.0, 4.0)]]
+    for stage, steps in enumerate([[(0.0, 1.0), (0.0, 2.0), (0.0, 3.0)],
+                                   [(0.0, 2.0), (0.0, 3.0), (0.0, 4.0)]]):
+        for dispatch, end in steps:
+            tl.record(stage, dispatch, end)
     assert tl.intervals() == [[(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)],
                               [(1.0, 2.0), (2.0, 3.0), (3.0, 4.0)]]
     s = tl.summary()
@@ -214,11 +217,10 @@ def _moe_child(path: str) -> dict:
     from jaxllm import SamplingParams
     from jaxllm.config import EngineArgs
     from jaxllm.engine.engine import LLMEngine
-    from jaxllm.engine.pp_engine import PipelineEngine
 
     report = {}
-    for name, cls, pp in (("base", LLMEngine, 1), ("pp2", PipelineEngine, 2)):
-        engine = cls(EngineArgs(model=path, dtype="float32", enforce_eager=True,
+    for name, pp in (("base", 1), ("pp2", 2)):
+        engine = LLMEngine(EngineArgs(model=path, dtype="float32", enforce_eager=True,
                                 max_model_len=64, num_gpu_blocks_override=8,
                                 attention_backend="reference", use_tqdm_on_load=False,
                                 max_num_batched_tokens=8, pipeline_parallel_size=pp))
@@ -261,7 +263,7 @@ def _child(path: str) -> dict:
         engine = llm.llm_engine
         outs = llm.generate(prompts, params, use_tqdm=False)
         run = {"pp": pp, "tp": tp, "tokens": [o.outputs[0].token_ids for o in outs],
-               "preemptions": engine.stats()["num_preemptions"]}
+               "preemptions": engine.stats().num_preemptions}
         if pp > 1:
             run["memory"] = engine.runner.memory_report()
         else:

@@ -132,8 +132,11 @@ def test_deprecated_task_maps_to_runner_and_convert(caplog):
     args = EngineArgs(task="embed")
     assert (args.runner, args.convert) == ("pooling", "embed")
     assert "--task is deprecated" in caplog.text
-    assert EngineArgs(convert="embed").runner_type("/nonexistent") == "pooling"
-    assert EngineArgs().runner_type("/nonexistent") == "generate"
+    from jaxllm.engine.runner_settings import runner_type
+
+    options = EngineArgs(convert="embed").create_engine_config().model
+    assert runner_type(options, "/nonexistent") == "pooling"
+    assert runner_type(EngineArgs().create_engine_config().model, "/nonexistent") == "generate"
 
 
 # --- the server: /v1/embeddings and /pooling ------------------------------------------------------

@@ -107,20 +107,20 @@ def test_prefix_cache_hits_are_skipped_but_blocks_published(llm, hf_model):
     assert c.num_cached_tokens == 32
 
 
-def test_preemption_keeps_prompt_logprobs(tiny_llama, hf_model):
+def test_preemption_keeps_prompt_logprobs(tiny_llama, hf_model, monkeypatch):
     # 256 KV slots for 8 running sequences of up to ~60 tokens: some are preempted, some before
     # their first token (prompt positions recomputed), some after (prefix cache hits allowed).
     llm = small_llm(tiny_llama, num_gpu_blocks_override=64)
     sched = llm.llm_engine.scheduler
     victims = []  # output tokens of each preempted request when preempted
-    original = sched._preempt
+    schedule = sched.schedule
 
-    def preempt():
-        victim = original()
-        victims.append(victim.num_output_tokens)
-        return victim
+    def watched(*args, **kw):  # a step's preemptions, read off its public SchedulerOutput
+        out = schedule(*args, **kw)
+        victims.extend(sched.seqs[sid].num_output_tokens for sid in out.preempted_ids)
+        return out
 
-    sched._preempt = preempt
+    monkeypatch.setattr(sched, "schedule", watched)
     prompts = mixed_prompts(16, seed=9, lo=25, hi=40)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         params(2, max_tokens=24), use_tqdm=False)

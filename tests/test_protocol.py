@@ -14,16 +14,16 @@ from pydantic import ValidationError
 
 from jaxllm.entrypoints.chat_utils import (load_chat_template, normalize_messages,
                                            render_chat_prompt)
+from jaxllm.engine.stats import EngineStats
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from serving.errors import APIError, describe_validation_errors, error_body
 from jaxllm.sampling_params import SamplingParams
-from serving.generation import merge, submit
-from serving.limits import Admission
+from serving.generation import EventStreamResponse, merge, submit
 from serving.metrics import ServerMetrics
 from serving.prompts import max_tokens_for, split_prompts
-from serving.protocol import (ChatCompletionRequest, CompletionRequest, DeltaMessage,
-                              TokenizeRequest)
-from serving.sse import EventStreamResponse
+from serving.protocol import ChatCompletionRequest, DeltaMessage, TokenizeRequest
+from serving.protocol_completion import CompletionRequest
+from serving.state import Admission
 
 # --- request models ----------------------------------------------------------------------------
 
@@ -254,9 +254,7 @@ class FakeEngine:
         self.closed: list[str] = []
 
     def stats(self):
-        return dict(num_running=len(self.open), num_waiting=0, kv_cache_usage=0.0,
-                    prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
-                    num_free_blocks=1, num_total_blocks=1)
+        return EngineStats(num_running=len(self.open), num_free_blocks=1, num_total_blocks=1)
 
     async def generate(self, prompt, params, request_id, priority=0):
         if "bad" in request_id:

@@ -8,6 +8,7 @@ import pytest
 
 from jaxllm import SamplingParams
 from jaxllm.config import EngineArgs
+from jaxllm.deploy.data_parallel import make_engine
 from jaxllm.engine.async_engine import AsyncLLMEngine
 
 
@@ -22,7 +23,7 @@ def test_serving_engine_is_ready_only_when_every_program_is_compiled(tiny_llama,
     args = EngineArgs(model=tiny_llama, dtype="float32", max_num_seqs=2,
                       max_num_batched_tokens=16, block_size=4, num_scheduler_steps=steps, seed=0,
                       disable_log_stats=True, use_tqdm_on_load=False)
-    engine = AsyncLLMEngine.from_engine_args(args)
+    engine = AsyncLLMEngine(make_engine(args))
     try:
         cm = engine.engine.runner.compile_manager
         deferred = cm.deferred()

@@ -320,7 +320,7 @@ def test_tight_memory_and_budget_give_the_same_outputs(policy, chunked, seed):
     assert run_to_end(tight, workload()) == want
     assert tight.num_preemptions > 0 and tight.kv.prefix_cache_hits > 0
     assert tight.kv.num_free_blocks == 18
-    assert not tight.kv._seq_hashes and not tight.kv._seq_blocks  # no per-sequence state left
+    assert not tight.kv.tracked_seq_ids  # no per-sequence state left
 
 
 def run_to_end_async(sched, reqs, max_steps=10_000):

@@ -17,6 +17,7 @@ import pytest
 
 from jaxllm.engine.async_engine import AsyncLLMEngine
 from jaxllm.engine.errors import EngineDeadError
+from jaxllm.engine.stats import EngineStats
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from test_server import ENGINE_FLAGS, ServerProcess
@@ -38,7 +39,7 @@ class FakeEngine:
         self.step_hook = step_hook
 
     def stats(self):
-        return {"num_running": len(self.requests), "num_waiting": 0}
+        return EngineStats(num_running=len(self.requests))
 
     def wait_for_background_compiles(self):
         pass  # nothing compiles

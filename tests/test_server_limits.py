@@ -13,11 +13,12 @@ import pytest
 from pydantic import ValidationError
 
 from jaxllm.sampling_params import SamplingParams
-from serving.deadline import RenderTimeout, call_with_deadline
 from serving.errors import APIError
-from serving.limits import Admission, RequestLimits, check_request_limits, check_text_length
-from serving.protocol import ChatCompletionRequest, CompletionRequest
-from serving.state import ServingState
+from serving.prompts import RenderTimeout, call_with_deadline
+from serving.protocol import ChatCompletionRequest
+from serving.protocol_completion import CompletionRequest
+from serving.state import (Admission, RequestLimits, ServingState, check_request_limits,
+                           check_text_length)
 
 
 @pytest.mark.parametrize("fields, num_prompts, param", [
@@ -117,7 +118,7 @@ def test_unsupported_vllm_fields_are_refused_and_unknown_ones_logged_briefly(cap
 
 
 def test_max_prompt_chars_comes_from_the_longest_token():
-    from serving.limits import longest_token_chars
+    from serving.state import longest_token_chars
     tokenizer = SimpleNamespace(get_vocab=lambda: {"a": 0, "abcd": 1, "<|im_end|>": 2})
     assert longest_token_chars(tokenizer) == len("<|im_end|>")
 

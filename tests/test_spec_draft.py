@@ -29,10 +29,11 @@ SMALL = dict(seed=7, num_hidden_layers=1, hidden_size=32, intermediate_size=48,
 
 
 def proposer(target: str, draft: str, **kw) -> DraftModelProposer:
-    args = EngineArgs(model=target, **ARGS)
+    config = EngineArgs(model=target, **ARGS).create_engine_config()
     spec = SpeculativeConfig.parse({"model": draft, "num_speculative_tokens": K,
                                     **kw.pop("spec", {})})
-    return DraftModelProposer(spec, args, ModelConfig.from_hf(hf_config(target), args), **kw)
+    target_config = ModelConfig.from_hf(hf_config(target), config.model)
+    return DraftModelProposer(spec, config, target_config, **kw)
 
 
 _HF = {}

@@ -75,7 +75,6 @@ class _FakeStore:
 def channel(monkeypatch):
     """(leader, follower) joined over loopback; host_lost records instead of exiting."""
     store, lost = _FakeStore(), []
-    monkeypatch.setattr(step_channel, "_kv_client", lambda: store)
     monkeypatch.setattr(step_channel, "host_lost", lost.append)
     monkeypatch.setattr(step_channel, "HEARTBEAT_SECONDS", 0.05)
     weights = ({"w": jnp.ones(4)}, {"w": jnp.ones(2)})  # one tree per pipeline stage
@@ -83,14 +82,13 @@ def channel(monkeypatch):
     box = {}
     t = threading.Thread(target=lambda: box.update(
         follower=StepFollower(({"w": jnp.ones(4)}, {"w": jnp.ones(2)}), (jnp.zeros(8),),
-                              startup_timeout=10)))
+                              startup_timeout=10, store=store)))
     t.start()
-    leader = StepLeader(1, "127.0.0.1", weights, (cache,), timeout=1.0)
+    leader = StepLeader(1, "127.0.0.1", weights, (cache,), timeout=1.0, store=store)
     t.join(10)
     yield leader, box["follower"], weights, cache, lost
-    leader._closing, box["follower"]._stopped = True, True
-    for sock in (*leader._socks, box["follower"]._sock):
-        sock.close()
+    leader.disconnect()
+    box["follower"].disconnect()
 
 
 def test_calls_cross_with_device_arrays_as_numbers(channel):
@@ -116,9 +114,7 @@ def test_calls_cross_with_device_arrays_as_numbers(channel):
 
 def test_a_silent_follower_is_reported_lost(channel):
     leader, follower, _, _, lost = channel
-    follower._stopped = True  # its heartbeat thread stops sending
-    time.sleep(0.2)
-    follower._sock.close()
+    follower.disconnect()  # its heartbeats stop and its end of the channel closes
     deadline = time.monotonic() + 5
     while not lost and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -129,7 +125,7 @@ def test_a_hung_follower_is_reported_lost_once_ready(channel, monkeypatch):
     leader, follower, _, _, lost = channel
     monkeypatch.setattr(step_channel, "HEARTBEAT_SECONDS", 100.0)  # its next beat: far off
     time.sleep(0.2)
-    follower._sock.sendall(step_channel._READY)  # warmed up: silence counts from now (1 s)
+    follower.send_ready()  # warmed up: silence counts from now (1 s)
     deadline = time.monotonic() + 5
     while not lost and time.monotonic() < deadline:
         time.sleep(0.05)

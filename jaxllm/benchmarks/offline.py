@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxllm.benchmarks.datasets import (BenchRequest, Row, file_requests, format_table,
                                         random_requests)
+from jaxllm.engine.stats import EngineStats
 
 
 def peak_rss_gib() -> float:
@@ -73,20 +74,21 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
             "peak_rss_gib": peak_rss_gib()}
 
 
-def spec_decode_summary(stats: dict) -> dict:
+def spec_decode_summary(stats: EngineStats) -> dict:
     """With --speculative-config, from engine.stats() (the whole run): acceptance rate
     (accepted / draft tokens), mean acceptance length (1 + accepted / drafts, vLLM's), and
     output tokens per step (every request of a step counted). {} without speculation."""
-    if "spec_decode_num_drafts" not in stats:
+    sd = stats.spec_decode
+    if sd is None:
         return {}
-    drafts, proposed = stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"]
-    accepted, steps = stats["spec_decode_num_accepted_tokens"], stats["spec_decode_num_steps"]
+    drafts, proposed, accepted = sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens
     return {"spec_decode": {
         "num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
-        "accepted_per_position": stats["spec_decode_num_accepted_tokens_per_pos"],
+        "accepted_per_position": list(sd.num_accepted_tokens_per_pos),
         "acceptance_rate": accepted / proposed if proposed else 0.0,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
-        "tokens_per_step": stats["generation_tokens_total"] / steps if steps else 0.0}}
+        "tokens_per_step": (stats.generation_tokens_total / sd.num_steps
+                            if sd.num_steps else 0.0)}}
 
 
 def format_latency_result(res: dict) -> str:

@@ -29,10 +29,9 @@ import threading
 import time
 from typing import AsyncIterator, Optional
 
-from jaxllm.config import EngineArgs
-from jaxllm.engine.dp_engine import make_engine
 from jaxllm.engine.engine import LLMEngine, PromptType
 from jaxllm.engine.errors import EngineDeadError, RequestCancelledError
+from jaxllm.engine.stats import EngineStats
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.parallel.step_channel import add_host_lost_hook
@@ -63,16 +62,12 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
         self._thread.start()
 
-    @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
-        return cls(make_engine(args))
-
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """The engine's counters as of its last step (read without stopping the loop)."""
-        return dict(self._stats)
+        return self._stats
 
     @property
     def is_running(self) -> bool:

@@ -77,6 +77,12 @@ class IncrementalDetokenizer:
         return delta, None
 
     @property
+    def streams(self) -> bool:
+        """Which path decodes: True, tokenizers' DecodeStream (one native call a token); False,
+        the decoded window (a slow tokenizer, or options the stream cannot honour)."""
+        return self._stream is not None
+
+    @property
     def released_text(self) -> str:
         """The text given out so far: `text` minus what is held back (for cumulative streams)."""
         return self.text[:self._emitted]

@@ -16,7 +16,10 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Mapping
 from itertools import count
+from types import MappingProxyType
+from typing import Optional
 
 from jaxllm.sequence import Sequence
 
@@ -44,14 +47,19 @@ class Block:
 
 
 class KVCacheManager:
+    """hash_fn(parent hash, block tokens) -> hash replaces hash_algo's function (its root, the
+    parent of a first block, stays hash_algo's: 0, or b"" for sha256). Hits are verified, so any
+    function is correct, only slower where it collides: tests pass colliding ones to prove it."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_algo: str = "builtin"):
+                 hash_algo: str = "builtin",
+                 hash_fn: Optional[Callable[[Hashable, tuple], Hashable]] = None):
         if hash_algo not in ("builtin", "sha256"):
             raise ValueError(f"unknown prefix caching hash algorithm {hash_algo!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._hash = _hash_sha256 if hash_algo == "sha256" else _hash_builtin
+        self._hash = hash_fn or (_hash_sha256 if hash_algo == "sha256" else _hash_builtin)
         self._root_hash = b"" if hash_algo == "sha256" else 0
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
@@ -72,6 +80,30 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    # Read-only views of the block states, for checks of the accounting (tests, debugging):
+    # every block is in use (ref_cnt > 0), in free_block_ids, or in evictable_block_ids.
+    @property
+    def free_block_ids(self) -> tuple[int, ...]:
+        """Blocks holding nothing reusable, in the order allocations take them."""
+        return tuple(self._free)
+
+    @property
+    def evictable_block_ids(self) -> tuple[int, ...]:
+        """Unused blocks whose KV stays cached, least recently released (evicted) first."""
+        return tuple(self._evictable)
+
+    @property
+    def cached_blocks(self) -> Mapping:
+        """The prefix cache, hash -> Block (a live read-only view)."""
+        return MappingProxyType(self._cached)
+
+    @property
+    def tracked_seq_ids(self) -> frozenset[str]:
+        """Sequences the manager keeps any state for (blocks or block hashes): a finished one
+        must not be among them, a preempted one keeps only its hashes."""
+        return frozenset(self._seq_blocks) | frozenset(self._seq_uids) | frozenset(
+            self._seq_hashes)
 
     def get_block_ids(self, seq_id: str) -> list[int]:
         """The sequence's block table (the live list: it grows as the sequence does)."""

@@ -1,5 +1,6 @@
-"""What a `ModelRunner` is built with, read from EngineArgs: the KV cache's dtype and number
-of blocks, a step's token budget, and where compiled programs are kept.
+"""What a `ModelRunner` is built with, resolved from the engine config and the loaded model:
+the runner type, the KV cache's dtype and number of blocks, a step's token budget, and where
+compiled programs are kept.
 
 Two start-ups build runners by these rules: the target model's (jaxllm/engine/startup.py) and
 the draft model's (jaxllm/spec_decode/draft_model.py). The rules live here, below both, so
@@ -17,7 +18,8 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import ConfigError, EngineArgs, cpu_kv_cache_bytes
+from jaxllm.config import ConfigError
+from jaxllm.engine_config import CacheConfig, EngineConfig, ModelOptions, SchedulerConfig
 from jaxllm.layers.attention import native_cpu_attention
 
 logger = logging.getLogger("jaxllm")
@@ -28,16 +30,27 @@ _KV_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.f
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
-def max_num_batched_tokens(args: EngineArgs, max_model_len: Optional[int] = None,
+def runner_type(options: ModelOptions, model_path: str) -> str:
+    """'generate' or 'pooling': --runner, with auto resolved for the model at `model_path`
+    (pooling with --convert embed or for a sentence-transformers folder)."""
+    if options.runner != "auto":
+        return options.runner
+    st = os.path.isdir(model_path) and os.path.exists(os.path.join(model_path,
+                                                                   "modules.json"))
+    return "pooling" if options.convert == "embed" or (st and options.convert == "auto") \
+        else "generate"
+
+
+def max_num_batched_tokens(scheduler: SchedulerConfig, max_model_len: Optional[int] = None,
                            per_seq: int = 1) -> int:
     """Tokens one step may hold: --max-num-batched-tokens (default 2048), raised to per_seq
     tokens for each of max_num_seqs rows, and, given max_model_len without chunked prefill,
     to a whole prompt (it must fit one step). The draft model gives no max_model_len (it
     chunks a long catch-up itself) and per_seq=2 (a catch-up feeds 1-2 tokens a row)."""
-    tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    if max_model_len is not None and not args.chunked_prefill:
+    tokens = scheduler.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if max_model_len is not None and not scheduler.enable_chunked_prefill:
         tokens = max(tokens, max_model_len)
-    return max(tokens, per_seq * args.max_num_seqs)
+    return max(tokens, per_seq * scheduler.max_num_seqs)
 
 
 def executable_cache_dir() -> str | None:
@@ -48,67 +61,78 @@ def executable_cache_dir() -> str | None:
     return path or None
 
 
-def kv_cache_dtype(args: EngineArgs, model_dtype, attention_backend: str) -> Any:
+def kv_cache_dtype(cache: CacheConfig, model_dtype, attention_backend: str) -> Any:
     """'auto' = the model's dtype, except on CPU without the native attention kernel: XLA:CPU
     upcasts a 16-bit cache update to float32 over the whole cache (measured: +7 GB and ~100x
     slower steps for SmolLM2 at 8k context), so that cache is float32. The native kernel
     writes a float32 or bfloat16 cache in place."""
     on_cpu = jax.default_backend() == "cpu"
-    dtype = model_dtype if args.kv_cache_dtype == "auto" else _KV_DTYPES[args.kv_cache_dtype]
+    dtype = model_dtype if cache.cache_dtype == "auto" else _KV_DTYPES[cache.cache_dtype]
     if not on_cpu or native_cpu_attention(attention_backend, dtype):
         return dtype
-    if args.kv_cache_dtype == "auto":
+    if cache.cache_dtype == "auto":
         return jnp.float32
     if jnp.dtype(dtype).itemsize < 4:
         logger.warning("--kv-cache-dtype %s on CPU without the native attention kernel: XLA:CPU "
                        "converts the whole cache to float32 on every step (slow, and "
-                       "memory-hungry); 'auto' uses float32 here", args.kv_cache_dtype)
+                       "memory-hungry); 'auto' uses float32 here", cache.cache_dtype)
     return dtype
 
 
-def num_kv_blocks(args: EngineArgs, mc, dtype, layers: Optional[int] = None,
+def num_kv_blocks(config: EngineConfig, mc, dtype, layers: Optional[int] = None,
                   device=None) -> int:
-    """Blocks that fit the KV budget; fails early when one max_model_len sequence cannot fit.
+    """Blocks that fit the KV budget (config.cache's, for the scheduler's max_num_seqs on
+    tensor-parallel devices); fails early when one max_model_len sequence cannot fit.
     A pipeline stage sizes its `layers` on its own devices (`device`, the first of them): a
     budget given as a total (CPU, --kv-cache-memory-bytes) is shared in proportion to layers,
     an accelerator's free memory is the stage's own."""
+    cache, block_size = config.cache, config.cache.block_size
     layers = mc.num_layers if layers is None else layers
-    per_block = (2 * layers * mc.num_kv_heads * args.block_size * mc.head_dim
+    per_block = (2 * layers * mc.num_kv_heads * block_size * mc.head_dim
                  * jnp.dtype(dtype).itemsize)
-    if args.num_gpu_blocks_override is not None:
-        num, source = args.num_gpu_blocks_override, "--num-gpu-blocks-override"
+    if cache.num_gpu_blocks_override is not None:
+        num, source = cache.num_gpu_blocks_override, "--num-gpu-blocks-override"
     else:
-        if args.kv_cache_memory_bytes is not None:
-            budget, source = args.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
+        if cache.kv_cache_memory_bytes is not None:
+            budget, source = cache.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
         elif jax.default_backend() == "cpu":
             budget, source = cpu_kv_cache_bytes(), "JAXLLM_CPU_KVCACHE_SPACE"
         else:
-            budget, source = _device_kv_budget(args, device), "--gpu-memory-utilization"
+            budget = _device_kv_budget(cache.gpu_memory_utilization,
+                                       config.parallel.tensor_parallel_size, device)
+            source = "--gpu-memory-utilization"
         if source != "--gpu-memory-utilization":  # a total: each stage's share
             budget = budget * layers // mc.num_layers
         # More blocks than max_num_seqs full-length sequences can hold would only feed the
         # prefix cache; cap there so small models do not allocate the whole budget.
-        cap = args.max_num_seqs * math.ceil(mc.max_model_len / args.block_size)
+        cap = config.scheduler.max_num_seqs * math.ceil(mc.max_model_len / block_size)
         num = min(int(budget // per_block), cap)
-    need = math.ceil(mc.max_model_len / args.block_size)
+    need = math.ceil(mc.max_model_len / block_size)
     if num < need:
         raise ConfigError(
-            f"The KV cache holds {num} blocks of {args.block_size} tokens ({num * per_block / 2**30:.2f}"
-            f" GiB, set by {source}) = {num * args.block_size} tokens, but one sequence of "
+            f"The KV cache holds {num} blocks of {block_size} tokens ({num * per_block / 2**30:.2f}"
+            f" GiB, set by {source}) = {num * block_size} tokens, but one sequence of "
             f"max_model_len={mc.max_model_len} needs {need} blocks ({need * per_block / 2**30:.2f} "
-            f"GiB). Lower --max-model-len (at most {num * args.block_size} fits), or give the cache "
+            f"GiB). Lower --max-model-len (at most {num * block_size} fits), or give the cache "
             f"more memory (--gpu-memory-utilization, --kv-cache-memory-bytes, "
             f"JAXLLM_CPU_KVCACHE_SPACE on CPU, --num-gpu-blocks-override), or use "
             f"--kv-cache-dtype fp8.")
     return num
 
 
-def _device_kv_budget(args: EngineArgs, device=None) -> int:
+def cpu_kv_cache_bytes() -> int:
+    """The CPU KV-cache budget: $JAXLLM_CPU_KVCACHE_SPACE GiB, default 4 (as vLLM's CPU
+    backend)."""
+    return int(float(os.environ.get("JAXLLM_CPU_KVCACHE_SPACE", "4")) * 1024**3)
+
+
+def _device_kv_budget(gpu_memory_utilization: float, tensor_parallel_size: int,
+                      device=None) -> int:
     """Accelerator memory left for the KV cache after weights, per device, times devices used."""
     stats = (device or jax.devices()[0]).memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit:
         raise ConfigError("cannot read device memory; pass --num-gpu-blocks-override or "
                           "--kv-cache-memory-bytes")
-    free = limit * args.gpu_memory_utilization - stats.get("bytes_in_use", 0)
-    return int(max(free, 0) * 0.9) * args.tensor_parallel_size  # 10% for activations
+    free = limit * gpu_memory_utilization - stats.get("bytes_in_use", 0)
+    return int(max(free, 0) * 0.9) * tensor_parallel_size  # 10% for activations

@@ -12,7 +12,7 @@ from typing import Iterable, Optional
 
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.sequence import (PENDING, ScheduledSequence, SchedulerOutput, Sequence,
-                             SequenceStatus)
+                             SequenceStatus, Stop)
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 enable_chunked_prefill: bool = True, policy: str = "fcfs", block_size: int):
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs", block_size: int,
+                 pipeline_depth: int = 1):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         if block_size != kv_cache_manager.block_size:
@@ -45,10 +46,12 @@ class Scheduler:
         self.waiting: list[tuple] = []          # heap of (key, sequence)
         self._order = 0
         self.num_preemptions = 0
-        # Pipeline parallelism (jaxllm/engine/pp_engine.py) keeps this many steps in flight:
+        # Pipeline parallelism keeps this many steps in flight (the engine's step policy):
         # above 1, a step leaves out sequences whose sampled token is still in flight (the
-        # steps in flight hold disjoint sequences) and takes at most 1/depth of them all.
-        self.pipeline_depth = 1
+        # steps in flight hold disjoint sequences) and takes at most 1/depth of them all, so
+        # that a step never needs a token still in flight (penalties, grammars and stop
+        # strings see every output token, as on one device).
+        self.pipeline_depth = pipeline_depth
 
     @property
     def num_running(self) -> int:
@@ -86,6 +89,39 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
             self.waiting = [w for w in self.waiting if not w[1].is_finished]
             heapq.heapify(self.waiting)
+
+    def apply_stops(self, stops: Iterable[Stop]) -> None:
+        """End sequences on what the output processor found in their tokens (stop strings,
+        grammar ends): stop_reason set, output tokens after a stop inside accepted drafts
+        dropped, and the sequence finished (one already finished by a later token of its
+        step takes the stop's status when the stop overrides)."""
+        for stop in stops:
+            seq = stop.seq
+            seq.stop_reason = stop.reason
+            del seq.output_token_ids[stop.drop_from:stop.drop_to]
+            if not seq.is_finished:
+                self.finish_seqs([seq.seq_id], stop.status)
+            elif stop.override:
+                seq.status = stop.status
+
+    def can_burst(self, num_steps: int) -> bool:
+        """Whether the next num_steps steps can be scheduled as one burst of decode steps
+        with the same sequences: nobody waits, every running sequence decodes (one new token
+        a step) with no length stop before the last step, and the KV cache has their blocks.
+        (The runner decides whether their sampling allows it: ModelRunner.burst_ready.)"""
+        if (num_steps == 1 or self.waiting or not self.running
+                or len(self.running) > self.max_num_batched_tokens):
+            return False
+        need, bs = 0, self.kv.block_size
+        for r in self.running:
+            sp = r.sampling_params
+            left = min(self.max_model_len - r.num_tokens,
+                       sp.max_tokens - r.num_output_tokens if sp.max_tokens else num_steps)
+            if r.num_tokens - r.num_computed_tokens != 1 or left < num_steps:
+                return False
+            need += (-(-(r.num_computed_tokens + num_steps) // bs)
+                     - len(self.kv.get_block_ids(r.seq_id)))
+        return need <= self.kv.num_free_blocks
 
     def schedule(self, drafts: Optional[dict[str, list[int]]] = None) -> SchedulerOutput:
         """drafts: speculative tokens of running decode sequences, computed after their last

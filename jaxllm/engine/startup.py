@@ -2,7 +2,7 @@
 
 Kept apart from the engine loop so the loop file reads as the data path only. It builds the
 runner of either kind here, one device mesh's `ModelRunner` or a pipeline's `PipelineRunner`
-(the engine that drives a pipeline, jaxllm/engine/pp_engine.py, only schedules it), and takes
+(the engine drives a pipeline with its step policy: jaxllm/engine/engine.py), and takes
 its sizing rules from jaxllm/engine/runner_settings.py, shared with the draft model's start-up.
 Nothing here imports the engine: the engine imports this.
 """
@@ -21,9 +21,10 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import ConfigError, EngineArgs
+from jaxllm.config import ConfigError
 from jaxllm.engine.runner_settings import (executable_cache_dir, kv_cache_dtype,
-                                           max_num_batched_tokens, num_kv_blocks)
+                                           max_num_batched_tokens, num_kv_blocks, runner_type)
+from jaxllm.engine_config import EngineConfig, ParallelConfig
 from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.loader import load_model
 from jaxllm.models.pipeline_stage import split_stage
@@ -52,6 +53,8 @@ class EngineParts:
     runner_type: str = "generate"  # or "pooling" (--runner resolved)
     pooler_config: Optional[PoolerConfig] = None
     step_follower: Any = None  # a multi-host follower's end of the step channel
+    step_leader: Any = None  # multi-host rank 0's end (its runner sends every call down it)
+    config: Optional[EngineConfig] = None  # the config as started: --model resolved to a path
 
 
 def process_age() -> float:
@@ -65,110 +68,112 @@ def process_age() -> float:
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
-def join_hosts(args: EngineArgs) -> distributed.Topology:
+def join_hosts(parallel: ParallelConfig) -> distributed.Topology:
     """Join the other hosts (with --nnodes, or as detected), before any device is touched;
     one mesh spans every host's devices."""
-    topo = distributed.initialize(args.nnodes, args.node_rank, args.master_addr,
-                                  args.master_port,
-                                  cross_host_transfers=args.pipeline_parallel_size > 1)
-    if topo.multi_host and args.data_parallel_size > 1:
+    topo = distributed.initialize(parallel.nnodes, parallel.node_rank, parallel.master_addr,
+                                  parallel.master_port,
+                                  cross_host_transfers=parallel.pipeline_parallel_size > 1)
+    if topo.multi_host and parallel.data_parallel_size > 1:
         raise ConfigError("--data-parallel-size: this process joined several hosts with "
                           "jax.distributed (--nnodes, or a launcher jax detects: SLURM, Open "
                           "MPI, a multi-host TPU slice), and a replica spanning hosts is not "
                           "implemented; across hosts give each node its own replicas with "
                           "--data-parallel-size-local (docs/multi-host.md)")
-    if topo.multi_host and args.pipeline_parallel_size == 1 \
-            and args.tensor_parallel_size != jax.device_count():
-        raise ConfigError(f"--tensor-parallel-size={args.tensor_parallel_size}: on "
+    if topo.multi_host and parallel.pipeline_parallel_size == 1 \
+            and parallel.tensor_parallel_size != jax.device_count():
+        raise ConfigError(f"--tensor-parallel-size={parallel.tensor_parallel_size}: on "
                           f"{topo.num_processes} hosts the mesh must span all "
                           f"{jax.device_count()} devices (every host runs every step)")
     return topo
 
 
-def build_engine_parts(args: EngineArgs, headless: bool = False,
+def build_engine_parts(config: EngineConfig, headless: bool = False,
                        devices: Optional[list] = None) -> EngineParts:
-    """headless: a follower host's parts (its runner replays rank 0's steps: jaxllm/engine/
-    headless.py). devices: the mesh's (a data-parallel replica's share; default all)."""
+    """headless: a follower host's parts (its runner replays rank 0's steps: jaxllm/deploy/
+    follower.py). devices: the mesh's (a data-parallel replica's share; default all)."""
     times = {}
     logger.debug("Engine start-up begins %.2f s after the process (interpreter, imports)",
                  process_age())
-    topo = join_hosts(args)
+    topo = join_hosts(config.parallel)
     if topo.rank > 0 and not headless:
         raise ConfigError(f"--node-rank: this process is rank {topo.rank} of "
                           f"{topo.num_processes}; only rank 0 runs the engine, the others run "
                           f"`jaxllm serve --headless` with the same flags")
     # Executables serialized by one process of a group are not loaded by another here.
     executable_dir = None if topo.multi_host else executable_cache_dir()
-    path = resolve_model(args.model)
-    args = dataclasses.replace(args, model=path)
+    path = resolve_model(config.load.model)  # once: everything below reads this path
+    config = dataclasses.replace(config, load=dataclasses.replace(config.load, model=path))
+    load, options, sched = config.load, config.model, config.scheduler
     t = time.perf_counter()
-    pp = args.pipeline_parallel_size
+    pp, tp = config.parallel.pipeline_parallel_size, config.parallel.tensor_parallel_size
     # A pipeline loads onto the sub-mesh of this host's first stage, then hands each stage its
     # layers (build_pipeline_runner; a host keeps only its own stages' weights).
-    meshes = stage_meshes(pp, args.tensor_parallel_size, devices) if pp > 1 else None
-    mesh = next(m for m in meshes if is_local(m)) if meshes else \
-        make_mesh(args.tensor_parallel_size, devices=devices)
-    model, mc = load_model(args, mesh)
+    meshes = stage_meshes(pp, tp, devices) if pp > 1 else None
+    mesh = next(m for m in meshes if is_local(m)) if meshes else make_mesh(tp, devices=devices)
+    model, mc = load_model(load, options, mesh)
     times["load"] = time.perf_counter() - t
     if jax.default_backend() == "cpu":  # after loading: its staging buffers are unmapped
         keep_freed_memory()
     t = time.perf_counter()
-    tokenizer = None if args.skip_tokenizer_init else get_tokenizer(args)
-    gen = load_generation_config(path, args.generation_config, revision=args.revision,
-                                 download_dir=args.download_dir)
+    tokenizer = None if load.skip_tokenizer_init else get_tokenizer(load)
+    gen = load_generation_config(path, load.generation_config, revision=load.revision,
+                                 download_dir=load.download_dir)
     eos = set(gen.get("eos_token_id") or mc.eos_token_ids)
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = {tokenizer.eos_token_id}
     times["tokenizer"] = time.perf_counter() - t
-    dtype = kv_cache_dtype(args, mc.jnp_dtype, model.attention_backend)
+    dtype = kv_cache_dtype(config.cache, mc.jnp_dtype, model.attention_backend)
     why = model.backend.batch_variance(mc, dtype)
-    if why is not None and args.batch_invariant:
+    if why is not None and options.batch_invariant:
         raise ConfigError(f"--batch-invariant: outputs would depend on the batch here: {why}")
     logger.info("Batch invariant: %s", "yes" if why is None else f"no ({why})")
-    runner_type = args.runner_type(path)
-    if runner_type == "pooling" and args.enable_expert_load_metrics:
+    kind = runner_type(options, path)
+    if kind == "pooling" and options.enable_expert_load_metrics:
         raise ConfigError("--enable-expert-load-metrics: the pooling runner does not count "
                           "expert loads (only the generate runner's steps do)")
-    pooler_config = (read_pooler_config(path, args.pooler_config) if runner_type == "pooling"
+    pooler_config = (read_pooler_config(path, options.pooler_config) if kind == "pooling"
                      else None)
-    max_tokens = max_num_batched_tokens(args, mc.max_model_len)
+    max_tokens = max_num_batched_tokens(sched, mc.max_model_len)
+    block_size = config.cache.block_size
     t = time.perf_counter()
-    runner_args = dict(kv_cache_dtype=dtype, block_size=args.block_size,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_tokens,
-                       max_logprobs=args.max_logprobs, enforce_eager=args.enforce_eager,
-                       num_scheduler_steps=args.num_scheduler_steps,
-                       num_speculative_tokens=_num_speculative_tokens(args, runner_type))
+    runner_args = dict(kv_cache_dtype=dtype, block_size=block_size,
+                       max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=max_tokens,
+                       max_logprobs=sched.max_logprobs, enforce_eager=sched.enforce_eager,
+                       num_scheduler_steps=sched.num_scheduler_steps,
+                       num_speculative_tokens=_num_speculative_tokens(config, kind))
     if meshes is not None and pooler_config is not None:
         raise ConfigError(f"--pipeline-parallel-size={pp}: the pooling runner (--runner auto "
                           f"chose it for this sentence-transformers folder) is not implemented "
                           f"with a pipeline; give --runner generate or drop the flag")
     if meshes is not None:
-        runner, num_blocks = build_pipeline_runner(args, model, mc, meshes, runner_args)
+        runner, num_blocks = build_pipeline_runner(config, model, mc, meshes, runner_args)
     else:
         # Pooling runs each prompt with a scratch cache of its own (jaxllm/worker/pooler.py):
         # the step's cache only needs the minimum, and its programs no warm-up.
-        num_blocks = (math.ceil(mc.max_model_len / args.block_size) if pooler_config
-                      else num_kv_blocks(args, mc, dtype))
+        num_blocks = (math.ceil(mc.max_model_len / block_size) if pooler_config
+                      else num_kv_blocks(config, mc, dtype))
         runner = ModelRunner(model, mc, mesh, num_blocks=num_blocks,
                              executable_dir=executable_dir, **runner_args)
     times["kv_cache"] = time.perf_counter() - t
-    follower = None
+    follower = leader = None
     if topo.multi_host:
         t = time.perf_counter()
-        follower = _connect_hosts(topo, runner, args)
+        follower, leader = _connect_hosts(topo, runner,
+                                          config.parallel.distributed_timeout_seconds)
         times["hosts"] = time.perf_counter() - t
     logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d", num_blocks,
-                args.block_size, jnp.dtype(dtype).name, mc.max_model_len)
+                block_size, jnp.dtype(dtype).name, mc.max_model_len)
     t = time.perf_counter()
     if pooler_config is None:
         runner.warmup(background=not headless)
     times["compile"] = time.perf_counter() - t
     defaults = {k: v for k, v in gen.items() if k != "eos_token_id"}
     return EngineParts(mc, tokenizer, frozenset(eos), defaults, runner, num_blocks, times,
-                       runner_type, pooler_config, follower)
+                       kind, pooler_config, follower, leader, config)
 
 
-def build_pipeline_runner(args: EngineArgs, model, mc, meshes: list,
+def build_pipeline_runner(config: EngineConfig, model, mc, meshes: list,
                           runner_args: dict) -> tuple[PipelineRunner, int]:
     """The stages of the loaded `model` on `meshes`, their runner, and the KV blocks: each
     stage sizes its own layers' cache on its devices, and the least of them is every stage's
@@ -176,7 +181,8 @@ def build_pipeline_runner(args: EngineArgs, model, mc, meshes: list,
     ranges = stage_layer_ranges(mc.num_layers, len(meshes))
     stages = [split_stage(model, a, b, mesh) for (a, b), mesh in zip(ranges, meshes)]
     dtype = runner_args["kv_cache_dtype"]
-    num_blocks = min(num_kv_blocks(args, mc, dtype, layers=b - a, device=mesh.devices.flat[0])
+    num_blocks = min(num_kv_blocks(config, mc, dtype, layers=b - a,
+                                   device=mesh.devices.flat[0])
                      for (a, b), mesh in zip(ranges, meshes))
     runner = PipelineRunner(stages, meshes, mc, num_blocks=num_blocks, **runner_args)
     for (a, b), r in zip(ranges, runner.memory_report()):
@@ -187,23 +193,25 @@ def build_pipeline_runner(args: EngineArgs, model, mc, meshes: list,
     return runner, num_blocks
 
 
-def _num_speculative_tokens(args: EngineArgs, runner_type: str) -> int:
-    spec = args.speculative_config
+def _num_speculative_tokens(config: EngineConfig, kind: str) -> int:
+    spec = config.speculative
     if spec is None:
         return 0
-    if runner_type == "pooling":
+    if kind == "pooling":
         raise ConfigError("--speculative-config: the pooling runner generates no tokens to "
                           "speculate on; drop the flag or use --runner generate")
     return spec.num_speculative_tokens
 
 
-def _connect_hosts(topo: distributed.Topology, runner: ModelRunner, args: EngineArgs):
+def _connect_hosts(topo: distributed.Topology, runner: ModelRunner, timeout_seconds: int
+                   ) -> tuple[Optional[StepFollower], Optional[StepLeader]]:
     """Open the step channel before warm-up (whose length differs between hosts): rank 0's
-    runner sends every call from now on; a follower gets its end back."""
+    runner sends every call from now on. (follower's end, None) on a follower, (None,
+    leader's end) on rank 0."""
     if not topo.is_leader:
-        return StepFollower(runner.weights(), runner.startup_arrays())
+        return StepFollower(runner.weights(), runner.startup_arrays()), None
     leader = StepLeader(topo.num_processes - 1, topo.leader_host, runner.weights(),
-                        runner.startup_arrays(), args.distributed_timeout_seconds)
-    runner.compile_manager.step_leader = leader
+                        runner.startup_arrays(), timeout_seconds)
+    runner.lead_hosts(leader)
     atexit.register(leader.close)
-    return None
+    return None, leader

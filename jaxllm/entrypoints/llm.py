@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from jaxllm.config import DEFAULT_MODEL, EngineArgs
-from jaxllm.engine.dp_engine import make_engine
+from jaxllm.deploy.data_parallel import make_engine
 from jaxllm.engine.engine import PromptType
 from jaxllm.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from jaxllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput

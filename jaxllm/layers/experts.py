@@ -84,7 +84,7 @@ def experts_sorted(x, ids, weights, experts: int, up: Callable, down: Callable) 
     T, k = ids.shape
     X = experts
     flat = jnp.where((ids >= 0) & (ids < X), ids, X).reshape(-1)  # others sort last, unused
-    order = _stable_order(flat, X)
+    order = stable_order(flat, X)
     sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
     y = down(up(x[order // k], sizes), sizes)
     # Un-sorted by a gather (row i of the routed pairs sits at pos[i]) that XLA fuses with the
@@ -95,7 +95,7 @@ def experts_sorted(x, ids, weights, experts: int, up: Callable, down: Callable) 
     return sum(y[:, j] * weights[:, j, None] for j in range(k))
 
 
-def _stable_order(flat, experts: int) -> jax.Array:
+def stable_order(flat, experts: int) -> jax.Array:
     """argsort(flat, stable=True) for ids in [0, experts]: one sort of unique int32 keys
     (id * n + index), which XLA:CPU runs without the stable sort's index operand and comparator
     (a 2048-token step's 4096 pairs: 0.5 ms against 3.2 for argsort, with the un-sort)."""

@@ -18,7 +18,6 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.sequence import Sequence
 from jaxllm.structured_output.backend import fill_banned_bits
 
-_SAMPLING_EPS = 1e-5
 # Room in the sampler's per-row token table beyond the context: logit_bias, stop and EOS ids.
 EXTRA_PENALTY_IDS = 512
 
@@ -65,7 +64,7 @@ class SamplingTensors:
             out[:n] = values
             return out if rows is None else np.where(rows, out, fill).astype(dtype)
 
-        greedy = column([sp.temperature < _SAMPLING_EPS for sp in sps], True, bool)
+        greedy = column([sp.greedy for sp in sps], True, bool)
         rand = ~greedy  # greedy and padded rows keep the neutral temperature and filters
         temperature = column([sp.temperature for sp in sps], 1, np.float32, rand)
         top_k = column([sp.top_k if sp.top_k < vocab_size else 0 for sp in sps], 0, np.int32, rand)

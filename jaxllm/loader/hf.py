@@ -10,7 +10,8 @@ from typing import Iterator
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors can return it)
 import numpy as np
 
-from jaxllm.config import ConfigError, EngineArgs
+from jaxllm.config import ConfigError
+from jaxllm.engine_config import LoadConfig
 from jaxllm.loader.default_model import check_local_path
 from jaxllm.loader.weights import CheckpointError
 
@@ -23,26 +24,26 @@ _FORMATS = {  # load format -> (file pattern, index file)
 _NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "scheduler.bin")
 
 
-def download(args: EngineArgs) -> str:
+def download(load: LoadConfig) -> str:
     """snapshot_download of --model at --revision into --download-dir, weights of --load-format
     only (auto: safetensors, else .bin)."""
     from huggingface_hub import snapshot_download
 
-    check_local_path(args.model)  # a missing path is not a hub name: say so, not the hub's error
+    check_local_path(load.model)  # a missing path is not a hub name: say so, not the hub's error
 
     def fetch(weights: list[str]) -> str:
-        return snapshot_download(args.model, revision=args.revision, cache_dir=args.download_dir,
+        return snapshot_download(load.model, revision=load.revision, cache_dir=load.download_dir,
                                  allow_patterns=_META_PATTERNS + weights)
 
     try:
-        if args.load_format in ("pt", "dummy"):
-            return fetch(["*.bin"] if args.load_format == "pt" else [])
+        if load.load_format in ("pt", "dummy"):
+            return fetch(["*.bin"] if load.load_format == "pt" else [])
         path = fetch(["*.safetensors"])
-        if args.load_format == "auto" and not glob.glob(os.path.join(path, "*.safetensors")):
+        if load.load_format == "auto" and not glob.glob(os.path.join(path, "*.safetensors")):
             path = fetch(["*.bin"])
         return path
     except Exception as e:  # offline, unknown repo, gated, bad revision, ...
-        raise ConfigError(f"--model {args.model!r} is not a local path, and getting it from the "
+        raise ConfigError(f"--model {load.model!r} is not a local path, and getting it from the "
                           f"Hugging Face hub failed: {type(e).__name__}: {e}") from e
 
 

@@ -1,4 +1,5 @@
-"""`load_model`: engine arguments -> (decoder with sharded weights, ModelConfig)."""
+"""`load_model`: the load config and model options -> (decoder with sharded weights,
+ModelConfig)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxllm.config import ConfigError, EngineArgs
+from jaxllm.config import ConfigError
+from jaxllm.engine_config import LoadConfig, ModelOptions
 from jaxllm.layers.backends import make_backend
 from jaxllm.layers.backends.cpu import build_projection_kernels
 from jaxllm.loader import hf
-from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.weights import load_weights, param_shardings
 from jaxllm.models.decoder import Decoder, abstract_decoder, init_decoder
 from jaxllm.models.model_config import ModelConfig
@@ -23,20 +24,21 @@ from jaxllm.models.model_config import ModelConfig
 logger = logging.getLogger("jaxllm")
 
 
-def model_path(args: EngineArgs) -> str:
-    """A local folder or .gguf file for --model (the default model, a path, or a hub snapshot)."""
-    path = os.path.expanduser(resolve_model(args.model))
+def model_path(load: LoadConfig) -> str:
+    """A local folder or .gguf file for --model (a path, or a hub snapshot). The default
+    model's name is resolved to its file before: at start-up (resolve_model)."""
+    path = os.path.expanduser(load.model)
     if os.path.exists(path):
         return path
     if path.endswith(".gguf"):
-        raise ConfigError(f"--model {args.model!r}: no such file")
-    return hf.download(args)
+        raise ConfigError(f"--model {load.model!r}: no such file")
+    return hf.download(load)
 
 
-def load_format(args: EngineArgs, path: str) -> str:
+def load_format(load: LoadConfig, path: str) -> str:
     """--load-format, with auto resolved: gguf for a .gguf file, else the folder's weight files
     decide (safetensors, else pt)."""
-    fmt = args.load_format
+    fmt = load.load_format
     if fmt == "sharded_state":
         raise ConfigError("--load-format=sharded_state is not implemented yet")
     if fmt == "auto" and path.endswith(".gguf"):
@@ -58,23 +60,26 @@ def hf_config(path: str):
         raise ConfigError(f"--model {path}: cannot read its config.json: {e}") from e
 
 
-def load_model(args: EngineArgs, mesh: Mesh) -> tuple[Decoder, ModelConfig]:
-    """The model of --model with its weights placed (sharded) on `mesh`, and its config."""
+def load_model(load: LoadConfig, options: ModelOptions,
+               mesh: Mesh) -> tuple[Decoder, ModelConfig]:
+    """The model of `load` (load.model: a path or hub name) built with `options`, its weights
+    placed (sharded) on `mesh`, and its config."""
     t0 = time.perf_counter()
-    path = model_path(args)
-    fmt = load_format(args, path)
-    kernels = _kernel_builder(args)
+    path = model_path(load)
+    fmt = load_format(load, path)
+    kernels = _kernel_builder(mesh)
     try:
-        cfg = ModelConfig.from_hf(hf_config(path), args)
+        cfg = ModelConfig.from_hf(hf_config(path), options)
         _check_expert_parallel(cfg, mesh)
-        backend = kernels.submit(make_backend, args.attention_backend, mesh, cfg.num_experts > 0)
+        backend = kernels.submit(make_backend, options.attention_backend, mesh,
+                                 cfg.num_experts > 0)
     finally:
         kernels.shutdown(wait=False)
     t_config = time.perf_counter()
     model = abstract_decoder(cfg)  # the weights' shapes, whatever the backend
     if fmt == "dummy":
         shardings = param_shardings(nnx.state(model), mesh)
-        return init_decoder(cfg, args.seed, backend.result(), shardings), cfg
+        return init_decoder(cfg, options.seed, backend.result(), shardings), cfg
     if fmt == "gguf":
         from jaxllm.loader.gguf import iter_gguf_tensors
         tensors, where = iter_gguf_tensors(path), path
@@ -83,7 +88,7 @@ def load_model(args: EngineArgs, mesh: Mesh) -> tuple[Decoder, ModelConfig]:
         origins: dict[str, str] = {}
         tensors = hf.iter_weight_files(files, fmt, origins)
         where = lambda name: origins.get(name, path)  # noqa: E731
-    state = load_weights(model, tensors, mesh, where=where, progress=args.use_tqdm_on_load)
+    state = load_weights(model, tensors, mesh, where=where, progress=load.use_tqdm_on_load)
     t_weights = time.perf_counter()
     backend = backend.result()
     logger.debug("Load: config %.2f s, weights %.2f s, then %.2f s waiting for the kernels' "
@@ -100,11 +105,11 @@ def _check_expert_parallel(cfg: ModelConfig, mesh: Mesh) -> None:
                           f"over {n} devices (--tensor-parallel-size {n})")
 
 
-def _kernel_builder(args: EngineArgs) -> ThreadPoolExecutor:
+def _kernel_builder(mesh: Mesh) -> ThreadPoolExecutor:
     """Threads that make the backend while the config and weights load: on one CPU device
     that builds the native kernels (g++, seconds each on a cold cache), the dense projection
     kernels from the start, before the config says what else the model needs."""
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxllm-kernels")
-    if jax.default_backend() == "cpu" and args.tensor_parallel_size == 1:
+    if jax.default_backend() == "cpu" and mesh.size == 1:
         pool.submit(build_projection_kernels, experts=False)
     return pool

@@ -16,7 +16,8 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from jaxllm.config import ConfigError, EngineArgs
+from jaxllm.config import ConfigError
+from jaxllm.engine_config import ModelOptions
 from jaxllm.models.registry import arch_features
 from jaxllm.models.rope import RopeSpec
 
@@ -78,13 +79,14 @@ class ModelConfig:
         return jnp.dtype(self.dtype)
 
     @classmethod
-    def from_hf(cls, hf_config, args: Optional[EngineArgs] = None) -> "ModelConfig":
-        """From a transformers `PretrainedConfig`, with the engine's overrides applied."""
-        args = args or EngineArgs()
+    def from_hf(cls, hf_config, options: Optional[ModelOptions] = None) -> "ModelConfig":
+        """From a transformers `PretrainedConfig`, with the engine's overrides (`options`;
+        none by default) applied."""
+        options = ModelOptions() if options is None else options
         c = copy.deepcopy(hf_config)
-        overrides = dict(args.hf_overrides or {})
-        rope_scaling = args.rope_scaling or overrides.pop("rope_scaling", None)
-        rope_theta = args.rope_theta or overrides.pop("rope_theta", None)
+        overrides = dict(options.hf_overrides or {})
+        rope_scaling = options.rope_scaling or overrides.pop("rope_scaling", None)
+        rope_theta = options.rope_theta or overrides.pop("rope_theta", None)
         for key, value in overrides.items():
             setattr(c, key, value)
         if hasattr(c, "get_text_config"):
@@ -102,8 +104,8 @@ class ModelConfig:
         layer_types = getattr(c, "layer_types", None) or [None] * n_layers
         rope = tuple(_layer_rope(c, t, rope_scaling, rope_theta) for t in layer_types)
         window = _windows(c, layer_types)
-        max_len = _max_model_len(c, rope, window, args)
-        if args.disable_sliding_window:
+        max_len = _max_model_len(c, rope, window, options)
+        if options.disable_sliding_window:
             window = (0,) * n_layers
         eos = getattr(c, "eos_token_id", None)
         fields = dict(
@@ -119,7 +121,7 @@ class ModelConfig:
             rope=rope,
             sliding_window=window,
             max_model_len=max_len,
-            dtype=_resolve_dtype(args.dtype, c),
+            dtype=_resolve_dtype(options.dtype, c),
             eos_token_ids=tuple([eos] if isinstance(eos, int) else eos or ()),
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             activation=getattr(c, "hidden_activation", None) or c.hidden_act,
@@ -127,14 +129,14 @@ class ModelConfig:
             o_bias=bias,
         )
         fields.update(features)
-        if args.enable_expert_parallel and not fields.get("num_experts"):
+        if options.enable_expert_parallel and not fields.get("num_experts"):
             raise ConfigError(f"--enable-expert-parallel: {arch} has no mixture-of-experts "
                               "layers to shard")
-        fields["expert_parallel"] = bool(args.enable_expert_parallel)
-        if args.enable_expert_load_metrics and not fields.get("num_experts"):
+        fields["expert_parallel"] = bool(options.enable_expert_parallel)
+        if options.enable_expert_load_metrics and not fields.get("num_experts"):
             raise ConfigError(f"--enable-expert-load-metrics: {arch} has no mixture-of-experts "
                               "layers to count")
-        fields["count_expert_load"] = bool(args.enable_expert_load_metrics)
+        fields["count_expert_load"] = bool(options.enable_expert_load_metrics)
         return cls(**fields)
 
 
@@ -164,7 +166,7 @@ def _windows(c, layer_types) -> tuple[int, ...]:
     return (w,) * len(layer_types)
 
 
-def _max_model_len(c, rope, window, args: EngineArgs) -> int:
+def _max_model_len(c, rope, window, options: ModelOptions) -> int:
     """vLLM's rule: the config's context length, stretched by RoPE scaling, capped by the
     smallest sliding window when that is disabled; a larger --max-model-len is an error."""
     lens = [(getattr(c, k), k) for k in _MAX_LEN_KEYS if isinstance(getattr(c, k, None), int)]
@@ -174,15 +176,15 @@ def _max_model_len(c, rope, window, args: EngineArgs) -> int:
         derived, key = spec.original_max_position_embeddings * spec.factor, "yarn rope_scaling"
     elif spec.rope_type in ("linear", "dynamic"):
         derived, key = derived * spec.factor, f"{key} x rope_scaling factor"
-    if args.disable_sliding_window and any(window):
+    if options.disable_sliding_window and any(window):
         derived, key = min(min(w for w in window if w), derived), "sliding_window"
     derived = int(derived)
-    if args.max_model_len is None:
+    if options.max_model_len is None:
         return derived
-    if args.max_model_len > derived and os.environ.get(ALLOW_LONG_ENV) != "1":
-        raise ConfigError(f"--max-model-len={args.max_model_len} is greater than the model's "
+    if options.max_model_len > derived and os.environ.get(ALLOW_LONG_ENV) != "1":
+        raise ConfigError(f"--max-model-len={options.max_model_len} is greater than the model's "
                           f"maximum length ({key}={derived}); set {ALLOW_LONG_ENV}=1 to allow it")
-    return args.max_model_len
+    return options.max_model_len
 
 
 def _resolve_dtype(requested: str, c) -> str:

@@ -105,7 +105,9 @@ class StepLeader:
     """Rank 0's end: accepts the followers, sends each call, watches their heartbeats."""
 
     def __init__(self, num_followers: int, host: Optional[str], weights, initial_arrays,
-                 timeout: float, startup_timeout: float = STARTUP_TIMEOUT):
+                 timeout: float, startup_timeout: float = STARTUP_TIMEOUT, store=None):
+        """store: where the channel's address is published (`key_value_set`); by default the
+        distributed runtime's key-value store (a test passes one in memory)."""
         self.weights = weights
         self.table = ArrayTable()
         self.table.add_outputs(initial_arrays)
@@ -118,7 +120,8 @@ class StepLeader:
         self._lock = threading.Lock()
         server = socket.create_server(("", 0))
         host = host or socket.gethostbyname(socket.gethostname())
-        _kv_client().key_value_set(_KEY, f"{host}:{server.getsockname()[1]}")
+        store = _kv_client() if store is None else store
+        store.key_value_set(_KEY, f"{host}:{server.getsockname()[1]}")
         server.settimeout(startup_timeout)
         self._socks = []
         for _ in range(num_followers):
@@ -165,6 +168,13 @@ class StepLeader:
                 except OSError:
                     pass
 
+    def disconnect(self) -> None:
+        """close(), then close the sockets: this process is done with the channel, and the
+        heartbeat watchers end without reporting a lost host."""
+        self.close()
+        for sock in self._socks:
+            sock.close()
+
     def _watch(self, sock: socket.socket, timeout: float) -> None:
         """Until the follower is ready (its warm-up can starve its heartbeat thread of the
         GIL for long stretches on a loaded host), only its death counts; then its silence."""
@@ -185,11 +195,15 @@ class StepLeader:
 class StepFollower:
     """A follower's end: connects to rank 0, yields its calls, sends heartbeats."""
 
-    def __init__(self, weights, initial_arrays, startup_timeout: float = STARTUP_TIMEOUT):
+    def __init__(self, weights, initial_arrays, startup_timeout: float = STARTUP_TIMEOUT,
+                 store=None):
+        """store: where rank 0 published the channel's address (`blocking_key_value_get`);
+        by default the distributed runtime's key-value store."""
         self.weights = weights
         self.table = ArrayTable()
         self.table.add_outputs(initial_arrays)
-        address = _kv_client().blocking_key_value_get(_KEY, int(startup_timeout * 1000))
+        store = _kv_client() if store is None else store
+        address = store.blocking_key_value_get(_KEY, int(startup_timeout * 1000))
         host, port = address.rsplit(":", 1)
         self._sock = socket.create_connection((host, int(port)), timeout=startup_timeout)
         self._sock.settimeout(None)
@@ -199,7 +213,7 @@ class StepFollower:
 
     def calls(self):
         """(key, args) of each call rank 0 makes, until it says stop."""
-        self._sock.sendall(_READY)
+        self.send_ready()
         while True:
             try:
                 data = recv_frame(self._sock)
@@ -211,6 +225,17 @@ class StepFollower:
             unpickler = pickle.Unpickler(io.BytesIO(data))
             unpickler.persistent_load = self._persistent_load
             yield unpickler.load()
+
+    def send_ready(self) -> None:
+        """Tell rank 0 this host is warmed up: from now on, `timeout` seconds without a
+        heartbeat count as a hung host. calls() sends it before its first call."""
+        self._sock.sendall(_READY)
+
+    def disconnect(self) -> None:
+        """Leave the channel without reporting rank 0 lost (heartbeats stop): to rank 0 this
+        host is gone, as when its process ends."""
+        self._stopped = True
+        self._sock.close()
 
     def _persistent_load(self, pid):
         if isinstance(pid, str):

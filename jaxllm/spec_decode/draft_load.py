@@ -1,11 +1,11 @@
 """Loading a draft model for speculative decoding, and the checks that it fits its target.
 
 The draft is loaded by the project's own loader (a local HF folder or a .gguf file) with the
-target's engine arguments, except those that name the target alone (its path, tokenizer,
-revision, max_model_len, config overrides, parallelism). It must speak the target's language:
-the tokenizers' vocabularies (token -> id, added tokens included) must be identical, and the
-draft's vocab_size may not exceed the target's (a padded target embedding is fine; a wider
-draft could propose ids the target cannot score). It must reach the positions the target
+target's engine config, except what names the target alone (its path, tokenizer, revision,
+max_model_len, config overrides, parallelism): `draft_config`. It must speak the target's
+language: the tokenizers' vocabularies (token -> id, added tokens included) must be identical,
+and the draft's vocab_size may not exceed the target's (a padded target embedding is fine; a
+wider draft could propose ids the target cannot score). It must reach the positions the target
 speculates at: its maximum length (from its config) must cover the target's max_model_len,
 unless the config's own `max_model_len` caps speculation below it (vLLM's meaning: sequences
 past it are not speculated). Every refusal is a ConfigError naming --speculative-config.
@@ -17,7 +17,9 @@ import dataclasses
 import logging
 from typing import Optional
 
-from jaxllm.config import ConfigError, EngineArgs
+from jaxllm.config import ConfigError
+from jaxllm.engine_config import EngineConfig, LoadConfig
+from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.loader import load_model
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.spec_decode.config import SpeculativeConfig
@@ -27,25 +29,31 @@ logger = logging.getLogger("jaxllm")
 FLAG = "--speculative-config"
 
 
-def draft_engine_args(spec: SpeculativeConfig, args: EngineArgs) -> EngineArgs:
-    """The target's engine arguments turned into the draft's: same dtype, attention backend,
-    block size and batch limits; its own file, tokenizer and length; one device."""
-    return dataclasses.replace(
-        args, model=spec.model, tokenizer=None, revision=None, tokenizer_revision=None,
-        load_format="dummy" if args.load_format == "dummy" else "auto", max_model_len=None,
-        hf_overrides=None, rope_scaling=None, rope_theta=None, tensor_parallel_size=1,
-        pipeline_parallel_size=1, data_parallel_size=1, enable_expert_parallel=False,
-        num_gpu_blocks_override=None, use_tqdm_on_load=False)
+def draft_config(spec: SpeculativeConfig, config: EngineConfig) -> EngineConfig:
+    """The target's engine config turned into the draft's: same dtype, attention backend,
+    block size and batch limits; its own file, tokenizer and length; one device; no
+    speculation of its own."""
+    replace = dataclasses.replace
+    load = replace(config.load, model=resolve_model(spec.model), tokenizer=None, revision=None,
+                   tokenizer_revision=None, use_tqdm_on_load=False,
+                   load_format="dummy" if config.load.load_format == "dummy" else "auto")
+    model = replace(config.model, max_model_len=None, hf_overrides=None, rope_scaling=None,
+                    rope_theta=None, enable_expert_parallel=False)
+    parallel = replace(config.parallel, tensor_parallel_size=1, pipeline_parallel_size=1,
+                       data_parallel_size=1, data_parallel_size_local=1)
+    return replace(config, load=load, model=model, parallel=parallel, speculative=None,
+                   cache=replace(config.cache, num_gpu_blocks_override=None))
 
 
-def load_draft(spec: SpeculativeConfig, args: EngineArgs, target: ModelConfig, mesh):
-    """(draft Decoder on `mesh`, its ModelConfig, the longest sequence it speculates for)."""
-    dargs = draft_engine_args(spec, args)
+def load_draft(spec: SpeculativeConfig, draft: EngineConfig, target_load: LoadConfig,
+               target: ModelConfig, mesh):
+    """(draft Decoder on `mesh`, its ModelConfig, the longest sequence it speculates for).
+    `draft` is `draft_config`'s; `target_load` and `target` are the target's."""
     try:
-        model, mc = load_model(dargs, mesh)
+        model, mc = load_model(draft.load, draft.model, mesh)
     except ConfigError as e:
         raise ConfigError(f"{FLAG}: the draft model {spec.model!r}: {e}") from e
-    check_vocab(spec, args, target, mc)
+    check_vocab(spec, target_load, target, mc)
     return model, mc, speculation_len(spec, target, mc)
 
 
@@ -67,15 +75,15 @@ def speculation_len(spec: SpeculativeConfig, target: ModelConfig, draft: ModelCo
     return target.max_model_len
 
 
-def check_vocab(spec: SpeculativeConfig, args: EngineArgs, target: ModelConfig,
+def check_vocab(spec: SpeculativeConfig, target_load: LoadConfig, target: ModelConfig,
                 draft: ModelConfig) -> None:
     """Refuse a draft whose token ids mean other tokens than the target's (see the module
-    docstring for what is compared)."""
+    docstring for what is compared); the target's tokenizer is `target_load`'s."""
     if draft.vocab_size > target.vocab_size:
         raise ConfigError(f"{FLAG}: the draft model's vocab_size {draft.vocab_size} exceeds "
                           f"the target's {target.vocab_size}: it could propose token ids the "
                           "target does not have")
-    mine, theirs = _vocab(args), _vocab(spec.model)
+    mine, theirs = _vocab(target_load), _vocab(spec.model)
     if mine is None or theirs is None:
         if draft.vocab_size != target.vocab_size:
             raise ConfigError(f"{FLAG}: the draft model's vocab_size {draft.vocab_size} differs "
@@ -94,7 +102,7 @@ def check_vocab(spec: SpeculativeConfig, args: EngineArgs, target: ModelConfig,
 
 
 def _vocab(source) -> Optional[dict]:
-    """token -> id of a model's tokenizer (EngineArgs or path), None when it has none."""
+    """token -> id of a model's tokenizer (LoadConfig or path), None when it has none."""
     try:
         return get_tokenizer(source).get_vocab()
     except OSError:

@@ -32,16 +32,16 @@ from typing import Optional
 import jax
 import numpy as np
 
-from jaxllm.config import EngineArgs
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.runner_settings import (executable_cache_dir, kv_cache_dtype,
                                            max_num_batched_tokens, num_kv_blocks)
+from jaxllm.engine_config import EngineConfig
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sequence import PENDING, ScheduledSequence, SchedulerOutput, Sequence
 from jaxllm.spec_decode.config import SpeculativeConfig
-from jaxllm.spec_decode.draft_load import draft_engine_args, load_draft
+from jaxllm.spec_decode.draft_load import draft_config, load_draft
 from jaxllm.spec_decode.speculator import Speculator
 from jaxllm.worker.model_runner import ModelRunner
 
@@ -60,38 +60,40 @@ class _Row:
 
 class DraftModelProposer:
     """propose(seqs, k, limits) -> (drafts int32 [R, k] -1 padded, counts int32 [R]);
-    free(seq_id). `args`/`target` are the target's engine arguments and model config; the
-    draft runs unsharded on devices[0] (default: this process's first device). The draft
+    free(seq_id). `config`/`target` are the target's engine config (its model path resolved)
+    and model config; the draft runs unsharded on devices[0] (default: this process's first
+    device), with `draft_config(spec, config)`. The draft
     cache is sized by the target's budget rules (for max_num_seqs sequences of the speculated
     length plus K), capped by target_num_blocks, the target cache's size, plus room for K
     tokens per sequence: it mirrors the target's sequences, so more would sit unused.
     num_blocks overrides all that."""
 
-    def __init__(self, spec: SpeculativeConfig, args: EngineArgs, target: ModelConfig, *,
+    def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target: ModelConfig, *,
                  devices: Optional[list] = None, target_num_blocks: Optional[int] = None,
                  num_blocks: Optional[int] = None):
         self.k = spec.num_speculative_tokens
         mesh = make_mesh(1, devices=(devices or jax.local_devices())[:1])
-        model, mc, self.max_len = load_draft(spec, args, target, mesh)
+        draft = draft_config(spec, config)
+        model, mc, self.max_len = load_draft(spec, draft, config.load, target, mesh)
         # Block tables reach K positions past the speculated length: a row near it still runs
         # every decode step of the batch (its extra drafts are cut by its limit).
         mc = dataclasses.replace(mc, max_model_len=self.max_len + self.k)
-        dargs = draft_engine_args(spec, args)
-        dtype = kv_cache_dtype(dargs, mc.jnp_dtype, model.attention_backend)
+        dtype = kv_cache_dtype(draft.cache, mc.jnp_dtype, model.attention_backend)
+        block_size, sched = draft.cache.block_size, draft.scheduler
         if num_blocks is None:
-            num_blocks = num_kv_blocks(dargs, mc, dtype)
+            num_blocks = num_kv_blocks(draft, mc, dtype)
             if target_num_blocks is not None:
-                per_seq = -(-(self.k - 1) // args.block_size) + 1  # K-1 fed drafts, a partial block
-                num_blocks = min(num_blocks, target_num_blocks + args.max_num_seqs * per_seq)
-        self.max_num_seqs = args.max_num_seqs
+                per_seq = -(-(self.k - 1) // block_size) + 1  # K-1 fed drafts, a partial block
+                num_blocks = min(num_blocks, target_num_blocks + sched.max_num_seqs * per_seq)
+        self.max_num_seqs = sched.max_num_seqs
         # Catch-up steps hold 1-2 tokens per row in the steady state: room for two per row.
-        self.max_tokens = max_num_batched_tokens(args, per_seq=2)
-        self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=False)
+        self.max_tokens = max_num_batched_tokens(sched, per_seq=2)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(
-            model, mc, mesh, num_blocks=num_blocks, block_size=args.block_size,
-            kv_cache_dtype=dtype, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=self.max_tokens, max_logprobs=args.max_logprobs,
-            enforce_eager=args.enforce_eager, executable_dir=executable_cache_dir(),
+            model, mc, mesh, num_blocks=num_blocks, block_size=block_size,
+            kv_cache_dtype=dtype, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=self.max_tokens, max_logprobs=sched.max_logprobs,
+            enforce_eager=sched.enforce_eager, executable_dir=executable_cache_dir(),
             num_scheduler_steps=max(self.k - 1, 1))
         self.runner.warmup(greedy_only=True)
         self.runner.wait_for_background_compiles()  # the decode bursts: needed every step
@@ -208,15 +210,16 @@ def _valid_prefix(row: _Row, tokens: list[int]) -> int:
     return i
 
 
-def build_speculator(args: EngineArgs, target: ModelConfig, runner,
+def build_speculator(config: EngineConfig, target: ModelConfig, runner,
                      num_blocks: int) -> Optional[Speculator]:
     """The engine's speculator for `--speculative-config` (None without it): n-gram lookup on
     the host, or a draft model on the target's first device with a cache no larger than the
-    target's (num_blocks)."""
-    spec = args.speculative_config
+    target's (num_blocks). `config` is the engine's as started (EngineParts.config: its model
+    path resolved)."""
+    spec = config.speculative
     if spec is None:
         return None
-    proposer = (DraftModelProposer(spec, args, target, devices=list(runner.mesh.devices.flat),
+    proposer = (DraftModelProposer(spec, config, target, devices=list(runner.mesh.devices.flat),
                                    target_num_blocks=num_blocks)
                 if spec.method == "draft_model" else None)
     return Speculator(spec, target.max_model_len, proposer=proposer)

@@ -69,7 +69,7 @@ def _padded(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The host-only proposer of `config`. A draft model needs the engine's arguments, devices
+    """The host-only proposer of `config`. A draft model needs the engine's config, devices
     and cache size: jaxllm/spec_decode/draft_model.py's build_speculator makes that one."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)

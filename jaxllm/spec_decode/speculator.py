@@ -18,6 +18,8 @@ model that never agrees), each new request probes once and rests, instead of cli
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from jaxllm.sequence import SchedulerOutput, Sequence, SequenceStatus
@@ -29,6 +31,16 @@ from jaxllm.spec_decode.proposer import Proposer, make_proposer
 # model's K passes plus the wider verify): 64 keeps that near 1.5 % (16: ~6 %), and speculation
 # resumes at most 64 steps late when the text turns repetitive.
 MAX_BACKOFF = 64
+
+
+@dataclass(frozen=True)
+class SpecDecodeStats:
+    """Speculative decoding's counters, as vLLM's spec_decode metrics."""
+    num_drafts: int = 0           # request-steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    num_steps: int = 0            # steps collected, with drafts or not
 
 
 class Speculator:
@@ -122,10 +134,6 @@ class Speculator:
         self._rest[seq_id] = [rest, rest]
         self._engine_rest = rest
 
-    def stats(self) -> dict:
-        """The counters, named as vLLM's spec_decode metrics (without the prefix)."""
-        return {"spec_decode_num_drafts": self.num_drafts,
-                "spec_decode_num_draft_tokens": self.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
-                "spec_decode_num_steps": self.num_steps}
+    def stats(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               tuple(self.accepted_per_pos), self.num_steps)

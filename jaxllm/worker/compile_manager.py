@@ -22,10 +22,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, NamedTuple, Optional
 
-import jax
 from tqdm.auto import tqdm
 
-from jaxllm.parallel.mesh import absent_array
 from jaxllm.worker.executable_cache import ExecutableCache, compile_lowered, mlir_lock
 
 logger = logging.getLogger("jaxllm")
@@ -62,14 +60,6 @@ class CompileManager:
         self._on_demand = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxllm-compile")
         self.num_recompiles = 0
         self.programs_from_cache = 0  # executables loaded from the cache (not traced)
-        # Multi-host rank 0: every call is also sent to the other hosts, which run it too
-        # (a StepLeader of jaxllm/parallel/step_channel.py: send(key, args), track(outputs)).
-        self.step_leader = None
-        # Programs whose devices are all another host's (a pipeline stage there): this
-        # process never compiles them; a call makes only its outputs' placeholders, arrays
-        # without local shards that it can pass on (`absent_outputs`).
-        self.elsewhere: Callable[[ProgramKey], bool] = lambda key: False
-        self._absent_shapes: dict[ProgramKey, Any] = {}
 
     # --- what exists ------------------------------------------------------------------------
     def programs(self) -> list[ProgramKey]:
@@ -98,22 +88,8 @@ class CompileManager:
     # --- running ----------------------------------------------------------------------------
     def run(self, key: ProgramKey, fn, *args, first_use: bool = False):
         """Call the executable compiled for key; first_use marks programs compiled when first
-        needed rather than at warm-up, which is not a recompile."""
-        return self.call(key, lambda *a: self._run(key, fn, a, first_use), *args)
-
-    def call(self, key: ProgramKey, fn, *args):
-        """fn(*args), as one step-program call: rank 0 of several hosts sends it to the others
-        first (a transfer between pipeline stages' devices goes this way, uncompiled)."""
-        if self.step_leader is None:
-            return fn(*args)
-        self.step_leader.send(key, args)
-        out = fn(*args)
-        self.step_leader.track(out)
-        return out
-
-    def _run(self, key: ProgramKey, fn, args: tuple, first_use: bool):
-        if self.elsewhere(key):
-            return self.absent_outputs(key, fn, args)
+        needed rather than at warm-up, which is not a recompile. (Where a call runs, on
+        other hosts too or not here at all, is the runner's: jaxllm/worker/step_launcher.py.)"""
         if self.enforce_eager:
             return fn(*args)
         exe = self._executables.get(key)
@@ -132,14 +108,6 @@ class CompileManager:
             logger.warning(msg)
             exe = self._executables[key] = self.compile(key, fn, args)
         return exe(*args)
-
-    def absent_outputs(self, key: ProgramKey, fn, args: tuple):
-        """fn's outputs as arrays with their shardings and no local shards (the program runs on
-        another host's devices; its shapes are traced once per key)."""
-        shapes = self._absent_shapes.get(key)
-        if shapes is None:
-            shapes = self._absent_shapes[key] = jax.eval_shape(fn, *args)
-        return jax.tree.map(lambda s: absent_array(s.shape, s.dtype, s.sharding), shapes)
 
     def ready(self, key: ProgramKey, fn, make_args: Callable[[], tuple]) -> bool:
         """Whether key is compiled; if not, its compile starts in the background (the caller
@@ -191,9 +159,6 @@ class CompileManager:
         done = {}
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             for key, fn, args in jobs:
-                if self.elsewhere(key):
-                    bar.update(1)
-                    continue
                 cache_key = self._cache_key(key, args)
                 if self._found_on_disk(key, cache_key, fn, args):
                     bar.update(1)
@@ -207,8 +172,6 @@ class CompileManager:
     def defer(self, key: ProgramKey, fn, args) -> None:
         """Leave key to the background thread (`start_background`), or to the first step
         needing it."""
-        if self.elsewhere(key):
-            return
         self._futures[key] = Future()
         self._unclaimed[key] = (fn, args)
         self._deferred.append(key)

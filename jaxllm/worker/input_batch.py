@@ -155,8 +155,8 @@ class InputBatcher:
             t += n
             cu[i + 1] = t
             if it.sample:
-                rows += [(view, t - len(spec) - 1 + j)
-                         for j, view in enumerate(draft_views(seq, spec))]
+                views = draft_views(seq, spec) if spec else (seq,)
+                rows += [(view, t - len(spec) - 1 + j) for j, view in enumerate(views)]
         cu[len(items) + 1:] = t
         md = AttentionMetadata(slots, kv_lens, tables, cu, np.array([len(items)], np.int32),
                                decode_only=decode_only and self.decode_programs)

@@ -27,7 +27,9 @@ N+1 (its in-flight input tokens read on the device from step N's sampler output)
 step N (async scheduling).
 
 The host inputs come from jaxllm/worker/input_batch.py, the programs from
-jaxllm/worker/compile_manager.py (warm-up, background compiles, the executable cache).
+jaxllm/worker/compile_manager.py (warm-up, background compiles, the executable cache); every
+call goes through the runner's StepLauncher (jaxllm/worker/step_launcher.py), which decides
+where it runs: here, on the other hosts too (`lead_hosts`), or not here at all.
 --enforce-eager skips the warm-up and runs unpadded shapes through plain jit.
 """
 
@@ -35,8 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -47,55 +48,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm.layers.attention import empty_kv_caches, kv_cache_shardings
 from jaxllm.layers.sampler import LOGIT_ROWS, SamplerOutput, gathered_token_logprobs, sample_rows
-from jaxllm.layers.sampling_tensors import EXTRA_PENALTY_IDS, SamplingTensors, warmup_tensors
+from jaxllm.layers.sampling_tensors import (EXTRA_PENALTY_IDS, SamplingTensors, needs_processing,
+                                          warmup_tensors)
 from jaxllm.sequence import SchedulerOutput, Sequence
 from jaxllm.spec_decode.acceptance import num_accepted
 from jaxllm.worker.compile_manager import CompileManager, ProgramKey
 from jaxllm.worker.executable_cache import ExecutableCache
 from jaxllm.worker.input_batch import (InputBatcher, PromptRows, StepInputs, bucket,
                                        prompt_logprob_targets)
+from jaxllm.worker.step_launcher import StepLauncher
+from jaxllm.worker.step_state import BurstStep, Inflight, SampleResult, StepEvent
 
 logger = logging.getLogger("jaxllm")
-
-
-@dataclass
-class SampleResult:
-    token: int
-    logprob: Optional[float] = None
-    rank: Optional[int] = None
-    top: tuple = ()  # ((token_id, logprob), ...) best first
-
-
-@dataclass
-class Inflight:
-    """A dispatched step whose results are still on the device."""
-    sched: SchedulerOutput
-    seqs: list[Sequence]  # the sequences sampled, in row order
-    out: Any              # SamplerOutput (device arrays) or None
-    prompt_rows: list[PromptRows]
-    prompt: Any           # prompt-logprobs results (device arrays) or None
-    expert_load: Any = None  # int32 [MoE layers, experts] on the device, when counted
-
-
-@dataclass
-class BurstStep:
-    """One step of a burst: its Inflight (tokens filled in by dispatch_burst), host arrays."""
-    inflight: Inflight
-    inputs: StepInputs
-    tensors: SamplingTensors
-
-
-@dataclass
-class StepEvent:
-    """What a step hook (`ModelRunner.add_step_hook`) is shown: tests and profilers observe or
-    delay steps through it, and inject faults by raising (the step fails as on a device error).
-    kind: 'dispatch' (one step launched), 'burst' (several launched as one program) or
-    'collect' (one step read back)."""
-    kind: str
-    steps: list[Inflight]
-    chained: bool = False  # launched before the step it follows was read (async scheduling)
-    sampled: Optional[dict] = None          # collect: seq_id -> [SampleResult, ...]
-    prompt_logprobs: Optional[dict] = None  # collect: seq_id -> (first, [SampleResult, ...])
 
 
 class ModelRunner:
@@ -151,12 +115,17 @@ class ModelRunner:
             executable_cache=None if executable_dir is None else ExecutableCache(
                 os.path.join(executable_dir, "jaxllm-executables"), mesh.devices.flat,
                 context=repr((self.graphdef, self.logit_rows, self.max_logprobs))))
+        self.launcher = StepLauncher(self.compile_manager)
         self._hooks: list[Callable[[StepEvent], None]] = []
 
     @property
     def num_recompiles(self) -> int:
         """Programs compiled after warm-up for a shape outside the buckets."""
         return self.compile_manager.num_recompiles
+
+    def num_pending_compiles(self) -> int:
+        """Programs warm-up left to the background that are not compiled yet."""
+        return len(self.compile_manager.pending())
 
     def wait_for_background_compiles(self, load_cached: bool = False) -> None:
         """Block until the programs left to the background are compiled (and, with
@@ -179,13 +148,12 @@ class ModelRunner:
 
     def replay(self, key: ProgramKey, args: tuple):
         """A follower host's run of rank 0's call key(*args)."""
-        return self.compile_manager.run(key, self.program(key), *args, first_use=True)
+        return self.launcher.run(key, self.program(key), *args, first_use=True)
 
-    def _to_reader(self, tree):
-        """A step's results where rank 0 reads them, moved when it reads them (a pipeline's
-        last stage may be on another host: moving them at dispatch would make rank 0 wait
-        there for that host); here they are already."""
-        return tree
+    def lead_hosts(self, leader) -> None:
+        """Multi-host rank 0: from now on every step-program call is also sent to the other
+        hosts (leader: a StepLeader of jaxllm/parallel/step_channel.py), which replay it."""
+        self.launcher.lead_hosts(leader)
 
     def add_step_hook(self, hook: Callable[[StepEvent], None]) -> Callable[[], None]:
         """Call hook(StepEvent) after every launch and every read; returns its remover."""
@@ -267,7 +235,7 @@ class ModelRunner:
         if step.seqs:
             tensors = self._sampling_tensors(step.seqs)
             key = ProgramKey("sample", sampler=jax.tree_util.tree_structure(tensors))
-            out = self.compile_manager.run(key, self._sample, self.state, rows,
+            out = self.launcher.run(key, self._sample, self.state, rows,
                                            np.int32(len(step.seqs)), tensors)
         inflight = Inflight(sched, step.seqs, out, step.prompt_rows, prompt, load)
         self._notify(StepEvent("dispatch", [inflight], chained=prev is not None))
@@ -276,7 +244,7 @@ class ModelRunner:
     def _run_forward(self, key: ProgramKey, inputs: StepInputs):
         """Launch the forward program(s) of a step: (rows to sample, all hidden states, expert
         load or None), the KV cache updated (a pipeline runs one program per stage here)."""
-        rows, hidden, self.kv_cache, load = self.compile_manager.run(
+        rows, hidden, self.kv_cache, load = self.launcher.run(
             key, self._forward, self.state, self.kv_cache, *inputs)
         return rows, hidden, load
 
@@ -291,9 +259,20 @@ class ModelRunner:
         return ProgramKey("burst", bucket(num_seqs, self.input_batch.decode_buckets),
                           steps=num_steps, sampler=jax.tree_util.tree_structure(tensors))
 
-    def burst_ready(self, key: ProgramKey, tensors: SamplingTensors) -> bool:
-        """Whether the burst program `key` is compiled; if not, its compile starts in the
-        background (the engine runs single steps meanwhile)."""
+    def burst_ready(self, seqs: list[Sequence], num_steps: int) -> bool:
+        """Whether these decoding sequences' next num_steps tokens can be sampled in one
+        program: plain sampling only (no logprobs, nothing that reads the output tokens or
+        processes the logits: each step's token would be needed on the host), and the
+        program compiled; if it is not, its compile starts in the background (the engine
+        runs single steps meanwhile). The scheduler has checked the KV cache and lengths."""
+        if num_steps == 1 or self.enforce_eager or any(
+                r.sampling_params.logprobs is not None or r.needs_prompt_logprobs
+                or r.sampling_params.needs_output_history or needs_processing(r) for r in seqs):
+            return False
+        tensors = SamplingTensors.from_seqs(seqs, pad_to=self.max_num_seqs,
+                                            vocab_size=self.model_config.vocab_size,
+                                            max_logprobs=self.max_logprobs, penalty_width=0)
+        key = self.burst_key(len(seqs), num_steps, tensors)
         return self.compile_manager.ready(
             key, self._burst, lambda: self._burst_example_args(key.tokens, key.steps, tensors))
 
@@ -316,7 +295,7 @@ class ModelRunner:
         num_rows = np.array([len(s.inflight.seqs) for s in steps], np.int32)
         tensors = jax.tree.map(stack, *[s.tensors for s in steps])
         key = self.burst_key(len(steps[0].inflight.seqs), len(steps), steps[0].tensors)
-        tokens, self.kv_cache, load = self.compile_manager.run(
+        tokens, self.kv_cache, load = self.launcher.run(
             key, self._burst, self.state, self.kv_cache, token_ids, positions, md,
             logits_indices, from_prev, num_rows, tensors, self._prev_tokens(prev))
         for s, t in zip(steps, tokens):
@@ -335,7 +314,7 @@ class ModelRunner:
         if step.expert_load is not None:
             self._unread_loads.append(step.expert_load)
         if step.out is not None:
-            out, loads = jax.device_get((self._to_reader(step.out), self._unread_loads))
+            out, loads = jax.device_get((self.launcher.to_reader(step.out), self._unread_loads))
             for i, seq in enumerate(step.seqs):
                 sampled.setdefault(seq.seq_id, []).append(_result(out, i, seq))
             for s in step.sched.scheduled:
@@ -345,7 +324,7 @@ class ModelRunner:
             if loads:  # one transfer with the tokens: counting adds no wait of its own
                 self.expert_load += np.sum(loads, axis=0)
                 self._unread_loads = []
-        prompt = (_prompt_results(jax.device_get(self._to_reader(step.prompt)),
+        prompt = (_prompt_results(jax.device_get(self.launcher.to_reader(step.prompt)),
                                   step.prompt_rows)
                   if step.prompt_rows else {})
         self._notify(StepEvent("collect", [step], sampled=sampled, prompt_logprobs=prompt))
@@ -354,7 +333,7 @@ class ModelRunner:
     def _compute_prompt_logprobs(self, hidden, prompt_rows: list[PromptRows]):
         """Dispatch the prompt-logprobs program on this step's hidden states [T, E]."""
         T = hidden.shape[0]
-        return self.compile_manager.run(
+        return self.launcher.run(
             ProgramKey("prompt_logprobs", T), self._prompt_logprobs, self.state, hidden,
             *prompt_logprob_targets(T, prompt_rows), first_use=True)
 
@@ -372,28 +351,34 @@ class ModelRunner:
         if self.enforce_eager:
             return
         cm, shapes = self.compile_manager, self.input_batch.forward_shapes()
+        here = self.launcher.runs_here  # another host's programs are its to compile
         tensors = warmup_tensors(self.num_rows, self.model_config.vocab_size,
                                  max_logprobs=self.max_logprobs,
                                  penalty_width=self.penalty_width)
         if greedy_only:
             tensors = [(True, t) for is_plain, t in tensors if is_plain and t.all_greedy]
-        plain = [t for is_plain, t in tensors if is_plain]
+        samplers = [(ProgramKey("sample", sampler=jax.tree_util.tree_structure(t)), is_plain, t)
+                    for is_plain, t in tensors]
+        plain = [t for _, is_plain, t in samplers if is_plain]
 
         def jobs():
             yield from self._forward_jobs(shapes)
             rows = self._rows_spec()
-            for is_plain, t in tensors:
-                key = ProgramKey("sample", sampler=jax.tree_util.tree_structure(t))
+            for key, is_plain, t in samplers:
                 if is_plain:
                     yield key, self._sample, (self.state, rows, np.int32(0), t)
-                else:
+                elif here(key):
                     cm.defer(key, self._sample, (self.state, rows, np.int32(0), t))
 
-        cm.compile_now(jobs(), total=len(shapes) * self.programs_per_step + len(plain))
+        total = len(shapes) * self.programs_per_step + sum(here(key) for key, is_plain, _
+                                                           in samplers if is_plain)
+        cm.compile_now(self.launcher.here(jobs()), total=total)
         K = self.num_scheduler_steps
         for t in plain if K > 1 else ():  # multi-step programs, after the rest
             for T in self.input_batch.decode_buckets:
-                cm.defer(self.burst_key(T, K, t), self._burst, self._burst_example_args(T, K, t))
+                key = self.burst_key(T, K, t)
+                if here(key):
+                    cm.defer(key, self._burst, self._burst_example_args(T, K, t))
         if background:
             cm.start_background()
         logger.info("Compiled %d forward shapes (token buckets %s, decode buckets %s) and %d "
@@ -402,7 +387,7 @@ class ModelRunner:
                     self.input_batch.decode_buckets, len(plain), len(cm.deferred()),
                     cm.programs_from_cache)
 
-    programs_per_step = 1  # forward programs per step (a pipeline's: one per stage)
+    programs_per_step = 1  # forward programs per step compiled here (a pipeline's: per stage)
 
     def _forward_jobs(self, shapes: list[tuple[int, bool]]):
         """(key, function, example arguments) of the forward program of each shape."""

@@ -9,8 +9,8 @@ forward is the plain `ModelRunner`'s, on the last stage's model.
 Why one program per stage and a device-to-device copy, not one SPMD program with a `stage`
 mesh axis and `ppermute`: the pipeline's point is that stage s works on step k while stage
 s+1 works on step k-1. Separate programs get that from JAX's asynchronous dispatch alone (the
-engine keeps up to N steps in flight, jaxllm/engine/pp_engine.py): each stage's device queue
-runs its programs in order, and a program waits only for its own input. One SPMD program
+engine's step policy keeps up to N steps in flight): each stage's device queue runs its
+programs in order, and a program waits only for its own input. One SPMD program
 would run every stage in lockstep on the same step's schedule, so overlapping steps would
 need a hand-written micro-batch schedule inside it, stages would have to be identical (the
 first embeds, the last samples) and every step would pay the slowest stage N times. The
@@ -25,10 +25,11 @@ the receiver, ~0.08 ms to issue on the sender); a `ppermute` over a [2, 4] ('sta
 mesh spanning both processes works too (~1 ms per call, gloo), but it is one program on all 8
 devices, so both hosts would meet in it every step: the lockstep this design avoids. A host
 never compiles or runs another host's stage program: its call makes placeholders of the
-outputs (arrays without local shards, `CompileManager.elsewhere`) to pass on. The sampled
-tokens come back to rank 0 the same way when it reads them (`_to_reader`, from `collect`: a
-receiving host's `device_put` waits for the sender to issue its side, so at dispatch it would
-hold rank 0's next step until the last stage's host got there).
+outputs (arrays without local shards) to pass on. The sampled tokens come back to rank 0 the
+same way when it reads them (`to_reader`, from `collect`: a receiving host's `device_put`
+waits for the sender to issue its side, so at dispatch it would hold rank 0's next step until
+the last stage's host got there). Both rules are this runner's StepLauncher's (jaxllm/worker/
+step_launcher.py: `elsewhere` and `reader`, given when it is made).
 
 Every step dispatches all stages without waiting; only the sampled tokens are read back
 (`collect`). `start_timeline` records when each stage is busy (jaxllm/worker/
@@ -54,6 +55,7 @@ from jaxllm.worker.compile_manager import ProgramKey
 from jaxllm.worker.input_batch import StepInputs
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.pipeline_timeline import StageTimeline
+from jaxllm.worker.step_launcher import StepLauncher
 
 logger = logging.getLogger("jaxllm")
 
@@ -83,7 +85,6 @@ class PipelineRunner(ModelRunner):
         self.kv_cache = None  # each stage's is in stage_kv
         self.hidden_shardings = [NamedSharding(m, P()) for m in meshes]
         self.local = [is_local(m) for m in meshes]
-        self.compile_manager.elsewhere = self._elsewhere
         self._stages = []
         for s, mesh in enumerate(meshes):
             kv = kv_cache_shardings(stages[s].kv_cache_shapes(num_blocks, block_size), mesh)
@@ -91,6 +92,11 @@ class PipelineRunner(ModelRunner):
                 else (self.hidden_shardings[s], kv)
             self._stages.append(jax.jit(functools.partial(self._stage_fn, s),
                                         donate_argnums=(1,), out_shardings=out))
+        # In place of the plain runner's launcher: this one knows which stages are another
+        # host's (never compiled here) and how results come back to rank 0.
+        self.launcher = StepLauncher(
+            self.compile_manager, elsewhere=self._elsewhere,
+            reader=None if all(self.local) else self.program(ProgramKey("to_reader")))
         self.timeline: Optional[StageTimeline] = None
 
     @property
@@ -99,7 +105,7 @@ class PipelineRunner(ModelRunner):
 
     @property
     def programs_per_step(self) -> int:
-        return self.num_stages
+        return sum(self.local)  # this host's stages
 
     def weights(self) -> tuple:
         return tuple(self.stage_states)
@@ -123,12 +129,6 @@ class PipelineRunner(ModelRunner):
             return self.program(key)(*args)
         return super().replay(key, args)
 
-    def _to_reader(self, tree):
-        if all(self.local):
-            return tree
-        key = ProgramKey("to_reader")
-        return self.compile_manager.call(key, self.program(key), tree)
-
     def _stage_fn(self, s: int, state, kv_cache, x, positions, md, logits_indices):
         return stage_forward(nnx.merge(self.stage_graphdefs[s], state), kv_cache, x,
                              positions, md, logits_indices)
@@ -147,8 +147,8 @@ class PipelineRunner(ModelRunner):
         for s, fn in enumerate(self._stages):
             if s:
                 handoff = ProgramKey("to_stage", stage=s)
-                x = self.compile_manager.call(handoff, self.program(handoff), x)
-            *out, self.stage_kv[s] = self.compile_manager.run(
+                x = self.launcher.call(handoff, self.program(handoff), x)
+            *out, self.stage_kv[s] = self.launcher.run(
                 key._replace(stage=s), fn, *self._stage_args(s, x, inputs))
             x = out[0]
             if self.timeline is not None:

@@ -36,11 +36,17 @@ class StageTimeline:
         """Stage `stage` of the next step was launched; `output` is what it produces."""
         self._queues[stage].put((time.perf_counter(), output))
 
+    def record(self, stage: int, dispatch: float, end: float) -> None:
+        """Stage `stage`'s next step was dispatched at `dispatch` and completed at `end`
+        (perf_counter seconds): what its watcher notes, and how times measured elsewhere (or
+        made up, to check the arithmetic) are fed in. After close(), nothing else records."""
+        self._done[stage].append((dispatch, end))
+
     def _watch(self, stage: int) -> None:
         while (item := self._queues[stage].get()) is not None:
             t, out = item
             jax.block_until_ready(out)
-            self._done[stage].append((t, time.perf_counter()))
+            self.record(stage, t, time.perf_counter())
 
     def close(self) -> dict:
         """Wait for the outputs dispatched so far, stop the watchers, and return `summary()`."""

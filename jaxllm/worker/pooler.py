@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxllm.config import ConfigError
 from jaxllm.layers.attention import AttentionMetadata, KVCache
+from jaxllm.pooling_params import PoolingParams
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
 # sentence-transformers' pooling modes -> ours, in the order it checks them.
@@ -92,13 +93,23 @@ def pool(hidden: np.ndarray, pooling_type: str, normalize: bool) -> np.ndarray:
 
 
 class Pooler:
-    """Final hidden states of one prompt, through the runner's weights and backend."""
+    """Final hidden states of one prompt, through the runner's weights and backend, pooled
+    as the model's pooling config says (or the request overrides)."""
 
-    def __init__(self, graphdef, state, kv_caches: tuple[KVCache, ...], block_size: int):
-        self.graphdef, self.state, self.block_size = graphdef, state, block_size
+    def __init__(self, config: PoolerConfig, runner, block_size: int):
+        self.config = config
+        self.graphdef, self.state, self.block_size = runner.graphdef, runner.state, block_size
         # Each group's cache shape and dtype, with the block count left to the prompt.
-        self.cache_specs = tuple((c.k.shape[:1] + c.k.shape[2:], c.k.dtype) for c in kv_caches)
+        self.cache_specs = tuple((c.k.shape[:1] + c.k.shape[2:], c.k.dtype)
+                                 for c in runner.kv_cache)
         self._hidden = jax.jit(self._hidden_fn, static_argnums=(4,))
+
+    def embed(self, token_ids: list[int], params: PoolingParams) -> np.ndarray:
+        """The prompt's embedding ([E]; [n, E] per token for task token_embed)."""
+        ptype = "ALL" if params.task == "token_embed" else self.config.pooling_type
+        normalize = (self.config.normalize if params.use_activation is None
+                     else params.use_activation)
+        return pool(self.hidden_states(token_ids), ptype, normalize)
 
     def _hidden_fn(self, state, token_ids, positions, md, num_blocks: int):
         model = nnx.merge(self.graphdef, state)

@@ -36,8 +36,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> None:
     from jaxllm.config import ConfigError
-    from jaxllm.engine.dp_node import run_dp_node
-    from jaxllm.engine.headless import follows_rank_0, run_headless
+    from jaxllm.deploy.replica_node import run_dp_node
+    from jaxllm.deploy.follower import follows_rank_0, run_headless
     setup_logging(args.log_level)
     try:
         engine_args = EngineArgs.from_cli_args(args)

@@ -2,7 +2,7 @@
 --data-parallel-size N --data-parallel-size-local L --data-parallel-start-rank S`): it runs
 replicas S .. S+L-1, each a whole LLMEngine on its own --tensor-parallel-size local devices,
 and takes the API node's engine calls for each over its own connection
-(jaxllm/engine/dp_remote.py is the other end).
+(jaxllm/deploy/remote_replica.py is the other end).
 
 Each replica registers only once it is loaded and compiled, and answers in its own thread, so
 the node's replicas step at once. The node returns when the API node stops cleanly, and exits
@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 
 from jaxllm.config import ConfigError, EngineArgs
-from jaxllm.engine.dp_remote import STOP, node_fingerprint
+from jaxllm.deploy.remote_replica import STOP, node_fingerprint
 from jaxllm.engine.engine import LLMEngine
 from jaxllm.parallel.distributed import STARTUP_TIMEOUT
 from jaxllm.parallel.mesh import device_groups

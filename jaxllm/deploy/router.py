@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional, Sequence
 
+from jaxllm.engine.stats import EngineStats
+
 
 class PrefixAffinityRouter:
     def __init__(self, block_size: int, slack: int = 4, capacity: int = 1 << 16):
@@ -23,6 +25,12 @@ class PrefixAffinityRouter:
         self._owner: OrderedDict[int, int] = OrderedDict()  # prefix chain hash -> replica
         self.affinity_hits = 0  # requests sent to the replica holding their prefix
 
+    @property
+    def num_remembered_prefixes(self) -> int:
+        """Prefixes (one per full prompt block) whose replica is remembered: at most
+        `capacity`, so the router's memory is bounded."""
+        return len(self._owner)
+
     def _prefix_hashes(self, token_ids: Sequence[int]) -> list[int]:
         out, h, bs = [], 0, self.block_size
         for i in range(len(token_ids) // bs):
@@ -30,20 +38,20 @@ class PrefixAffinityRouter:
             out.append(h)
         return out
 
-    def choose(self, token_ids: Sequence[int], loads: Sequence[dict],
+    def choose(self, token_ids: Sequence[int], loads: Sequence[EngineStats],
                alive: Optional[Sequence[bool]] = None) -> int:
         """The replica for a prompt, given each replica's `stats()` and which are alive (a
         lost remote one is never chosen, its prefixes go elsewhere); remembers the choice."""
         def load(i):
             s = loads[i]
-            return s["num_waiting"], s["kv_cache_usage"], s["num_running"]
+            return s.num_waiting, s.kv_cache_usage, s.num_running
 
         live = [i for i in range(len(loads)) if alive is None or alive[i]]
         least = min(live, key=load)
         hashes = self._prefix_hashes(token_ids)
         owner = next((self._owner[h] for h in reversed(hashes) if h in self._owner), None)
-        if owner in live and (loads[owner]["num_waiting"]
-                                  <= loads[least]["num_waiting"] + self.slack):
+        if owner in live and (loads[owner].num_waiting
+                                  <= loads[least].num_waiting + self.slack):
             choice = owner
             self.affinity_hits += 1
         else:

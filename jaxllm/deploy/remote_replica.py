@@ -1,5 +1,5 @@
 """Data-parallel replicas on other nodes, seen from the API node: each is a `RemoteReplica`
-that the data-parallel engine (jaxllm/engine/dp_engine.py) drives like a local LLMEngine.
+that the data-parallel engine (jaxllm/deploy/data_parallel.py) drives like a local LLMEngine.
 
 Why a socket per replica and not jax.distributed: replicas share no array and run no
 collective with one another (expert parallelism stays inside a replica), so each node is a JAX
@@ -18,6 +18,7 @@ step's is (jaxllm/engine/async_engine.py): the engine cannot know what state it 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import pickle
 import socket
@@ -27,6 +28,7 @@ from typing import Any, Optional
 
 from jaxllm.config import ConfigError, EngineArgs
 from jaxllm.engine.errors import ReplicaLostError
+from jaxllm.engine.stats import EngineStats
 from jaxllm.parallel.distributed import STARTUP_TIMEOUT
 from jaxllm.parallel.wire import no_delay, recv_frame, send_frame
 
@@ -102,7 +104,6 @@ class RemoteReplica:
     def __init__(self, sock: socket.socket, rank: int, host: str, hello: dict, timeout: float):
         self.sock, self.rank, self.host, self.timeout = sock, rank, host, timeout
         self.sock.settimeout(timeout)
-        self.alive = True
         self.lost_reason: Optional[str] = None
         self._stats: dict = hello["stats"]
         self._unfinished = 0
@@ -111,6 +112,10 @@ class RemoteReplica:
         # Round trip of each call minus the node's time inside the engine: what the socket,
         # pickling and the node's loop add (docs/multi-host.md).
         self.overhead_seconds: collections.deque = collections.deque(maxlen=4096)
+
+    @property
+    def alive(self) -> bool:
+        return self.lost_reason is None
 
     def _call(self, method: str, *args) -> Any:
         if not self.alive:
@@ -136,7 +141,7 @@ class RemoteReplica:
         return reply["result"]
 
     def _lose(self, reason: str):
-        self.alive, self.lost_reason = False, reason
+        self.lost_reason = reason
         self._unfinished = 0
         self.sock.close()
         logger.error("Data-parallel rank %d lost: %s; its requests fail, the others serve on",
@@ -172,13 +177,13 @@ class RemoteReplica:
         """The node compiled everything before it registered (its cached programs load on
         their node)."""
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """As of the last reply; a lost replica holds nothing and has no cache (its token
         counters stay, so totals never go down)."""
         if self.alive:
-            return dict(self._stats)
-        return dict(self._stats, num_running=0, num_waiting=0, kv_cache_usage=0.0,
-                    num_free_blocks=0, num_total_blocks=0)
+            return self._stats
+        return dataclasses.replace(self._stats, num_running=0, num_waiting=0,
+                                   kv_cache_usage=0.0, num_free_blocks=0, num_total_blocks=0)
 
     def close(self) -> None:
         """Tell the node this deployment stopped (it exits 0)."""

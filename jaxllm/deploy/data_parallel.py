@@ -1,8 +1,8 @@
 """Data parallelism (`--data-parallel-size N`): N engine replicas, each on its own sub-mesh of
 --tensor-parallel-size devices, behind one engine interface (what `LLM` and the API server
-use), with a router choosing each request's replica (jaxllm/engine/dp_router.py). With
+use), with a router choosing each request's replica (jaxllm/deploy/router.py). With
 --data-parallel-size-local L < N, replicas L .. N-1 run on other nodes and are driven over a
-socket (jaxllm/engine/dp_remote.py); a lost one fails its requests and the rest serve on.
+socket (jaxllm/deploy/remote_replica.py); a lost one fails its requests and the rest serve on.
 
 Each replica is a whole `LLMEngine` (scheduler, KV cache, weights, compiled programs) on its
 devices, so replicas share nothing and a request runs exactly as on one engine: outputs equal
@@ -15,34 +15,25 @@ from __future__ import annotations
 import atexit
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Union
+from types import MappingProxyType
+from typing import Optional, Union
 
 from jaxllm.config import EngineArgs
-from jaxllm.engine.dp_node import local_replicas
-from jaxllm.engine.dp_remote import RemoteReplica, accept_replicas, listen
-from jaxllm.engine.dp_router import PrefixAffinityRouter
+from jaxllm.deploy.replica_node import local_replicas
+from jaxllm.deploy.remote_replica import RemoteReplica, accept_replicas, listen
+from jaxllm.deploy.router import PrefixAffinityRouter
 from jaxllm.engine.errors import ReplicaLostError
+from jaxllm.engine.stats import EngineStats, sum_stats
 from jaxllm.engine.engine import LLMEngine, PromptType
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
-_SUMMED = ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits",
-           "num_preemptions", "num_free_blocks", "num_total_blocks", "prompt_tokens_total",
-           "generation_tokens_total")
-
 
 def make_engine(args: EngineArgs):
-    """The engine for these arguments: one LLMEngine, a pipeline of stages, or N replicas
-    behind a router."""
-    if args.pipeline_parallel_size > 1:
-        from jaxllm.engine.pp_engine import PipelineEngine
-        return PipelineEngine(args)
+    """The engine for these arguments: one LLMEngine (a pipeline of stages included), or N
+    replicas behind a router."""
     return DataParallelEngine(args) if args.data_parallel_size > 1 else LLMEngine(args)
-
-
-def _alive(replica) -> bool:
-    return getattr(replica, "alive", True)  # a local replica is never lost
 
 
 def _step(replica) -> list:
@@ -80,6 +71,17 @@ class DataParallelEngine:
                                         thread_name_prefix="jaxllm-dp")
         atexit.register(self.close)
 
+    @property
+    def replica_of(self) -> MappingProxyType:
+        """Request id -> the replica running it, for each unfinished request (a live read-only
+        view: routing is the router's and this engine's to change)."""
+        return MappingProxyType(self._replica_of)
+
+    @property
+    def alive(self) -> bool:
+        """The API node's own replicas are never lost."""
+        return any(r.alive for r in self.replicas)
+
     def get_tokenizer(self):
         return self.tokenizer
 
@@ -98,7 +100,7 @@ class DataParallelEngine:
         # node's own replicas are never lost, so this ends).
         while True:
             replica = self.replicas[self.router.choose(
-                ids, [r.stats() for r in self.replicas], [_alive(r) for r in self.replicas])]
+                ids, [r.stats() for r in self.replicas], [r.alive for r in self.replicas])]
             try:
                 replica.add_request(request_id, {"prompt": text, "prompt_token_ids": ids},
                                     params, priority, arrival_time)
@@ -112,7 +114,7 @@ class DataParallelEngine:
         """Pooling (--runner pooling) takes no KV-cache place: the replica with the fewest
         unfinished requests runs it."""
         while True:
-            replica = min((r for r in self.replicas if _alive(r)),
+            replica = min((r for r in self.replicas if r.alive),
                           key=lambda r: r.get_num_unfinished_requests())
             try:
                 return replica.encode(request_id, prompt, params)
@@ -152,7 +154,7 @@ class DataParallelEngine:
 
     def _fail_lost(self) -> None:
         """Each request of a lost replica becomes a ReplicaLostError, out with the next step."""
-        lost = [(rid, r) for rid, r in self._replica_of.items() if not _alive(r)]
+        lost = [(rid, r) for rid, r in self._replica_of.items() if not r.alive]
         for rid, r in lost:
             del self._replica_of[rid]
             self._failed.append(ReplicaLostError(
@@ -164,16 +166,7 @@ class DataParallelEngine:
             if isinstance(r, RemoteReplica):
                 r.close()
 
-    def stats(self) -> dict[str, Any]:
-        """The totals (KV usage over all replicas' blocks), and each replica's own under
-        'replicas'."""
-        per = [r.stats() for r in self.replicas]
-        total = {k: sum(s[k] for s in per) for k in _SUMMED}
-        used = sum(s["kv_cache_usage"] * s["num_total_blocks"] for s in per)
-        total["kv_cache_usage"] = used / max(total["num_total_blocks"], 1)
-        total["prefix_affinity_hits"] = self.router.affinity_hits
-        if "expert_load" in per[0]:  # per MoE layer: the replicas' counts added
-            total["expert_load"] = {layer: sum(s["expert_load"][layer] for s in per)
-                                    for layer in per[0]["expert_load"]}
-        total["replicas"] = per
-        return total
+    def stats(self) -> EngineStats:
+        """The totals (KV usage over all replicas' blocks), each replica's own in replicas."""
+        return sum_stats([r.stats() for r in self.replicas],
+                         prefix_affinity_hits=self.router.affinity_hits)

@@ -19,7 +19,7 @@ logger = logging.getLogger("jaxllm")
 def follows_rank_0(args: EngineArgs) -> bool:
     """Join the hosts; whether this process is a follower (a rank but 0: with --headless, or
     any task but the first of a detected launcher, which all run the same command)."""
-    topo = join_hosts(args)
+    topo = join_hosts(args.create_engine_config().parallel)
     if args.headless and topo.is_leader:
         raise ConfigError(f"--headless: this process is rank 0 of {topo.num_processes}, which "
                           f"serves the API")
@@ -28,7 +28,7 @@ def follows_rank_0(args: EngineArgs) -> bool:
 
 def run_headless(args: EngineArgs) -> int:
     """Replay rank 0's steps until it stops; returns the number of program calls run."""
-    parts = build_engine_parts(args, headless=True)
+    parts = build_engine_parts(args.create_engine_config(), headless=True)
     runner, follower = parts.runner, parts.step_follower
     logger.info("Headless: running rank 0's steps")
     calls = 0

@@ -1,0 +1,212 @@
+"""The engine's configuration, resolved and typed: what `EngineArgs.create_engine_config()`
+builds from the user's flags (jaxllm/config.py), as vLLM's builds its `VllmConfig`.
+
+`EngineArgs` is the user's surface: every flag as given, None where a default depends on
+other flags. Nothing below the engine reads it. The loader, the model config, start-up and the
+draft model each take the frozen part they need, whose flag-level defaults are resolved here,
+once (prefix caching and chunked prefill on unless turned off, the replicas on this node).
+What needs the model too (its path, the runner type, the KV cache's dtype and blocks, a step's
+token budget) is resolved at start-up: jaxllm/engine/startup.py and
+jaxllm/engine/runner_settings.py.
+
+The checks that the parallel flags combine into a layout the engine implements live here as
+well; `EngineArgs.validate()` runs them, so a bad combination fails when the flags are given.
+
+Host types only (no JAX), importable from every layer. This module sits below `EngineArgs` and
+never imports it: `engine_config_from` and the checks read the arguments by field name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from jaxllm.spec_decode.config import SpeculativeConfig
+
+
+class ConfigError(ValueError):
+    """A bad engine argument; the message names the flag."""
+
+
+def flag_name(name: str) -> str:
+    """The command-line flag of an engine argument, without its dashes."""
+    return name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Where the weights, tokenizer and generation config come from. `model` is the user's
+    --model until start-up resolves it (the default model's name becomes its file)."""
+    model: str
+    tokenizer: Optional[str]
+    tokenizer_mode: str
+    skip_tokenizer_init: bool
+    revision: Optional[str]
+    tokenizer_revision: Optional[str]
+    download_dir: Optional[str]
+    load_format: str
+    use_tqdm_on_load: bool
+    generation_config: str
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How the model is built and run: what `ModelConfig.from_hf` applies to a checkpoint's
+    config, and the model-wide choices of start-up. The defaults are the neutral options
+    (nothing overridden), EngineArgs' own defaults."""
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None  # the user's; the model's own when None
+    hf_overrides: Optional[dict] = None
+    rope_scaling: Optional[dict] = None
+    rope_theta: Optional[float] = None
+    disable_sliding_window: bool = False
+    enable_expert_parallel: bool = False
+    enable_expert_load_metrics: bool = False
+    seed: int = 0
+    attention_backend: str = "auto"
+    batch_invariant: bool = False
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: Optional[dict] = None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: its block size, dtype (the user's --kv-cache-dtype; the array dtype
+    is resolved at start-up for the model and backend) and memory budget, and prefix caching."""
+    block_size: int
+    cache_dtype: str
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: Optional[int]
+    num_gpu_blocks_override: Optional[int]
+    enable_prefix_caching: bool
+    prefix_caching_hash_algo: str
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """A step's limits and the scheduling choices. max_num_batched_tokens is the user's; the
+    budget a step holds is resolved at start-up (runner_settings.max_num_batched_tokens)."""
+    max_num_seqs: int
+    max_num_batched_tokens: Optional[int]
+    enable_chunked_prefill: bool
+    policy: str
+    async_scheduling: bool
+    num_scheduler_steps: int
+    enforce_eager: bool  # --enforce-eager, or -O0
+    max_logprobs: int
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The device layout: tensor, pipeline and data parallelism, and the hosts it spans."""
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    data_parallel_size_local: int  # replicas on this node (default: all of them)
+    data_parallel_start_rank: int
+    data_parallel_address: str
+    data_parallel_rpc_port: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    headless: bool
+    distributed_timeout_seconds: int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine is started with, by consumer (vLLM's VllmConfig)."""
+    load: LoadConfig
+    model: ModelOptions
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    speculative: Optional[SpeculativeConfig]
+    structured_outputs: Optional[dict]  # --structured-outputs-config
+    disable_log_stats: bool
+
+
+def engine_config_from(args: Any) -> EngineConfig:
+    """The EngineConfig of the engine arguments `args` (an EngineArgs). A part's field takes
+    the argument of the same name, except the few named here: renamed, or resolved."""
+    def part(cls, **resolved):
+        return cls(**{f.name: resolved[f.name] if f.name in resolved else getattr(args, f.name)
+                      for f in dataclasses.fields(cls)})
+
+    def default_on(flag: Optional[bool]) -> bool:
+        return True if flag is None else flag
+
+    return EngineConfig(
+        load=part(LoadConfig),
+        model=part(ModelOptions),
+        cache=part(CacheConfig, cache_dtype=args.kv_cache_dtype,
+                   enable_prefix_caching=default_on(args.enable_prefix_caching)),
+        scheduler=part(SchedulerConfig, policy=args.scheduling_policy,
+                       enable_chunked_prefill=default_on(args.enable_chunked_prefill)),
+        parallel=part(ParallelConfig, data_parallel_size_local=args.data_parallel_local),
+        speculative=args.speculative_config,
+        structured_outputs=args.structured_outputs_config,
+        disable_log_stats=args.disable_log_stats)
+
+
+def check_pipeline(args: Any) -> None:
+    """What --pipeline-parallel-size does not combine with yet, refused by name."""
+    for name, on, why in (
+            ("data_parallel_size", args.data_parallel_size > 1, "replicas of a pipeline"),
+            ("enable_expert_parallel", args.enable_expert_parallel,
+             "experts sharded inside a stage"),
+            ("num_scheduler_steps", args.num_scheduler_steps > 1,
+             "multi-step programs (the pipeline already keeps the stages busy)"),
+            ("speculative_config", args.speculative_config is not None,
+             "speculative decoding"),
+            ("enable_expert_load_metrics", args.enable_expert_load_metrics,
+             "counting expert loads across stages"),
+            ("runner", args.runner == "pooling" or args.convert == "embed",
+             "the pooling runner")):
+        if on:
+            raise ConfigError(f"--pipeline-parallel-size={args.pipeline_parallel_size} with "
+                              f"--{flag_name(name)}={getattr(args, name)!r}: {why} is not "
+                              f"implemented; drop one of the two")
+
+
+def check_data_parallel(args: Any, bad: Callable[[str, str], None]) -> None:
+    """vLLM's multi-node DP flags: the API node (no --headless) holds ranks 0 .. local-1,
+    each --headless node `local` ranks from its start rank. A replica spanning hosts
+    (--nnodes with DP) is not implemented. `bad(name, why)` raises the flag's error."""
+    n = args.data_parallel_size
+    local = args.data_parallel_local
+    start = args.data_parallel_start_rank
+    if n > 1 and args.nnodes > 1:
+        bad("data_parallel_size", "a data-parallel group whose replicas span hosts "
+            "(--nnodes) is not implemented: across hosts use --data-parallel-size-local "
+            "(a replica per node or more), or --nnodes with --tensor-parallel-size alone")
+    if not 0 < args.data_parallel_rpc_port < 65536:
+        bad("data_parallel_rpc_port", "must be a port number (1-65535)")
+    if args.data_parallel_size_local is not None and not 0 <= local <= n:
+        bad("data_parallel_size_local", f"must be in 0 .. --data-parallel-size = {n}")
+    if not 0 <= start < n:
+        bad("data_parallel_start_rank", f"must be in 0 .. --data-parallel-size - 1 = {n - 1}")
+    if args.headless and args.nnodes == 1:
+        if n == 1:
+            bad("headless", "a headless node runs remote data-parallel replicas (give "
+                "--data-parallel-size and --data-parallel-size-local) or follows rank 0 "
+                "of --nnodes hosts")
+        if local == 0:
+            bad("data_parallel_size_local", "a --headless node runs at least one replica")
+        if start == 0:
+            bad("data_parallel_start_rank", "rank 0 is the API node's; a --headless node "
+                "starts at the API node's --data-parallel-size-local or above")
+    elif not args.headless:
+        if start != 0:
+            bad("data_parallel_start_rank", "the API node holds ranks 0 .. "
+                "--data-parallel-size-local - 1; start ranks are for --headless nodes")
+        if local == 0:
+            bad("data_parallel_size_local", "0 (an API node without a replica) is not "
+                "implemented: the API node tokenizes with its own first replica; keep one "
+                "there")
+    if start + local > n:
+        bad("data_parallel_size_local", f"ranks {start} .. {start + local - 1} go past "
+            f"--data-parallel-size {n}")

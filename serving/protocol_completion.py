@@ -1,0 +1,71 @@
+"""Request and response bodies of /v1/completions (and its streamed chunks), built on the shared
+request fields of serving/protocol.py (`SamplingRequest`), as the chat endpoint's are.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal, Optional, Union
+
+from pydantic import BaseModel, Field
+
+from serving.errors import APIError
+from serving.protocol import SamplingRequest, UsageInfo
+
+
+class CompletionRequest(SamplingRequest):
+    beam_search_supported: ClassVar[bool] = True
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    logprobs: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    suffix: Optional[str] = None
+    add_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix is not None:
+            raise APIError("suffix is not supported.", param="suffix")
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, dict[str, Any]]]]] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+
+
+class CompletionResponseStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
