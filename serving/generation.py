@@ -33,16 +33,20 @@ from serving.state import ServingState, Ticket
 _PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def build_params(state: ServingState, make) -> SamplingParams:
+def _bad_request(e: ValueError) -> APIError:
+    """A 400 for a SamplingParams error (its message starts with the field's name) or one the
+    engine's input processor raised (checked against the model there, once)."""
+    field = re.match(r"(?:Requested )?(\w+)", str(e))
+    return APIError(str(e), param=field.group(1) if field and field.group(1) in _PARAM_NAMES
+                    else None)
+
+
+def build_params(make) -> SamplingParams:
     """Run a SamplingParams factory; a ValueError (it names the field) becomes a 400."""
     try:
-        params = make()
-        params.verify_for_model(state.vocab_size, state.max_logprobs)
+        return make()
     except ValueError as e:
-        field = re.match(r"(?:Requested )?(\w+)", str(e))
-        param = field.group(1) if field and field.group(1) in _PARAM_NAMES else None
-        raise APIError(str(e), param=param) from None
-    return params
+        raise _bad_request(e) from None
 
 
 async def _first(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -77,7 +81,7 @@ async def submit(state: ServingState, prompts: list[Prompt], params: list[Sampli
         for ticket in tickets:
             ticket.release()
         if isinstance(e, ValueError):
-            raise APIError(str(e)) from None
+            raise _bad_request(e) from None
         raise
     return [_tracked(state, t.result(), g, ticket) for t, g, ticket in zip(firsts, gens, tickets)]
 

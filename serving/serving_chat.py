@@ -49,7 +49,7 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     exclude = choice.mode == "none" and state.exclude_tools_when_tool_choice_none
     prompt, messages = await chat_prompt(state, req, None if exclude else req.tools)
     prompt = truncated(state, prompt, req.truncate_prompt_tokens)
-    params = build_params(state, lambda: _with_tool_choice(req.sampling_params(
+    params = build_params(lambda: _with_tool_choice(req.sampling_params(
         max_tokens_for(state, len(prompt.token_ids), req.requested_max_tokens),
         req.num_logprobs, req.prompt_logprobs, state.generation_defaults), choice))
     parsers = [ChoiceParser(choice, state.tool_call_parser, state.reasoning_parser,

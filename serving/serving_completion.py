@@ -40,7 +40,7 @@ async def create_completion(state: ServingState, req: CompletionRequest, base_id
     # vLLM's prompt scoring: echo with max_tokens 0 runs one step (for the prompt's logprobs)
     # and answers with the prompt alone.
     max_tokens = 1 if _scoring_only(req) else req.max_tokens
-    params = [build_params(state, lambda p=p: req.sampling_params(
+    params = [build_params(lambda p=p: req.sampling_params(
         max_tokens_for(state, len(p.token_ids), max_tokens), req.logprobs,
         prompt_logprobs, state.generation_defaults)) for p in prompts]
     if req.echo:

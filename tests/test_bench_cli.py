@@ -11,7 +11,7 @@ import pytest
 
 from jaxllm.benchmarks.offline import format_latency_result, format_throughput_result
 from jaxllm.benchmarks.serve import http_error
-from serving.cli.bench import HelpFormatter, _engine_defaults
+from serving.cli.bench import HelpFormatter, engine_defaults
 from serving.cli.main import main, make_parser
 
 MODES = ("latency", "throughput", "serve")
@@ -35,7 +35,7 @@ def test_every_option_has_a_help_and_its_default(mode):
         assert text and text != argparse.SUPPRESS, f"{mode} {action.option_strings}: no help"
         default = action.default
         if default is argparse.SUPPRESS:
-            default = _engine_defaults().get(action.dest)
+            default = engine_defaults().get(action.dest)
         if default is not None:
             assert "default" in text.lower(), f"{mode} {action.option_strings}: {text!r}"
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from jaxllm.entrypoints.chat_utils import content_format_of, normalize_messages
-from test_server import ENGINE_FLAGS, ServerProcess
+from server_process import ENGINE_FLAGS, ServerProcess
 
 NAME = "tiny-tools"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},

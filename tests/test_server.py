@@ -6,124 +6,35 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-
-import re
-from typing import Literal
 
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel, Field
-from prometheus_client.parser import text_string_to_metric_families
 
-API_KEY = "test-key"
-NAME = "tiny"
-# float32 so that batched and single-sequence greedy runs pick the same tokens.
-ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-batched-tokens", "128",
-                "--kv-cache-memory-bytes", "4M", "--max-num-seqs", "32", "--disable-log-stats"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`jaxllm serve MODEL --port P` in a subprocess; ready once /health answers 200."""
-
-    def __init__(self, model: str, *flags: str, timeout: float = 600):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="jaxllm-serve-", suffix=".log",
-                                               delete=False)
-        cmd = [sys.executable, "-m", "serving.cli.main", "serve", model, "--host", "127.0.0.1",
-               "--port", str(self.port), *flags]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"server not ready after {timeout} s:\n{self.output()}")
-
-    def output(self, tail: int = 6000) -> str:
-        with open(self.log.name, errors="replace") as f:
-            return f.read()[-tail:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        os.unlink(self.log.name)
+from server_process import (API_KEY, NAME, http_client, metrics, openai_client, serve_tiny,
+                            wait_idle)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    # The random model pads JSON with whitespace forever unless told not to (a real model does
-    # not need it); the flag is vLLM's --structured-outputs-config.
-    srv = ServerProcess(tiny_llama, *ENGINE_FLAGS, "--served-model-name", NAME, "--api-key",
-                        API_KEY, "--enable-request-id-headers", "--trust-request-chat-template",
-                        "--structured-outputs-config",
-                        '{"backend": "auto", "disable_any_whitespace": true}')
-    yield srv
-    srv.stop()
+    yield from serve_tiny(tiny_llama)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=120,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as c:
-        yield c
-
-
-def metrics(http) -> dict[str, float]:
-    """Prometheus samples as {'name{label=value,...}': value} (model_name label left out)."""
-    out = {}
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                              if k != "model_name")
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
-
-
-def wait_idle(http, timeout: float = 30) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(http)
-        idle = (m["jaxllm:num_requests_running"] == 0 and m["jaxllm:num_requests_waiting"] == 0
-                and m["jaxllm:kv_cache_usage_perc"] == 0)
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
+    yield from http_client(server)
 
 
 GREEDY = {"temperature": 0.0}
 LONG = {"extra_body": {"ignore_eos": True}}  # run to max_tokens, whatever the random model says
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                         {"type": "text", "text": "there"}]}]
 
 
 # --- basics ------------------------------------------------------------------------------------
@@ -346,65 +257,6 @@ def test_stop_strings(client):
     assert kept.choices[0].text == cut + stop
 
 
-# --- chat --------------------------------------------------------------------------------------
-
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": [{"type": "text", "text": "Hello"},
-                                         {"type": "text", "text": "there"}]}]
-
-
-def test_chat(client, http):
-    r = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=6, **GREEDY,
-                                       **LONG)
-    (choice,) = r.choices
-    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
-    assert choice.message.role == "assistant" and choice.finish_reason == "length"
-    n_prompt = http.post("/tokenize", json={"messages": MESSAGES}).json()["count"]
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, 6)
-
-
-def test_chat_stream_matches_non_stream(client):
-    kw = dict(model=NAME, messages=MESSAGES, max_completion_tokens=8, **GREEDY, **LONG)
-    full = client.chat.completions.create(**kw)
-    chunks = list(client.chat.completions.create(stream=True,
-                                                 stream_options={"include_usage": True}, **kw))
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    assert deltas[0].role == "assistant" and all(d.role is None for d in deltas[1:])
-    assert "".join(d.content or "" for d in deltas) == full.choices[0].message.content
-    assert chunks[-1].usage.model_dump(exclude_none=True) == full.usage.model_dump(
-        exclude_none=True)
-
-
-def test_chat_default_max_tokens_fills_the_context(client):
-    r = client.chat.completions.create(model=NAME, messages=MESSAGES, **GREEDY, **LONG)
-    assert r.usage.total_tokens == 128  # vLLM: max_model_len - prompt length
-    assert r.choices[0].finish_reason == "length"
-
-
-def test_chat_logprobs_and_n(client):
-    r = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4, logprobs=True,
-                                       top_logprobs=2, n=2, temperature=1.0, seed=3, **LONG)
-    assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens == 8
-    for choice in r.choices:
-        content = choice.logprobs.content
-        assert len(content) == 4
-        for c in content:
-            assert len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode())
-            assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
-
-
-def test_chat_template_kwargs_and_no_generation_prompt(http):
-    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}],
-            "add_generation_prompt": False}
-    with_prompt = http.post("/tokenize", json={**body, "add_generation_prompt": True}).json()
-    without = http.post("/tokenize", json=body).json()
-    assert with_prompt["count"] > without["count"]
-    custom = http.post("/tokenize", json={
-        **body, "chat_template": "{{ word }}", "chat_template_kwargs": {"word": "Hello"},
-        "return_token_strs": True}).json()
-    assert custom["tokens"] == http.post("/tokenize", json={"prompt": "Hello"}).json()["tokens"]
-
-
 # --- errors: always OpenAI's shape, never a 500 or a traceback --------------------------------
 
 LONG_PROMPT = "hello " * 200
@@ -555,70 +407,3 @@ def test_metrics(client, http):
     jaxllm_names = [k for k in after if k.startswith("jaxllm:")]
     assert {k: after["vllm:" + k[7:]] for k in jaxllm_names} == {k: after[k] for k in
                                                                   jaxllm_names}  # vLLM's too
-
-
-# --- structured output, bad_words, truncation, token ids ---------------------------------------
-
-class Pick(BaseModel):
-    colour: Literal["red", "green", "blue"]
-    size: int = Field(ge=1, le=9)
-    ok: bool
-
-
-def test_chat_completions_parse_returns_the_pydantic_object(client):
-    """The openai client's `parse(response_format=Model)` (a strict json_schema request)."""
-    r = client.chat.completions.parse(model=NAME, messages=[{"role": "user", "content": "Pick"}],
-                                      response_format=Pick, max_tokens=40, temperature=1.0,
-                                      seed=1)
-    assert r.choices[0].finish_reason == "stop"
-    assert isinstance(r.choices[0].message.parsed, Pick)
-
-
-@pytest.mark.parametrize("extra, check", [
-    ({"guided_regex": r"\d{3}-\d{4}"}, lambda t: re.fullmatch(r"\d{3}-\d{4}", t)),
-    ({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
-    ({"structured_outputs": {"choice": ["x y", "z"]}}, lambda t: t in ("x y", "z")),
-    ({"guided_grammar": 'root ::= "(" [a-c]+ ")"'}, lambda t: re.fullmatch(r"\([a-c]+\)", t)),
-    ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
-    ({"guided_json": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
-     lambda t: all(isinstance(v, bool) for v in json.loads(t))),
-])
-def test_structured_output_spellings(client, extra, check):
-    for stream in (False, True):
-        kw = dict(model=NAME, max_tokens=40, temperature=1.0, seed=5, extra_body=extra)
-        if stream:
-            chunks = client.chat.completions.create(
-                messages=[{"role": "user", "content": "Go"}], stream=True, **kw)
-            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        else:
-            text = client.completions.create(prompt="Go", **kw).choices[0].text
-        assert check(text), (extra, text)
-
-
-def test_uncompilable_schema_is_a_400_naming_the_problem(client):
-    with pytest.raises(openai.BadRequestError, match="regex"):
-        client.completions.create(model=NAME, prompt="x", extra_body={"guided_regex": "(a"})
-
-
-def test_bad_words_truncation_and_token_ids(client, http):
-    kw = dict(model=NAME, prompt="The quick brown fox", max_tokens=6, **GREEDY)
-    base = client.completions.create(logprobs=0, **kw, **LONG).choices[0].logprobs.tokens
-    i, word = next((i, t) for i, t in enumerate(base) if t.strip())  # greedy: deterministic
-    banned = client.completions.create(logprobs=0, **kw, extra_body={
-        "ignore_eos": True, "bad_words": [word]}).choices[0].logprobs.tokens
-    assert banned[:i] == base[:i] and banned[i] != base[i]  # the same until the bad word
-    assert word not in banned
-    ids = http.post("/tokenize", json={"prompt": "The quick brown fox"}).json()["tokens"]
-    cut = client.completions.create(**kw, extra_body={"ignore_eos": True,
-                                                     "truncate_prompt_tokens": 2})
-    ref = client.completions.create(model=NAME, prompt=ids[-2:], max_tokens=6, **GREEDY, **LONG)
-    assert cut.usage.prompt_tokens == 2 and cut.choices[0].text == ref.choices[0].text
-    as_ids = client.completions.create(logprobs=1, **kw, extra_body={
-        "ignore_eos": True, "return_tokens_as_token_ids": True})
-    lp = as_ids.choices[0].logprobs
-    assert all(re.fullmatch(r"token_id:\d+", t) for t in lp.tokens)
-    assert all(re.fullmatch(r"token_id:\d+", t) for top in lp.top_logprobs for t in top)
-    chat = client.chat.completions.create(
-        model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, logprobs=True,
-        top_logprobs=2, **GREEDY, extra_body={"return_tokens_as_token_ids": True})
-    assert all(c.token.startswith("token_id:") for c in chat.choices[0].logprobs.content)

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from test_server import ENGINE_FLAGS, ServerProcess
+from server_process import ENGINE_FLAGS, ServerProcess
 
 API_KEY = "hostile-key"
 NAME = "tiny"

@@ -20,7 +20,7 @@ from jaxllm.engine.errors import EngineDeadError
 from jaxllm.engine.stats import EngineStats
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams
-from test_server import ENGINE_FLAGS, ServerProcess
+from server_process import ENGINE_FLAGS, ServerProcess
 
 NAME = "tiny"
 

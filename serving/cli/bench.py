@@ -21,7 +21,7 @@ from jaxllm.config import EngineArgs
 # --- options -----------------------------------------------------------------------------------
 
 @functools.cache
-def _engine_defaults() -> dict:
+def engine_defaults() -> dict:
     return {f.name: f.default for f in dataclasses.fields(EngineArgs)
             if f.default is not dataclasses.MISSING}
 
@@ -35,7 +35,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         default = action.default
         if default is argparse.SUPPRESS:
-            default = _engine_defaults().get(action.dest)
+            default = engine_defaults().get(action.dest)
         if default is None or "default" in text.lower() or not action.option_strings:
             return text
         return f"{text} (default: {str(default).replace('%', '%%')})"
