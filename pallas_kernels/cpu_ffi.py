@@ -1,7 +1,7 @@
 """Native XLA:CPU kernels: C++ sources built with the system compiler on first use (cached per
 source, machine and jax version) and registered as XLA FFI targets.
 
-The kernels use XLA's own intra-op thread pool (`cpu_parallel.h`), so they share the two cores
+The kernels use XLA's own intra-op thread pool (`cpu_parallel.h`), so they share the cores
 with XLA's dots instead of spinning a second pool against them.
 """
 
@@ -27,8 +27,8 @@ logger = logging.getLogger("jaxllm")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # Not -ffast-math: its reassociation lets the compiler sum the same terms in a different order
 # in each inlined copy of a loop (a kernel's streaming and blocked paths, say), and batch
-# invariance needs every element summed in one order whatever the path (issue 26). The parts
-# that keep results exact to the source are kept: no errno or traps, and a * b + c may fuse
+# invariance needs every element summed in one order whatever the path. The parts that keep
+# results exact to the source are kept: no errno or traps, and a * b + c may fuse
 # (deterministically, per expression; the matmul writes its FMAs out).
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
          "-fPIC", "-shared", "-std=c++17")

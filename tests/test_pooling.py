@@ -143,7 +143,7 @@ def test_deprecated_task_maps_to_runner_and_convert(caplog):
 
 @pytest.fixture(scope="module")
 def embed_server(tiny_llama):
-    from tests.test_server import ENGINE_FLAGS, ServerProcess
+    from server_process import ENGINE_FLAGS, ServerProcess
     srv = ServerProcess(tiny_llama, *ENGINE_FLAGS, "--runner", "pooling", "--block-size", "4",
                         "--served-model-name", "emb")
     yield srv

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import (content_type_conformance, not_a_server_error,  # noqa: E402
                                  response_schema_conformance, status_code_conformance)
 
-from tests.test_server import ENGINE_FLAGS, ServerProcess  # noqa: E402
+from server_process import ENGINE_FLAGS, ServerProcess  # noqa: E402
 
 pytestmark = pytest.mark.slow
 EXAMPLES = 30  # per operation: ~15 operations, a few minutes on 2 cores

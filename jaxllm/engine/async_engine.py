@@ -6,10 +6,10 @@ the scheduler needs no locks.
 
 Ready means ready: this engine exists (and the server listens) only once every program it
 serves with is compiled, the ones warm-up leaves to the background included. Those compiles
-share the cores (and the GIL) with the steps: `jaxllm serve --num-scheduler-steps 8` once
-answered 1.5 minutes before its 28 multi-step programs were compiled, and a benchmark started
-then saw 11 s mean time to first token against 0.6 s once warm. The offline `LLM` keeps
-serving while they compile (its first requests need few of them).
+share the cores (and the GIL) with the steps, so a server that answered while its multi-step
+programs were still compiling gave its first requests many times the warm time to first token
+(docs/performance.md has the figures). The offline `LLM` keeps serving while they compile (its
+first requests need few of them).
 
 A step that raises is fatal, as in vLLM: its requests (and every other in flight or queued) fail
 with EngineDeadError, the loop stops, `health()` reports why, and the server exits non-zero for

@@ -9,7 +9,8 @@ it either completes (the output ends before it) or stops matching (the text is r
 
 With a fast (Rust-backed) tokenizer, as vLLM's FastIncrementalDetokenizer, a token is one step of
 tokenizers' DecodeStream, primed with the same prompt ids: one native call, where the window
-takes two decodes through transformers (~3 ms of host time per 64-token decode step, profiled).
+takes two decodes through transformers per token, host time paid on every decode step
+(docs/performance.md, "The decode step's host work and sampler").
 """
 
 from __future__ import annotations

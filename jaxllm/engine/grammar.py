@@ -7,9 +7,10 @@ bitmask row per step and needs no program of its own. The matcher must have seen
 before the next mask is built, so steps with a grammar row are read before the next one is
 scheduled (no async overlap, no multi-step bursts for them; see engine.py).
 
-Compiling is done on the engine thread: building the tokenizer's token trie takes ~1.4 s once
-per engine (on the first constrained request), and a new schema ~6-20 ms (cached after that),
-less than one decode step of a batch, so a thread hand-off would cost more than it saves.
+Compiling is done on the engine thread: the tokenizer's token trie is built once per engine
+(on the first constrained request), and a new schema compiles in less than one decode step of a
+batch (cached after that; docs/performance.md, 'Structured output, MoE and multi-host'), so a
+thread hand-off would cost more than it saves.
 """
 
 from __future__ import annotations

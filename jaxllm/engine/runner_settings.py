@@ -63,9 +63,10 @@ def executable_cache_dir() -> str | None:
 
 def kv_cache_dtype(cache: CacheConfig, model_dtype, attention_backend: str) -> Any:
     """'auto' = the model's dtype, except on CPU without the native attention kernel: XLA:CPU
-    upcasts a 16-bit cache update to float32 over the whole cache (measured: +7 GB and ~100x
-    slower steps for SmolLM2 at 8k context), so that cache is float32. The native kernel
-    writes a float32 or bfloat16 cache in place."""
+    upcasts a 16-bit cache update to float32 over the whole cache, every step (gigabytes of
+    memory and steps orders of magnitude slower at long contexts; docs/performance.md has the
+    figures), so that cache is float32. The native kernel writes a float32 or bfloat16 cache in
+    place."""
     on_cpu = jax.default_backend() == "cpu"
     dtype = model_dtype if cache.cache_dtype == "auto" else _KV_DTYPES[cache.cache_dtype]
     if not on_cpu or native_cpu_attention(attention_backend, dtype):

@@ -88,7 +88,8 @@ def experts_sorted(x, ids, weights, experts: int, up: Callable, down: Callable) 
     sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
     y = down(up(x[order // k], sizes), sizes)
     # Un-sorted by a gather (row i of the routed pairs sits at pos[i]) that XLA fuses with the
-    # mask and the weighting: a scatter into zeros took 1.7 ms a 2048-token layer here.
+    # mask and the weighting, where a scatter into zeros is a separate, slower pass on XLA:CPU
+    # (docs/performance.md, "Where a step's time goes, per op, and the routing's sort").
     pos = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
     y = jnp.where((flat < X)[:, None], y[pos], 0.0).reshape(T, k, -1)
     # Elementwise, in k's order: a row's sum never depends on T (a dot's order might).
@@ -97,8 +98,9 @@ def experts_sorted(x, ids, weights, experts: int, up: Callable, down: Callable) 
 
 def stable_order(flat, experts: int) -> jax.Array:
     """argsort(flat, stable=True) for ids in [0, experts]: one sort of unique int32 keys
-    (id * n + index), which XLA:CPU runs without the stable sort's index operand and comparator
-    (a 2048-token step's 4096 pairs: 0.5 ms against 3.2 for argsort, with the un-sort)."""
+    (id * n + index), which XLA:CPU runs without the stable sort's index operand and comparator,
+    several times faster (docs/performance.md, "Where a step's time goes, per op, and the
+    routing's sort")."""
     n = flat.size
     if (experts + 1) * n >= 2 ** 31:
         return jnp.argsort(flat, stable=True).astype(jnp.int32)

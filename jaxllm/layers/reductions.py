@@ -3,7 +3,7 @@
 XLA:CPU picks a reduction's loop (and so its rounding order) by the whole operand's shape:
 f32 rows summed 2-7 at a time differed from the same rows summed alone or among 8 or more. A
 decode step's token count sets that shape, so a request's RMSNorm, softmax and sampling draw
-would depend on how many others were decoding with it (issue 26). Elementwise adds are never
+would depend on how many others were decoding with it. Elementwise adds are never
 reassociated (no fast-math), so a tree of them fixes the order.
 """
 

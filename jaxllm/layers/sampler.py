@@ -24,14 +24,16 @@ all_greedy=True forces needs_filters=False: 4 + 8 = 12 variants (programs) per S
 more programs per width): the [S, W] tables and the bitmask are zero-initialised, lazily paged,
 aligned host arrays that jit reads in place on CPU, so only the real rows' entries cost anything.
 
-Why the code looks like this (XLA:CPU, 2 cores, S=256, V=49152): a full sort takes ~3.6 s and
-`jnp.argmax` 30-70 ms against ~3 ms for a plain max; a fused reduction over [256, V] runs ~10x
-slower per element than over [8, V]. So rows are sampled `_ROWS` at a time, argmax
-and top-k go through block maxima, nothing sorts the vocabulary, and a draw is an inverse CDF
-over block masses driven by one uniform per row, hashed on the host from (seed, step): the same
-draw whatever else is in the batch, and no device RNG (threefry over [S, V] cost ~270 ms, and
-~1 s of compile per variant even for one number per row). top_k (k <= _CAND) and most top_p
-cuts are decided exactly on the top _CAND candidates; the rest by an exact per-row bisection.
+Why the code looks like this (XLA:CPU): sorting a batch's vocabulary rows costs seconds, and
+`jnp.argmax` over the vocabulary lowers to a slow loop where a plain max is an order of
+magnitude cheaper; a fused reduction over many rows runs far slower per element than over a
+few (docs/performance.md, 'Figures moved out of code comments'). So rows are sampled `_ROWS` at
+a time, argmax and top-k go through block maxima, nothing sorts the vocabulary, and a draw is
+an inverse CDF over block masses driven by one uniform per row, hashed on the host from (seed,
+step): the same draw whatever else is in the batch, and no device RNG (threefry over [S, V] is
+slow to run, and slow to compile per variant even for one number per row). top_k (k <= _CAND)
+and most top_p cuts are decided exactly on the top _CAND candidates; the rest by an exact
+per-row bisection.
 A backend may run the plain draw (temperature and min_p) natively (`Backend.draw`): the CPU
 backend's kernel does it in two passes over each row in cache.
 """
@@ -53,8 +55,8 @@ from jaxllm.layers.sampling_tensors import SamplingTensors
 
 _ROWS = 8          # rows sampled together (a lax.map step, a sample_rows group)
 # Rows per compute_logits call in sample_rows. Streaming the [V, E] weight costs a dot about as
-# much for 16 rows as for 8 (and 64 rows about 2.5x 16), while 1 row is a cheaper matrix-vector
-# product: 1 for a lone row, 16 for small batches, 64 for the bulk.
+# much for 16 rows as for 8 (and 64 rows well under 4x 16), while 1 row is a cheaper
+# matrix-vector product: 1 for a lone row, 16 for small batches, 64 for the bulk.
 LOGIT_ROWS = (1, 16, 64)
 _BLOCK = 64        # vocab block for argmax and inverse-CDF masses; logits are padded to a multiple
 _CAND = 128        # candidates that decide top_k (k <= _CAND) and most top_p cuts
@@ -96,7 +98,7 @@ def sample_rows(rows: jax.Array, num_rows: jax.Array, compute_logits,
     S, num_rows = rows.shape[0], jnp.asarray(num_rows, jnp.int32)
     sizes = sorted({min(c, S) for c in logit_rows})
     # Each chunk size samples its own logits: a [max c, V] buffer carried through the loop
-    # cost a zero fill and a copy per step (0.3 ms each for 64 rows of a 32000 vocabulary).
+    # cost a zero fill and a copy of the whole buffer per step.
     # Slices are clamped to stay in bounds, so a chunk or a group may overlap finished rows:
     # those are neither sampled for real nor written.
 
@@ -257,7 +259,8 @@ def _unpack_bits(bits, V):
 
 
 def _argmax(x):
-    """First index of the row max, via block maxima (jnp.argmax over V is ~20x slower here)."""
+    """First index of the row max, via block maxima: jnp.argmax over V lowers to a slow loop on
+    XLA:CPU, and a blockwise max is much cheaper (docs/performance.md has the figure)."""
     S, V = x.shape
     xb = x.reshape(S, V // _BLOCK, _BLOCK)
     b = jnp.argmax(xb.max(-1), -1)
@@ -284,7 +287,7 @@ def _top_candidates(x, k):
 def _cumsum(w):
     """Row cumsum [S, n] as a Hillis-Steele scan of shifted elementwise adds: per row the same
     bits whatever S (a triangular matmul's order followed the dot's shape, and jnp.cumsum's
-    associative scan took ~1 s to compile here)."""
+    associative scan is slow to compile on XLA:CPU)."""
     shift = 1
     while shift < w.shape[1]:
         w = w + jnp.pad(w[:, :-shift], ((0, 0), (shift, 0)))

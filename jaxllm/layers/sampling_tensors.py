@@ -138,7 +138,8 @@ def needs_processing(r: Sequence) -> bool:
 
 
 def _unique(a: np.ndarray):
-    """Sorted unique values and their counts (np.unique's hash path was ~10x slower here)."""
+    """Sorted unique values and their counts, by one sort: np.unique's hash path is much slower
+    on these small integer keys (docs/performance.md has the figure)."""
     a = np.sort(a)
     first = np.flatnonzero(np.r_[len(a) > 0, a[1:] != a[:-1]])
     return a[first], np.diff(np.r_[first, len(a)])

@@ -90,10 +90,10 @@ def _read_gguf(path: str, size: int, mtime_ns: int):
 def _plain_view_reader():
     """`gguf.GGUFReader` over a plain ndarray view of its memory map.
 
-    The reader parses metadata with one small slice per value (~250,000 for SmolLM2's
-    vocabulary), and every slice of an `np.memmap` runs its Python `__array_finalize__`: over
-    the same mapping as a plain ndarray the parse takes a third of the time. Tensor data are
-    still views into the file."""
+    The reader parses metadata with one small slice per value (hundreds of thousands for a
+    typical vocabulary), and every slice of an `np.memmap` runs its Python
+    `__array_finalize__`: over the same mapping as a plain ndarray the parse is several times
+    faster (docs/performance.md has the figure). Tensor data are still views into the file."""
     from gguf import GGUFReader
 
     class Reader(GGUFReader):

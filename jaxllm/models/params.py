@@ -15,7 +15,8 @@ from jaxllm.models.model_config import ModelConfig
 
 def dummy_weight(seed: int, name: str, shape, axes, dtype) -> nnx.Param:
     """Pseudo-random values in [-0.05, 0.05) (the dummy weights) from an integer hash of the
-    element index: jax.random's threefry takes XLA:CPU ~2 s to compile per call."""
+    element index: jax.random's threefry is slow for XLA:CPU to compile, and every call (every
+    weight) would compile it."""
     x = jax.lax.iota(jnp.uint32, math.prod(shape)) * jnp.uint32(0x9E3779B9)
     x = x + jnp.uint32(zlib.crc32(f"{seed}/{name}".encode()))
     x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)

@@ -64,7 +64,8 @@ def launcher_with_several_tasks() -> str | None:
 STARTUP_TIMEOUT = 600  # seconds for every host to reach the same point of start-up
 # At exit every process waits for the others at a shutdown barrier; after a failed start-up
 # they never come, so the wait is bounded. A clean stop reaches it within seconds on idle
-# hosts, but 4 processes sharing 2 busy cores missed 30 s (tests/test_multihost.py).
+# hosts, but processes sharing a few busy cores (tests/test_multihost.py) can take far longer,
+# so the bound is generous.
 SHUTDOWN_TIMEOUT = 120
 
 
@@ -84,8 +85,8 @@ def local_address(peer: str | None) -> str:
 def enable_cross_host_transfers(peer: str | None) -> None:
     """Let `jax.device_put` move arrays between processes' devices: JAX's transfer server
     listens on this host's address towards `peer` (the coordinator). Its port must be given
-    (a port 0 is published as 0 and the receiver waits forever, measured on jax 0.10.2); one
-    free now is taken."""
+    (JAX publishes a port 0 as given, not as the port the server bound, and the receiver then
+    waits forever); one free now is taken."""
     host = local_address(peer)
     with socket.socket() as s:
         s.bind((host, 0))

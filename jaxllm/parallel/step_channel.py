@@ -3,8 +3,8 @@ devices (multi-controller JAX: each process launches its part of every program).
 
 Why a TCP socket and not the distributed runtime: `multihost_utils.broadcast_one_to_all` is
 itself a compiled collective with fixed shapes (a step's inputs change shape with its bucket),
-and measured here it took ~13 ms per call on 2 loopback processes; pickling a step's host
-inputs down a socket costs tens of microseconds (docs/multi-host.md has the numbers). The
+and it costs far more per call than pickling a step's host inputs down a socket
+(docs/multi-host.md, 'How steps reach the other hosts', has the numbers). The
 socket's address is published through the runtime's key-value store, so no extra flag is needed.
 
 What crosses: the program key and its arguments, pickled, with each device array replaced by a

@@ -13,7 +13,8 @@ where guesses keep failing speculation all but switches itself off. The engine r
 rest the last rejection reached (any request's, until any request accepts a draft), and a
 request's first rejection rests that long: where no request's drafts are accepted (a draft
 model that never agrees), each new request probes once and rests, instead of climbing 1, 2,
-4, ... again (7 probes in a 95-token request, each ~2.5 plain steps with a draft model: ~11 %).
+4, ... again (with a draft model each probe costs several plain steps, so a climb's probes
+would add a sizeable share to a short request's time; docs/performance.md has the figures).
 """
 
 from __future__ import annotations

@@ -1,19 +1,18 @@
 """The grammar engine: StructuredOutputsParams + tokenizer -> per-request matchers whose token
 masks land in the sampler's banned-token bitmask.
 
-Engine: llguidance (PyPI `llguidance`), chosen over xgrammar by measurement on this machine
-(2 cores, SmolLM2 tokenizer, vocabulary 49152, a realistic 8-property nested JSON schema with
-enums, bounded numbers, a pattern and an array; scripts/bench_grammar.py):
-  - dependencies: llguidance has none (3.1 MB wheel, 7.6 MB installed, 9 s to install);
-    xgrammar 0.2.8 requires torch, transformers and triton (a 286 MB wheel) - a torch
-    requirement would pull a multi-GB CUDA build into a plain install;
-  - grammar compile for a new schema: 6-19 ms (llguidance) against 1.7-1.9 s (xgrammar);
-  - token mask for 64 rows per step: 5-10 ms median (llguidance, batched on its thread pool)
-    against 12-13 ms (xgrammar, row by row);
+Engine: llguidance (PyPI `llguidance`), chosen over xgrammar on a realistic nested JSON schema
+(scripts/bench_grammar.py; figures in docs/performance.md, 'Figures moved out of code comments'):
+  - dependencies: llguidance has none; xgrammar requires torch, transformers and triton - a
+    torch requirement would pull a multi-GB CUDA build into a plain install;
+  - grammar compile for a new schema, which that request waits for: milliseconds (llguidance)
+    against seconds (xgrammar);
+  - token mask per step: llguidance computes a batch's rows together on its thread pool,
+    xgrammar one row after another, and took longer;
   - correctness: both mask JSON schema, regex, choice and EBNF (llguidance takes GBNF and Lark).
 llguidance masks are lazy (computed per step from an Earley parser over a lexer), so the
 per-schema work is building the first matcher (parsing the grammar, the lexer); the cache keeps
-that matcher and each request copies it (~5 us against ~7 ms to build one).
+that matcher and each request copies it (a copy costs a tiny fraction of a build).
 
 Layout: the sampler's `banned_bits` is uint32 [S, ceil(V/32)], bit i%32 of word i//32 set when
 token i is banned; llguidance writes the same layout with the bit set when the token is allowed,
@@ -41,8 +40,8 @@ class GrammarError(ValueError):
 
 class CompiledGrammar:
     """A validated grammar for one (constraint, tokenizer), held as a fresh llguidance matcher:
-    building a matcher parses the grammar and builds its lexer (~7 ms for a realistic schema),
-    copying one takes ~5 us, so every request's matcher is a copy of this one."""
+    building a matcher parses the grammar and builds its lexer, copying one is far cheaper, so
+    every request's matcher is a copy of this one."""
 
     def __init__(self, template, compiler: "GrammarCompiler"):
         self._template = template
@@ -158,7 +157,8 @@ class GrammarCompiler:
 @functools.lru_cache(maxsize=8)
 def get_compiler(tokenizer, vocab_size: Optional[int] = None,
                  eos_token_ids: Optional[tuple[int, ...]] = None) -> GrammarCompiler:
-    """The shared compiler of a tokenizer: building llguidance's token trie takes ~1.4 s."""
+    """The shared compiler of a tokenizer: llguidance's token trie over the whole vocabulary
+    takes too long to build more than once per tokenizer."""
     return GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
 
 
@@ -192,8 +192,9 @@ def fill_banned_bits(rows: Sequence[tuple[GrammarMatcher, int]], bits: np.ndarra
 
 
 def _check_first_mask(compiled: CompiledGrammar, kind: str) -> None:
-    """Compute the first mask as the engine will (~1 ms): a grammar that allows no token at
-    the start is refused here (a 400) rather than ending its request at once with "error".
+    """Compute the first mask as the engine will (cheap next to the compile): a grammar that
+    allows no token at the start is refused here (a 400) rather than ending its request at once
+    with "error".
     Seen with a model narrower than its tokenizer: `{"values":[` forced by a schema may be
     allowed only as tokens past the model's logits."""
     probe = compiled.matcher()

@@ -1,7 +1,7 @@
 """Compiled step programs on disk, keyed before tracing, for a fast warm start.
 
 JAX's persistent compilation cache keys on the lowered program, so even a warm start traces
-and lowers every bucket first (~4 s of SmolLM2's start-up). This cache keys on what the
+and lowers every bucket first (seconds of a small model's start-up). This cache keys on what the
 programs are made of instead: the source of jaxllm and its kernels, the jax/jaxlib versions,
 the devices, the XLA flags, the module's structure (model config included) and the shapes,
 dtypes and shardings of the arguments; a hit loads the executable without tracing.

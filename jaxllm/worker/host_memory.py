@@ -2,11 +2,11 @@
 
 XLA:CPU allocates every step's results and temporaries with malloc and frees them after. glibc
 serves blocks above its mmap threshold (128 KB, rising to at most 32 MB) with fresh mmaps and
-returns freed heap tops to the kernel, so each step page-faulted its big buffers in again:
-~73,000 faults (~300 MB zeroed by the kernel) per 64 x 128-token prefill of the MoE benchmark
-model, which ran at 1.29-1.30 s with them and 1.14-1.17 s without (docs/performance.md). Freed
-memory is kept for the next step instead: no mmaps, no trimming. The price: the process keeps
-its peak heap, which a serving engine reaches again at its next busy step anyway.
+returns freed heap tops to the kernel, so each step page-faulted its big buffers in again and
+had the kernel zero them, a cost that showed in a prefill's wall time (docs/performance.md,
+'Prefill was the larger gap'). Freed memory is kept for the next step instead: no mmaps, no
+trimming. The price: the process keeps its peak heap, which a serving engine reaches again at
+its next busy step anyway.
 
 Left alone when the user chose: a MALLOC_* setting in the environment, or another allocator
 preloaded (tcmalloc, jemalloc: glibc's malloc is not the one in use then).

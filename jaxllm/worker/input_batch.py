@@ -86,9 +86,9 @@ class InputBatcher:
         self.mixed_buckets = (self.token_buckets if decode_programs
                               else sorted({*self.decode_buckets, *self.token_buckets}))
         # Speculation: b decodes with k drafts each are b (1 + k) tokens, which would pad to
-        # the smallest token bucket (16): verifying 4 drafts of one request ran 16 rows, 2.4x
-        # a decode step's time where 5 rows take 1.2x. Those small sizes get buckets of
-        # their own.
+        # the smallest token bucket (16): verifying 4 drafts of one request would run 16 rows,
+        # about twice the time of the same step padded to 5 (docs/performance.md has the
+        # figures). Those small sizes get buckets of their own.
         k1 = 1 + num_speculative_tokens
         self.spec_buckets = sorted({k1 * b for b in self.decode_buckets if k1 > 1
                                     and k1 * b < self.token_buckets[0]} - {*self.mixed_buckets})
@@ -123,7 +123,7 @@ class InputBatcher:
             seq, n, start, spec = it.seq, it.num_tokens, it.start, it.spec_token_ids
             if n == 1 and not spec and start >= seq.num_prompt_tokens:
                 # A decode token, in scalars: the general path's dozen small array operations
-                # per sequence were ~1 ms of a 64-sequence step, with the device idle.
+                # per sequence add up over a large batch, all while the device waits.
                 token = seq.output_token_ids[start - seq.num_prompt_tokens]
                 token_ids[t] = token
                 if token == PENDING:

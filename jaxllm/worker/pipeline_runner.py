@@ -14,16 +14,15 @@ programs in order, and a program waits only for its own input. One SPMD program
 would run every stage in lockstep on the same step's schedule, so overlapping steps would
 need a hand-written micro-batch schedule inside it, stages would have to be identical (the
 first embeds, the last samples) and every step would pay the slowest stage N times. The
-handoff is one [T, hidden] array per stage boundary per step (measured in docs/multi-host.md).
+handoff is one [T, hidden] array per stage boundary per step (its cost: docs/multi-host.md).
 
 Across hosts (one or more stages per host, --nnodes) the same `jax.device_put` moves the
 hidden states: JAX's cross-host transfer server (jaxllm/parallel/distributed.py enables it)
 sends them from one process's devices to the other's, and the step channel replays every
-call, transfers included, on every host in rank 0's order. Probed on jax 0.10.2 on CPU, 2
-loopback processes x 4 devices, [64, 256] float32: the transfer works (~0.7 ms blocking on
-the receiver, ~0.08 ms to issue on the sender); a `ppermute` over a [2, 4] ('stage', 'model')
-mesh spanning both processes works too (~1 ms per call, gloo), but it is one program on all 8
-devices, so both hosts would meet in it every step: the lockstep this design avoids. A host
+call, transfers included, on every host in rank 0's order (docs/multi-host.md, 'Pipeline
+parallelism across hosts', has what was tried and its cost). A `ppermute` over a ('stage',
+'model') mesh spanning the processes would work too, but it is one program on every device, so
+all hosts would meet in it every step: the lockstep this design avoids. A host
 never compiles or runs another host's stage program: its call makes placeholders of the
 outputs (arrays without local shards) to pass on. The sampled tokens come back to rank 0 the
 same way when it reads them (`to_reader`, from `collect`: a receiving host's `device_put`

@@ -1,8 +1,8 @@
 """Block sizes of the Pallas ragged paged-attention kernels, in one place.
 
 TABLE maps (head_dim, page_size) -> (queries per block, pages per step) per variant. The entries
-are starting points sized from on-chip memory budgets, not measurements: no TPU or GPU was
-available when they were written (see scripts/bench_attention.py to tune them on one).
+are starting points sized from on-chip memory budgets, not measurements: they are untuned on
+a TPU or GPU (scripts/bench_attention.py tunes them on one).
   tpu: ~512 keys per step for head_dim <= 128 (K+V double buffers of 512 KiB in bf16, far
        below the scoped VMEM), ~256 for head_dim 256; 32 query tokens per block.
   gpu: ~64-128 keys per step so that K and V tiles fit shared memory with 2 pipeline stages;

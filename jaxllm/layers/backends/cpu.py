@@ -5,9 +5,10 @@ caches; others take the reference). The projections (a MoE layer's router too), 
 SiLU-and-mul run in the native matmul and activation kernels, and a MoE layer's experts in the
 native grouped matmul, when they build (`native_matmul`); they read the stacked weights in
 place, where XLA:CPU copies each layer's slice out of the scan, and run bf16 weights at f32
-speed (XLA:CPU converts them first). Measured on AVX2 against XLA's dot: 2-3x at 1 row, 1.3x
-at 64-128 (f32), on par at 2048. Kernels are built by `create` (start-up), so a trace never
-starts a C++ build.
+speed (XLA:CPU converts them first). Against XLA's dot they gain most at few rows, where
+those copies and conversions dominate, and little at thousands of rows (docs/performance.md
+has the figures). Kernels are built by `create` (start-up), so a trace never starts a C++
+build.
 """
 
 from __future__ import annotations
@@ -94,9 +95,9 @@ class CpuBackend(ReferenceBackend):
     def moe_impl(self, tokens, top_k, experts, dtype):
         """The native grouped matmul (`grouped`) at every batch size when it builds: it does
         only the routed work and reads only the experts that have tokens, in place. By
-        scripts/bench_moe.py and scripts/bench_moe_step.py (docs/performance.md, issue 23) it
-        beats every XLA implementation from 1 token (`gather`) to 512 (`tiled`), and the packed
-        experts leave the XLA ones nothing to read."""
+        scripts/bench_moe.py and scripts/bench_moe_step.py (docs/performance.md, 'Mixture of
+        experts') it beats every XLA implementation from 1 token (`gather`) to 512 (`tiled`),
+        and the packed experts leave the XLA ones nothing to read."""
         return "grouped" if self.native_matmul else super().moe_impl(tokens, top_k, experts,
                                                                       dtype)
 
@@ -135,13 +136,14 @@ class CpuBackend(ReferenceBackend):
         return matmul_cpu.matmul(hidden, w, n=vocab)
 
     def greedy_head(self, w, vocab):
-        """The native matmul keeps each 16 columns' maximum while they are in cache (64 rows
-        of a 32000 vocabulary: 8 MB written, then sliced and reduced in 0.9 ms)."""
+        """The native matmul keeps each 16 columns' maximum while they are in cache, so the
+        [rows, vocabulary] logits are never written, sliced and reduced."""
         return partial(matmul_cpu.argmax, w=w, n=vocab) if self.native_matmul else None
 
     def draw(self):
-        """The draw in two passes over each row in cache (64 rows of a 32000 vocabulary:
-        0.8 ms, against 3.2 ms for the XLA sampler's fused loops)."""
+        """The draw in two passes over each row in cache, several times faster than the XLA
+        sampler's fused loops (docs/performance.md, "The decode step's host work and
+        sampler")."""
         return sampling_cpu.draw if self.native_sampling else None
 
     def decode_programs(self, cache_dtype):
@@ -164,9 +166,9 @@ def pack_native(state, cfg):
     """The state with the layer projections (a MoE layer's router and shared gate among them),
     the MoE experts (`grouped_cpu.pack`) and the LM head (for tied embeddings the embedding,
     then looked up in place) in the native matmul's packed layout (strips of 16 output
-    columns, `matmul_cpu.pack`): every read is sequential and no step repacks them (measured
-    against row-major weights: projections 15% faster at 1 row and 13-30% at 64, the LM head
-    38% at 1 row and 2x at 64)."""
+    columns, `matmul_cpu.pack`): every read is sequential and no step repacks them, faster than
+    row-major weights for the projections and most of all for the LM head (docs/performance.md
+    has the figures)."""
     E = cfg.hidden_size
     pack = _packer(lambda w, shape: matmul_cpu.pack(w.reshape(shape)))
     pack_experts = _packer(lambda w, shape: grouped_cpu.pack(w.reshape(shape)))

@@ -39,8 +39,8 @@ def weights_as_bits(state: nnx.State) -> nnx.State:
 
     XLA:CPU converts every bf16 array that enters a while loop (the layer scan, the multi-step
     loop) to f32, whole, on every call: bits pass through untouched and each use converts only
-    what it reads (3x faster single-sequence decode, 1.6x at batch 64, measured on the 124M
-    Llama; the embedding alone cost 2 ms per token inside the multi-step loop).
+    what it reads, which speeds up decode most at small batches, where the conversion dominates
+    (docs/performance.md has the figures).
     """
     def to_bits(w):
         return jax.lax.bitcast_convert_type(w, jnp.uint16) if w.dtype == jnp.bfloat16 else w
@@ -87,14 +87,13 @@ class ReferenceBackend(Backend):
         CPU backend overrides it with its native grouped matmul).
 
         Off CPU the grouped matmul (`ragged`). On XLA:CPU `ragged_dot` is a masked dense dot
-        over every group (X times the work); by scripts/bench_moe.py (hidden 512, FFN 1024,
-        8 experts, top-2, 2 busy cores, best of 10): `gather` while the tokens' experts are
-        few against all of them (1 token: ~3 ms, the others 11-180 ms); else in float32 the
-        per-expert `loop` (8 tokens: 12-60 ms vs `dense` 72-208), in bf16 `dense` (`loop`'s
-        while loop makes XLA:CPU convert each bf16 expert whole: 64 tokens 86 vs 173 ms); from
-        64 routed rows per expert on average the `tiled` grouped matmul, which does only the
-        routed work (bf16: 256 tokens 306 ms vs `dense` 353, 512: 415 vs 809, 2048: 824 vs
-        3230; f32 256: 98 vs `loop` 340; measured under load ~15, so ratios only)."""
+        over every group (X times the work), so, as scripts/bench_moe.py ranks them
+        (docs/performance.md, 'Structured output, MoE and multi-host' and 'Mixture of
+        experts'): `gather` while the tokens' experts are few against all of them (it reads
+        only those experts); else in float32 the per-expert `loop`, in bf16 `dense`
+        (`loop`'s while loop makes XLA:CPU convert each bf16 expert whole); from 64 routed rows
+        per expert on average the `tiled` grouped matmul, which does only the routed work and
+        then beats both."""
         if not _on_cpu():
             return "ragged"
         if 2 * tokens * top_k <= experts:
@@ -163,7 +162,7 @@ class ReferenceBackend(Backend):
 
     def logit_rows(self, cfg, rows):
         # XLA:CPU runs a bf16 weight against few rows by converting all of it to f32 first
-        # (3x slower than 64 rows): bf16 keeps only the largest chunk there.
+        # (a few rows then take longer than 64): bf16 keeps only the largest chunk there.
         return (max(rows),) if _on_cpu() and cfg.jnp_dtype == jnp.bfloat16 else tuple(rows)
 
     def batch_variance(self, cfg, cache_dtype):
