@@ -191,6 +191,28 @@ def test_json_options_are_honoured(compiler, tok, texts):
             jsonschema.validate(json.loads(text), open_schema)
 
 
+def test_default_json_whitespace_is_bounded(compiler, tok):
+    """By default a gap between JSON tokens takes nothing, one space, or one newline and an
+    indentation (BOUNDED_WHITESPACE), never a run of newlines; whitespace_pattern replaces it
+    and disable_any_whitespace allows none."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "b": {"type": "string", "maxLength": 12}},
+              "required": ["a", "b"], "additionalProperties": False}
+
+    def accepts(params, text):
+        m = compiler.matcher(params)
+        return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False)) \
+            and not m.is_error()
+
+    default = P(json=schema)
+    for text in ('{"a":1,"b":"x"}', '{"a": 1, "b": "x"}', '{\n  "a": 1,\n  "b": "x"\n}'):
+        assert accepts(default, text), text
+    for text in ('{\n\n"a"', '{"a":  1', '{ \n "a"', '{' + "\n" + " " * 40 + '"a"'):
+        assert not accepts(default, text), text
+    assert accepts(P(json=schema, whitespace_pattern="[ \n]*"), '{\n\n\n"a"')
+    assert not accepts(P(json=schema, disable_any_whitespace=True), '{ "a"')
+
+
 def _outside_strings(text):
     return re.sub(r'"(?:[^"\\]|\\.)*"', "", text)
 

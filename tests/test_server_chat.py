@@ -103,6 +103,15 @@ def test_chat_completions_parse_returns_the_pydantic_object(client):
     assert isinstance(r.choices[0].message.parsed, Pick)
 
 
+def test_parse_of_json_cut_by_max_tokens_raises_the_clients_length_error(client):
+    """A real max_tokens limit inside the object: finish_reason "length", which the openai
+    client's parse() turns into its LengthFinishReasonError, as with OpenAI."""
+    with pytest.raises(openai.LengthFinishReasonError):
+        client.chat.completions.parse(model=NAME, messages=[{"role": "user", "content": "Pick"}],
+                                      response_format=Pick, max_tokens=3, temperature=1.0,
+                                      seed=1)
+
+
 @pytest.mark.parametrize("extra, check", [
     ({"guided_regex": r"\d{3}-\d{4}"}, lambda t: re.fullmatch(r"\d{3}-\d{4}", t)),
     ({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),

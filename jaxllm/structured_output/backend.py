@@ -38,6 +38,14 @@ class GrammarError(ValueError):
     """The constraint cannot be compiled (bad schema, regex or grammar): an HTTP 400."""
 
 
+# Whitespace a JSON grammar allows between two tokens unless the request says otherwise
+# (whitespace_pattern, disable_any_whitespace): nothing, one space, or one newline and an
+# indentation. Free whitespace (llguidance's flexible default, and vLLM's) lets a small or
+# sampled model write newlines until max_tokens and never close the object; one bounded run
+# per gap keeps compact, spaced and pretty-printed JSON and bounds what the gaps can take.
+BOUNDED_WHITESPACE = r"(?:\n[ \t]{0,32}| )"
+
+
 class CompiledGrammar:
     """A validated grammar for one (constraint, tokenizer), held as a fresh llguidance matcher:
     building a matcher parses the grammar and builds its lexer, copying one is far cheaper, so
@@ -138,8 +146,9 @@ class GrammarCompiler:
                 if params.disable_additional_properties:
                     schema = _close_objects(schema)
                 options = {"whitespace_flexible": not params.disable_any_whitespace}
-                if params.whitespace_pattern is not None:
-                    options["whitespace_pattern"] = params.whitespace_pattern
+                if not params.disable_any_whitespace:
+                    options["whitespace_pattern"] = (params.whitespace_pattern
+                                                     or BOUNDED_WHITESPACE)
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(schema,
                                                                         overrides=options)
             elif kind == "choice":
