@@ -315,6 +315,28 @@ def load():
     return load_tiny
 
 
+# --- a `jaxllm serve` process of the tiny model, one per test module that asks ---------------
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    """The tiny model served with an API key (tests/server_process.py); a module may define
+    its own `server` instead."""
+    from server_process import serve_tiny
+    yield from serve_tiny(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from server_process import openai_client
+    return openai_client(server)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    from server_process import http_client
+    yield from http_client(server)
+
+
 # --- failure reports ------------------------------------------------------------------------
 
 @pytest.hookimpl(wrapper=True)

@@ -11,23 +11,7 @@ import httpx
 import openai
 import pytest
 
-from server_process import (API_KEY, NAME, http_client, metrics, openai_client, serve_tiny,
-                            wait_idle)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama):
-    yield from serve_tiny(tiny_llama)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    yield from http_client(server)
+from server_process import API_KEY, NAME, metrics, wait_idle
 
 
 GREEDY = {"temperature": 0.0}

@@ -12,23 +12,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from server_process import NAME, http_client, openai_client, serve_tiny
+from server_process import NAME
 from test_server import GREEDY, LONG, MESSAGES
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama):
-    yield from serve_tiny(tiny_llama)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    yield from http_client(server)
 
 
 # --- chat --------------------------------------------------------------------------------------

@@ -50,8 +50,7 @@ class EngineParts:
     runner: ModelRunner
     num_blocks: int
     startup_times: dict
-    runner_type: str = "generate"  # or "pooling" (--runner resolved)
-    pooler_config: Optional[PoolerConfig] = None
+    pooler_config: Optional[PoolerConfig] = None  # the pooling runner's (--runner resolved)
     step_follower: Any = None  # a multi-host follower's end of the step channel
     step_leader: Any = None  # multi-host rank 0's end (its runner sends every call down it)
     config: Optional[EngineConfig] = None  # the config as started: --model resolved to a path
@@ -170,7 +169,7 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     times["compile"] = time.perf_counter() - t
     defaults = {k: v for k, v in gen.items() if k != "eos_token_id"}
     return EngineParts(mc, tokenizer, frozenset(eos), defaults, runner, num_blocks, times,
-                       kind, pooler_config, follower, leader, config)
+                       pooler_config, follower, leader, config)
 
 
 def build_pipeline_runner(config: EngineConfig, model, mc, meshes: list,
