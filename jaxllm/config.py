@@ -15,8 +15,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
-from jaxllm.engine_config import (ConfigError, EngineConfig, check_data_parallel,
-                                  check_pipeline, engine_config_from, flag_name)
+from jaxllm.engine_config import (QUANTIZATION_METHODS, ConfigError, EngineConfig,
+                                  check_data_parallel, check_pipeline, engine_config_from,
+                                  flag_name)
 from jaxllm.json_object import json_object
 from jaxllm.spec_decode.config import SpeculativeConfig
 
@@ -176,8 +177,11 @@ class EngineArgs:
                                  "reference and Pallas backends, MoE experts). The native CPU "
                                  "backend gives them with or without this flag.",
                                  default=False)
-    quantization: Optional[str] = _arg("Weight quantization method (none supported yet; GGUF "
-                                       "weights are dequantized at load).", default=None)
+    quantization: Optional[str] = _arg("Weight quantization method: by default the checkpoint's "
+                                       "own (config.json's quantization_config; "
+                                       "compressed-tensors); 'fp8' quantizes a float checkpoint's "
+                                       "layer projections to float8 at load. GGUF weights are "
+                                       "dequantized at load.", default=None)
     served_model_name: Optional[list] = _arg("Name(s) the API serves the model under.",
                                              default=None)
     max_logprobs: int = _arg("Most logprobs a request may ask for.", default=20)
@@ -267,8 +271,9 @@ class EngineArgs:
         if self.pipeline_parallel_size > 1:
             check_pipeline(self)
         check_data_parallel(self, bad)
-        if self.quantization is not None:
-            bad("quantization", "no quantization method is implemented yet")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            bad("quantization", f"{self.quantization!r} is not supported (supported: "
+                f"{', '.join(QUANTIZATION_METHODS)})")
         if self.tokenizer_mode != "auto":
             bad("tokenizer_mode", "only 'auto' is implemented")
         self._validate_structured_outputs()

@@ -50,6 +50,11 @@ class LoadConfig:
     generation_config: str
 
 
+# --quantization's methods: a checkpoint's (detected from its config.json) and the online ones
+# (jaxllm/models/quant_config.py).
+QUANTIZATION_METHODS = ("compressed-tensors", "fp8")
+
+
 @dataclass(frozen=True)
 class ModelOptions:
     """How the model is built and run: what `ModelConfig.from_hf` applies to a checkpoint's
@@ -69,6 +74,7 @@ class ModelOptions:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: Optional[dict] = None
+    quantization: Optional[str] = None  # --quantization (the checkpoint's own when None)
 
 
 @dataclass(frozen=True)

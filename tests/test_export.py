@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax import export
-from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
 from jaxllm.config import EngineArgs
 from jaxllm.layers.attention import KV_CACHE_AXES, AttentionMetadata, KVCache
@@ -39,7 +39,7 @@ UNCHECKED = [export.DisabledSafetyCheck.custom_call(KERNEL["cuda"])]
 S, T, NUM_BLOCKS, BLOCK, TABLE = 8, 16, 32, 16, 8  # sequences, tokens, cache blocks
 
 
-def _config() -> ModelConfig:
+def export_config() -> ModelConfig:
     from transformers import LlamaConfig
     hf = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -48,8 +48,8 @@ def _config() -> ModelConfig:
                                .create_engine_config().model)
 
 
-def _exported(platform: str, tp: int, cfg: ModelConfig = None) -> export.Exported:
-    cfg = cfg or _config()
+def exported_step(platform: str, tp: int, cfg: ModelConfig = None) -> export.Exported:
+    cfg = cfg or export_config()
     mesh = AbstractMesh((1, tp, 1), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     model = abstract_decoder(cfg, PallasBackend(mesh if tp > 1 else None))
     graphdef, state = nnx.split(model)
@@ -86,7 +86,7 @@ def _exported(platform: str, tp: int, cfg: ModelConfig = None) -> export.Exporte
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_step_exports_with_the_platforms_kernel_and_nothing_cpu_only(platform, tp):
-    exported = _exported(platform, tp)
+    exported = exported_step(platform, tp)
     text = exported.mlir_module()
     assert exported.platforms == (platform,) and exported.nr_devices == tp
     assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {KERNEL[platform]}

@@ -26,7 +26,7 @@ from jaxllm.engine.runner_settings import (executable_cache_dir, kv_cache_dtype,
                                            max_num_batched_tokens, num_kv_blocks, runner_type)
 from jaxllm.engine_config import EngineConfig, ParallelConfig
 from jaxllm.loader.default_model import resolve_model
-from jaxllm.loader.loader import load_model
+from jaxllm.loader.loader import describe_weights, load_model, weight_bytes
 from jaxllm.models.pipeline_stage import split_stage
 from jaxllm.parallel import distributed
 from jaxllm.parallel.mesh import make_mesh
@@ -112,6 +112,8 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     mesh = next(m for m in meshes if is_local(m)) if meshes else make_mesh(tp, devices=devices)
     model, mc = load_model(load, options, mesh)
     times["load"] = time.perf_counter() - t
+    logger.info("Weights: %s%s", describe_weights(weight_bytes(model)),
+                "" if mc.quant is None else f" ({mc.quant.describe()})")
     if jax.default_backend() == "cpu":  # after loading: its staging buffers are unmapped
         keep_freed_memory()
     t = time.perf_counter()

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Iterator
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors can return it)
+import ml_dtypes  # also registers bfloat16 with NumPy, so safetensors can return it
 import numpy as np
 
 from jaxllm.config import ConfigError
@@ -82,12 +82,33 @@ def iter_weight_files(files: list[str], fmt: str, origins: dict[str, str]
                                   f"{type(e).__name__}: {e}") from e
 
 
+# safetensors dtypes its NumPy reader does not know (it looks them up on numpy itself):
+# float8 weights and scales of FP8 checkpoints, read from the file's bytes instead.
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
 def _read_safetensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
     from safetensors import safe_open
 
+    header = None
     with safe_open(path, framework="np") as f:
         for name in f.keys():
-            yield name, f.get_tensor(name)
+            dtype = _RAW_DTYPES.get(f.get_slice(name).get_dtype())
+            if dtype is None:
+                yield name, f.get_tensor(name)
+                continue
+            header = header or _safetensors_header(path)
+            info, start = header[0][name], header[1]
+            begin, end = info["data_offsets"]
+            raw = np.fromfile(path, np.uint8, count=end - begin, offset=start + begin)
+            yield name, raw.view(dtype).reshape(info["shape"])
+
+
+def _safetensors_header(path: str) -> tuple[dict, int]:
+    """(the file's JSON header, where its data starts): 8 bytes of header length first."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n)), 8 + n
 
 
 def _read_torch(path: str) -> Iterator[tuple[str, np.ndarray]]:

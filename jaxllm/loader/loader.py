@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -94,6 +95,26 @@ def load_model(load: LoadConfig, options: ModelOptions,
     logger.debug("Load: config %.2f s, weights %.2f s, then %.2f s waiting for the kernels' "
                  "build", t_config - t0, t_weights - t_config, time.perf_counter() - t_weights)
     return nnx.merge(nnx.graphdef(abstract_decoder(cfg, backend)), state), cfg
+
+
+def weight_bytes(model: Decoder) -> dict[str, int]:
+    """Bytes of weights resident on the model's first device, by dtype name (int4 weights,
+    stored two a byte as uint8, named int4)."""
+    quant = model.cfg.quant
+    packed = quant is not None and quant.weight_dtype == "int4"
+    out: dict[str, int] = {}
+    for leaf in jax.tree.leaves(nnx.state(model)):
+        shard = leaf.addressable_shards[0].data
+        name = "int4" if packed and shard.dtype == jnp.uint8 else shard.dtype.name
+        out[name] = out.get(name, 0) + shard.nbytes
+    return out
+
+
+def describe_weights(sizes: dict[str, int]) -> str:
+    """'3.90 GiB per device: int4 3.40, bfloat16 0.50' (largest first; `weight_bytes`)."""
+    gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
+    parts = ", ".join(f"{k} {gib(v)}" for k, v in sorted(sizes.items(), key=lambda kv: -kv[1]))
+    return f"{gib(sum(sizes.values()))} GiB per device: {parts}"
 
 
 def _check_expert_parallel(cfg: ModelConfig, mesh: Mesh) -> None:

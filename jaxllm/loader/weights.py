@@ -8,7 +8,6 @@ one tensor at a time: the model is never materialized twice.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Iterable, Union
 
 import jax
@@ -18,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from jaxllm.loader.quantized import Target, quantized_targets, storage_cast
 from jaxllm.models.decoder import Decoder, layer_groups
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.parallel.mesh import named_sharding
@@ -30,24 +30,23 @@ class CheckpointError(ValueError):
     """A weight file that is unreadable or does not fit the model; names the file and tensor."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """Where one HF tensor goes: `param[start:start + block.shape] = to_block(tensor)`."""
-    param: tuple[str, ...]   # path of the parameter in the model state
-    start: tuple[int, ...]
-    shape: tuple[int, ...]   # the HF tensor's expected shape
-    to_block: Callable[[np.ndarray], np.ndarray]
+def hf_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
+    """Every tensor name a checkpoint of this model must provide, and where it goes (a
+    quantized model's projection tensors: `quantized_targets`)."""
+    targets = _float_targets(cfg)
+    if cfg.quant is None:
+        return targets
+    return quantized_targets(targets, cfg.quant, (cfg.num_kv_heads, cfg.head_dim))
 
 
-def hf_targets(cfg: ModelConfig) -> dict[str, Target]:
-    """Every tensor name a checkpoint of this model must provide, and where it goes."""
+def _float_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
     V, E, F, D = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     K, G = cfg.num_kv_heads, cfg.q_per_kv
     same = lambda x: x  # noqa: E731
-    out = {"model.embed_tokens.weight": Target(("embed",), (0, 0), (V, E), same),
-           "model.norm.weight": Target(("final_norm",), (0,), (E,), same)}
+    out = {"model.embed_tokens.weight": [Target(("embed",), (0, 0), (V, E), same)],
+           "model.norm.weight": [Target(("final_norm",), (0,), (E,), same)]}
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = Target(("lm_head",), (0, 0), (V, E), same)
+        out["lm_head.weight"] = [Target(("lm_head",), (0, 0), (V, E), same)]
 
     # [out, in] HF layouts -> the fused layouts of `Layers` (leading layer axis added below)
     def heads_in(n):  # [n*D, E] -> [E, K, n, D]
@@ -88,9 +87,9 @@ def hf_targets(cfg: ModelConfig) -> dict[str, Target]:
                else _gated_mlp("mlp.", F, E, gate_up))
         for i in range(group.first, group.first + group.count):
             for name, param, start, shape, fn in per_layer + mlp:
-                out[f"model.layers.{i}.{name}"] = Target(
+                out[f"model.layers.{i}.{name}"] = [Target(
                     ("layers", g, param), (i - group.first, *start), shape,
-                    lambda x, fn=fn: fn(x)[None])
+                    lambda x, fn=fn: fn(x)[None])]
     return out
 
 
@@ -158,22 +157,31 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
     dtype, seen = cfg.jnp_dtype, set()
     for name, array in tqdm(tensors, total=len(targets), desc="Loading weights", unit="tensor",
                             disable=None if progress else True, leave=False):
-        t = targets.get(name)
-        if t is None:
+        ts = targets.get(name)
+        if ts is None:
             if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight"
                                                    and cfg.tie_word_embeddings):
                 continue
             raise CheckpointError(f"{origin(name)}: unexpected tensor {name!r} (shape "
                                   f"{tuple(array.shape)}) for {cfg.architecture}")
-        if tuple(array.shape) != t.shape:
+        shape = ts[0].shape
+        if shape is not None and tuple(array.shape) != shape:
             raise CheckpointError(f"{origin(name)}: tensor {name!r} has shape "
-                                  f"{tuple(array.shape)}, expected {t.shape}")
+                                  f"{tuple(array.shape)}, expected {shape}")
         if name in seen:
             raise CheckpointError(f"{origin(name)}: tensor {name!r} appears twice")
         seen.add(name)
-        block = t.to_block(np.asarray(array).astype(dtype, copy=False))
-        var = params[t.param]
-        var.set_value(writers[t.param](var.get_value(), block, np.asarray(t.start, np.int32)))
+        for t in ts:
+            try:
+                block = storage_cast(t.to_block(np.asarray(array)),
+                                     dtype if t.dtype is None else t.dtype)
+            except ValueError as e:  # a quantized tensor that does not fit its projection
+                raise CheckpointError(f"{origin(name)}: tensor {name!r}: {e}") from e
+            if t.param is None:
+                continue
+            var = params[t.param]
+            var.set_value(writers[t.param](var.get_value(), block,
+                                           np.asarray(t.start, np.int32)))
 
     missing = [n for n in targets if n not in seen]
     if missing:

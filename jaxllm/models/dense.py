@@ -19,8 +19,9 @@ from flax import nnx
 
 from jaxllm.layers.attention import AttentionMetadata, KVCache
 from jaxllm.layers.backends.base import Backend
+from jaxllm.layers.quantization import QuantizedWeight
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.params import constant, dummy_weight, rms_norm
+from jaxllm.models.params import constant, projection, rms_norm, with_quantized
 from jaxllm.models.rope import apply_rope
 
 
@@ -40,24 +41,37 @@ class DenseLayers(nnx.Module):
         one = 1.0 - cfg.norm_offset  # a norm weight that scales by one
         norm = partial(constant, one, (L, E), ("layers", "embed"), dt)
         self.attn_norm = norm()
-        weight = lambda name, *a: dummy_weight(seed, prefix + name, *a)  # noqa: E731
-        self.qkv = weight("qkv", (L, E, K, G + 2, D),
-                          ("layers", "embed", "kv_heads", "q_per_kv", "head_dim"), dt)
+        self._projection(seed, prefix, "qkv", (L, E, K, G + 2, D),
+                         ("layers", "embed", "kv_heads", "q_per_kv", "head_dim"), 1)
         self.qkv_bias = (constant(0.0, (L, K, G + 2, D),
                                   ("layers", "kv_heads", "q_per_kv", "head_dim"), dt)
                          if cfg.qkv_bias else None)
         head_norm = partial(constant, one, (L, D), ("layers", "head_dim"), dt)
         self.q_norm = head_norm() if cfg.qk_norm else None
         self.k_norm = head_norm() if cfg.qk_norm else None
-        self.o = weight("o", (L, K, G, D, E),
-                        ("layers", "kv_heads", "q_per_kv", "head_dim", "embed"), dt)
+        self._projection(seed, prefix, "o", (L, K, G, D, E),
+                         ("layers", "kv_heads", "q_per_kv", "head_dim", "embed"), 3)
         self.o_bias = constant(0.0, (L, E), ("layers", "embed"), dt) if cfg.o_bias else None
         self.post_attn_norm = norm() if cfg.sandwich_norms else None
         self.mlp_norm = norm()
         self.post_mlp_norm = norm() if cfg.sandwich_norms else None
 
     def _init_mlp(self, cfg: ModelConfig, seed: int, L: int, prefix: str) -> None:
-        self.gate_up, self.down = gated_mlp_weights(cfg, seed, L, prefix, cfg.intermediate_size)
+        self._gated_mlp(seed, L, prefix, cfg.intermediate_size)
+
+    def _projection(self, seed: int, prefix: str, name: str, shape, axes, inputs: int) -> None:
+        """Set a layer projection's parameters (`projection`: float, or quantized)."""
+        for attr, param in projection(self.cfg, seed, name, shape, axes, inputs,
+                                      prefix).items():
+            setattr(self, attr, param)
+
+    def _gated_mlp(self, seed: int, L: int, prefix: str, F: int) -> None:
+        """A gated MLP's stacked fused gate/up [L, E, 2, F] and down [L, F, E] projections (the
+        dense MLP's, or Qwen2-MoE's shared expert)."""
+        E = self.cfg.hidden_size
+        self._projection(seed, prefix, "gate_up", (L, E, 2, F), ("layers", "embed", None, "mlp"),
+                         1)
+        self._projection(seed, prefix, "down", (L, F, E), ("layers", "mlp", "embed"), 1)
 
     def widths(self) -> dict[str, int]:
         """Output columns of each projection the backend runs."""
@@ -79,16 +93,20 @@ class DenseLayers(nnx.Module):
         rope: (cos, sin) tables per distinct RoPE setting, then each of those layers' table
         index and sliding window (None when no layer has one)."""
         cos, sin, rope_ids, windows = rope
-        weights = {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
-        # Read in place by the backend (indexed by layer), not sliced per layer by the scan.
-        resident = {k: weights.pop(k) for k in backend.resident if k in weights}
+        weights = with_quantized({k: v[...] for k, v in vars(self).items()
+                                  if isinstance(v, nnx.Param)})
+        # Read in place by the backend (indexed by layer), not sliced per layer by the scan;
+        # quantized projections are sliced (the native kernels read float weights only).
+        resident = {k: weights.pop(k) for k in backend.resident
+                    if k in weights and not isinstance(weights[k], QuantizedWeight)}
         if (start, end) != (0, self.count):
-            weights = {k: v[start:end] for k, v in weights.items()}
+            weights = jax.tree.map(lambda v: v[start:end], weights)
 
         def body(carry, xs):
             h, cache = carry
             w, layer, rope_id, window = xs
-            w = {**jax.tree.map(backend.weight, w), **resident}
+            w = {**{k: v if isinstance(v, QuantizedWeight) else backend.weight(v)
+                    for k, v in w.items()}, **resident}
             h, cache, routes = _layer(self, backend, w, h, cache, layer, md, cos[rope_id],
                                       sin[rope_id], window)
             return (h, cache), routes
@@ -98,14 +116,6 @@ class DenseLayers(nnx.Module):
         if routes is not None:  # [end - start, T, k]: only MoE layers that count them route
             self.record_routes(routes, md.slot_mapping >= 0, start)
         return h, cache
-
-
-def gated_mlp_weights(cfg: ModelConfig, seed: int, L: int, prefix: str, F: int) -> tuple:
-    """The stacked fused gate/up [L, E, 2, F] and down [L, F, E] weights of a gated MLP."""
-    E, dt = cfg.hidden_size, cfg.jnp_dtype
-    return (dummy_weight(seed, prefix + "gate_up", (L, E, 2, F), ("layers", "embed", None, "mlp"),
-                         dt),
-            dummy_weight(seed, prefix + "down", (L, F, E), ("layers", "mlp", "embed"), dt))
 
 
 def gated_mlp(backend: Backend, widths: dict, w: dict, x: jax.Array, layer, activation: str

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 
 from jaxllm.config import ConfigError
 from jaxllm.engine_config import ModelOptions
+from jaxllm.layers.quantization import QuantSpec
+from jaxllm.models.quant_config import quant_spec
 from jaxllm.models.registry import arch_features
 from jaxllm.models.rope import RopeSpec
 
@@ -65,6 +67,7 @@ class ModelConfig:
     norm_topk_prob: bool = False        # renormalize the top-k routing weights to sum to one
     expert_parallel: bool = False       # --enable-expert-parallel: experts sharded, not FFNs
     count_expert_load: bool = False     # --enable-expert-load-metrics: the step counts routes
+    quant: Optional[QuantSpec] = None   # quantized layer projections (None: float weights)
 
     @property
     def q_per_kv(self) -> int:
@@ -89,6 +92,7 @@ class ModelConfig:
         rope_theta = options.rope_theta or overrides.pop("rope_theta", None)
         for key, value in overrides.items():
             setattr(c, key, value)
+        checkpoint_quant = getattr(c, "quantization_config", None)
         if hasattr(c, "get_text_config"):
             c = c.get_text_config()
         arch, features = arch_features(c)
@@ -137,6 +141,8 @@ class ModelConfig:
             raise ConfigError(f"--enable-expert-load-metrics: {arch} has no mixture-of-experts "
                               "layers to count")
         fields["count_expert_load"] = bool(options.enable_expert_load_metrics)
+        fields["quant"] = quant_spec(checkpoint_quant, options.quantization,
+                                     moe=bool(fields.get("num_experts")))
         return cls(**fields)
 
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.layers.backends.base import Backend
-from jaxllm.models.dense import DenseLayers, gated_mlp, gated_mlp_weights
+from jaxllm.models.dense import DenseLayers, gated_mlp
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.params import dummy_weight
 
@@ -41,7 +41,7 @@ class MoeLayers(DenseLayers):
                                    ("layers", expert, mlp, "embed"), dt)
         shared = cfg.shared_expert_intermediate_size
         if shared:  # named as the dense MLP's: the backends treat them alike
-            self.gate_up, self.down = gated_mlp_weights(cfg, seed, L, prefix, shared)
+            self._gated_mlp(seed, L, prefix, shared)
             self.shared_gate = weight("shared_gate", (L, E, 1), ("layers", "embed", None), dt)
 
     def widths(self) -> dict[str, int]:

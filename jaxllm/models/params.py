@@ -1,4 +1,5 @@
-"""Parameter helpers shared by the model's modules: dummy-weight initialisers and RMSNorm."""
+"""Parameter helpers shared by the model's modules: dummy-weight initialisers, the layer
+projections' parameters (float or quantized) and RMSNorm."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.layers.quantization import QuantizedWeight
 from jaxllm.layers.reductions import rowsum
 from jaxllm.models.model_config import ModelConfig
 
@@ -23,6 +25,47 @@ def dummy_weight(seed: int, name: str, shape, axes, dtype) -> nnx.Param:
     x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
     x = (x ^ (x >> 16)).astype(jnp.float32) * (0.1 / 2**32) - 0.05
     return nnx.Param(x.reshape(shape).astype(dtype), out_sharding=axes)
+
+
+def projection(cfg: ModelConfig, seed: int, name: str, shape, axes, inputs: int,
+               prefix: str = "") -> dict[str, nnx.Param]:
+    """A stacked layer projection's parameters, by attribute name: its float weight `name`
+    [L, in..., out...] (the first `inputs` axes after L are its inputs), or with `cfg.quant`
+    its quantized values `name` (same shape and axes; int4's last axis halved, two values a
+    byte), float32 scales `name`_scale
+    [L, groups, out...] and, asymmetric, zero points `name`_zero (`QuantizedWeight`'s
+    layout). Dummy quantized weights are the float dummy weights (named prefix + name)
+    quantized."""
+    spec = cfg.quant
+    if spec is None:
+        return {name: dummy_weight(seed, prefix + name, shape, axes, cfg.jnp_dtype)}
+    L, ins, outs = shape[0], shape[1:1 + inputs], shape[1 + inputs:]
+    groups = spec.groups(math.prod(ins))
+    scale_shape, scale_axes = (L, groups, *outs), ("layers", None, *axes[1 + inputs:])
+    w = dummy_weight(seed, prefix + name, shape, axes, jnp.float32)[...]
+    top = 448.0 if spec.weight_dtype.startswith("float8") else 7.0
+    q = (w * (top / 0.05)).astype(spec.storage_dtype if spec.weight_dtype != "int4" else jnp.int8)
+    if spec.weight_dtype == "int4":  # two values a byte along the last axis (`pack_int4`)
+        u = (q + 8).astype(jnp.uint8)
+        q = u[..., 0::2] | (u[..., 1::2] << 4)
+    out = {name: nnx.Param(q, out_sharding=axes),
+           f"{name}_scale": constant(0.05 / top, scale_shape, scale_axes, jnp.float32)}
+    if not spec.symmetric:
+        out[f"{name}_zero"] = constant(0.0, scale_shape, scale_axes, jnp.float32)
+    return out
+
+
+def with_quantized(weights: dict) -> dict:
+    """Layer weights by name with each quantized projection's values, scales and zero points
+    (`projection`) gathered into one `QuantizedWeight` under the projection's name."""
+    out = {}
+    for name, w in weights.items():
+        if f"{name}_scale" in weights:
+            w = QuantizedWeight(w, weights[f"{name}_scale"], weights.get(f"{name}_zero"))
+        elif name.endswith(("_scale", "_zero")) and name.rsplit("_", 1)[0] in weights:
+            continue
+        out[name] = w
+    return out
 
 
 def constant(value: float, shape, axes, dtype) -> nnx.Param:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxllm.layers.attention import KVCache, native_cpu_attention
 from jaxllm.layers.backends.reference import ReferenceBackend, from_bits
 from jaxllm.layers.experts import experts_sorted
+from jaxllm.layers.quantization import QuantizedWeight
 from pallas_kernels.activation import kernel_cpu as activation_cpu
 from pallas_kernels.grouped_matmul import kernel_cpu as grouped_cpu
 from pallas_kernels.matmul import kernel_cpu as matmul_cpu
@@ -75,7 +76,7 @@ class CpuBackend(ReferenceBackend):
         return from_bits(matmul_cpu.packed_rows(table, ids, width))  # packed as the LM head
 
     def project(self, x, w, layer, *, n, out_dtype, bias=None):
-        if not self.native_matmul:
+        if not self.native_matmul or isinstance(w, QuantizedWeight):
             return super().project(x, w, layer, n=n, out_dtype=out_dtype, bias=bias)
         # The kernel rounds to bf16 itself where nothing is added first.
         y = matmul_cpu.matmul(x, w, layer, n=n,
@@ -83,7 +84,8 @@ class CpuBackend(ReferenceBackend):
         return (y if bias is None else y + bias.reshape(n)).astype(out_dtype)
 
     def gated_project(self, x, w, layer, *, n, activation, dtype):
-        if self.native_matmul and activation == "silu":  # activated in the kernel, in cache
+        if (self.native_matmul and activation == "silu"  # activated in the kernel, in cache
+                and not isinstance(w, QuantizedWeight)):
             return matmul_cpu.matmul(x, w, layer, n=n, out_dtype=dtype, gated=True)
         return super().gated_project(x, w, layer, n=n, activation=activation, dtype=dtype)
 
@@ -174,7 +176,9 @@ def pack_native(state, cfg):
     pack_experts = _packer(lambda w, shape: grouped_cpu.pack(w.reshape(shape)))
     for group in state["layers"].values():
         for name, e_in in PROJECTIONS.items():
-            if name not in group:  # a dense group has no router; a MoE one may have no MLP
+            # A dense group has no router; a MoE one may have no MLP. Quantized projections
+            # stay in their layout (the backend's `project` dequantizes them).
+            if name not in group or f"{name}_scale" in group:
                 continue
             L = jax.tree.leaves(group[name])[0].shape[0]
             shape = (L, E, -1) if e_in else (L, -1, E)

@@ -18,6 +18,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from jaxllm.layers.attention import REFERENCE_TILING, AttentionMetadata, KVCache
 from jaxllm.layers.backends.base import Backend
 from jaxllm.layers.experts import EXPERT_IMPLS, experts_ragged, ragged_dot
+from jaxllm.layers.quantization import QuantizedWeight, dequantize
 from pallas_kernels.activation import reference as activation_ref
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
 
@@ -71,9 +72,11 @@ class ReferenceBackend(Backend):
 
     def project(self, x, w, layer, *, n, out_dtype, bias=None):
         # As 2-D operands: contracting separate axes made XLA:CPU transpose the weight
-        # every step.
-        y = jnp.einsum("tk,kn->tn", x, w.reshape(x.shape[-1], n),
-                       preferred_element_type=jnp.float32)
+        # every step. A quantized weight is dequantized to x's dtype first (XLA fuses it
+        # into the dot's operand where the platform can).
+        w = (dequantize(w, x.shape[-1], n, x.dtype) if isinstance(w, QuantizedWeight)
+             else w.reshape(x.shape[-1], n))
+        y = jnp.einsum("tk,kn->tn", x, w, preferred_element_type=jnp.float32)
         return (y if bias is None else y + bias.reshape(n)).astype(out_dtype)
 
     def gated_activation(self, gate_up, activation, dtype):

@@ -1,0 +1,136 @@
+"""A checkpoint's `quantization_config` and --quantization -> the model's `QuantSpec`.
+
+As vLLM: the method is detected from config.json's `quantization_config`; --quantization NAME
+forces an online method on a float checkpoint ('fp8': weights quantized to float8_e4m3fn per
+output channel at load) or checks a quantized checkpoint's method. What a method or scheme asks
+that is not implemented is refused by name, with what is supported.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from jaxllm.engine_config import QUANTIZATION_METHODS, ConfigError
+from jaxllm.layers.quantization import QuantSpec
+
+ONLINE_METHODS = {"fp8": "float8_e4m3fn"}
+CHECKPOINT_METHODS = ("compressed-tensors",)
+SUPPORTED = QUANTIZATION_METHODS
+assert set(SUPPORTED) == {*CHECKPOINT_METHODS, *ONLINE_METHODS}
+# compressed-tensors formats whose tensors the loader reads (weight-only dequantization).
+CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
+# The decoder layers' projections, as Hugging Face names the modules (`ignore` and `targets`
+# are matched against these; a projection left in float is not supported yet).
+DENSE_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def quant_spec(quant_config, requested: Optional[str], *, moe: bool) -> Optional[QuantSpec]:
+    """The QuantSpec of a checkpoint's `quantization_config` (a dict, or None for a float
+    checkpoint) and --quantization (`requested`), or None for a float model."""
+    if requested is not None and requested not in SUPPORTED:
+        raise ConfigError(f"--quantization {requested!r} is not supported (supported: "
+                          f"{', '.join(SUPPORTED)})")
+    if quant_config is not None and not isinstance(quant_config, dict):
+        quant_config = quant_config.to_dict()
+    method = (quant_config or {}).get("quant_method")
+    if method is None:
+        if requested in CHECKPOINT_METHODS:
+            raise ConfigError(f"--quantization {requested}: the checkpoint has no "
+                              "quantization_config of that method")
+        if requested is None:
+            return None
+        _refuse_moe(moe, requested)
+        return QuantSpec(method=requested, weight_dtype=ONLINE_METHODS[requested])
+    if requested is not None and requested != method:
+        raise ConfigError(f"--quantization {requested}: the checkpoint is quantized with "
+                          f"{method!r}")
+    if method != "compressed-tensors":
+        raise ConfigError(f"quantization method {method!r} (the checkpoint's "
+                          f"quantization_config) is not supported; supported: "
+                          f"{', '.join(SUPPORTED)}")
+    _refuse_moe(moe, method)
+    return compressed_tensors_spec(quant_config)
+
+
+def _refuse_moe(moe: bool, method: str) -> None:
+    if moe:
+        raise ConfigError(f"quantization {method!r}: quantized mixture-of-experts models are not "
+                          "supported yet (dense models are)")
+
+
+def compressed_tensors_spec(qc: dict) -> QuantSpec:
+    """llm-compressor's config: one scheme for every decoder projection (weights int8, int4
+    or float8 per channel, per tensor or per group; activations dynamic or static, not
+    quantized here)."""
+    def refuse(what: str) -> ConfigError:
+        return ConfigError(f"compressed-tensors checkpoint: {what} is not supported (supported: "
+                           f"formats {', '.join(CT_FORMATS)}; int8, int4 or float8 weights per "
+                           "channel, tensor or group)")
+
+    fmt = qc.get("format")
+    if fmt not in CT_FORMATS:
+        raise refuse(f"format {fmt!r}")
+    for key in ("kv_cache_scheme", "transform_config"):
+        if qc.get(key):
+            raise refuse(key)
+    sparsity = qc.get("sparsity_config") or {}
+    if sparsity.get("format", "dense") != "dense":
+        raise refuse(f"sparsity format {sparsity.get('format')!r}")
+    groups = list((qc.get("config_groups") or {}).values())
+    if not groups:
+        raise refuse("a config without config_groups")
+    weights = [g.get("weights") or {} for g in groups]
+    if any(w != weights[0] for w in weights[1:]):
+        raise refuse("several weight schemes in one model")
+    for g in groups:
+        if g.get("format") not in (None, fmt):
+            raise refuse(f"mixed formats ({fmt!r} and {g.get('format')!r})")
+        if g.get("output_activations"):
+            raise refuse("output_activations quantization")
+    covered = [n for n in DENSE_PROJECTIONS
+               if any(_matches(n, g.get("targets") or ()) for g in groups)]
+    if len(covered) != len(DENSE_PROJECTIONS):
+        raise refuse("a checkpoint whose layer projections are not all quantized "
+                     f"({', '.join(sorted(set(DENSE_PROJECTIONS) - set(covered)))} left out)")
+    ignored = [n for n in DENSE_PROJECTIONS if _matches(n, qc.get("ignore") or ())]
+    if ignored:
+        raise refuse(f"ignore entries naming layer projections ({', '.join(ignored)})")
+
+    w = weights[0]
+    bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
+    dtype = {(8, "int"): "int8", (4, "int"): "int4", (8, "float"): "float8_e4m3fn"}.get(
+        (bits, kind))
+    if dtype is None:
+        raise refuse(f"{bits}-bit {kind} weights")
+    if strategy not in ("channel", "tensor", "group"):
+        raise refuse(f"weight strategy {strategy!r}")
+    if w.get("actorder") == "group":
+        raise refuse("actorder 'group' (activation-ordered groups, a g_idx per weight)")
+    if w.get("dynamic"):
+        raise refuse("dynamic weight quantization")
+    symmetric = bool(w.get("symmetric", True))
+    if dtype == "float8_e4m3fn" and not symmetric:
+        raise refuse("asymmetric float8 weights")
+    acts = [g.get("input_activations") for g in groups]
+    activations = ("none" if not any(acts) else
+                   "dynamic" if all(a and a.get("dynamic") for a in acts) else "static")
+    return QuantSpec(method="compressed-tensors", weight_dtype=dtype,
+                     group_size=int(w["group_size"]) if strategy == "group" else None,
+                     symmetric=symmetric, activations=activations, checkpoint_format=fmt)
+
+
+def _matches(module: str, patterns) -> bool:
+    """Whether a projection (e.g. 'self_attn.q_proj' of any layer) is named by compressed-tensors
+    targets/ignore: a class name ('Linear'), a 're:' regular expression, or a module name."""
+    name = f"model.layers.0.{module}"
+    for p in patterns:
+        if p == "Linear":
+            return True
+        if p.startswith("re:"):
+            if re.match(p[3:], name) or re.match(p[3:], module):
+                return True
+        elif p == name or name.endswith("." + p) or p == module:
+            return True
+    return False
