@@ -178,10 +178,11 @@ class EngineArgs:
                                  "backend gives them with or without this flag.",
                                  default=False)
     quantization: Optional[str] = _arg("Weight quantization method: by default the checkpoint's "
-                                       "own (config.json's quantization_config; "
-                                       "compressed-tensors); 'fp8' quantizes a float checkpoint's "
-                                       "layer projections to float8 at load. GGUF weights are "
-                                       "dequantized at load.", default=None)
+                                       "own (config.json's quantization_config: "
+                                       "compressed-tensors, gptq, awq); 'fp8' quantizes a "
+                                       "float checkpoint's layer projections to float8 at "
+                                       "load. GGUF weights are dequantized at load.",
+                                       default=None)
     served_model_name: Optional[list] = _arg("Name(s) the API serves the model under.",
                                              default=None)
     max_logprobs: int = _arg("Most logprobs a request may ask for.", default=20)

@@ -31,7 +31,7 @@ def test_vllm_defaults():
     (dict(pipeline_parallel_size=0), "--pipeline-parallel-size"),
     (dict(pipeline_parallel_size=2, enable_expert_parallel=True), "--pipeline-parallel-size"),
     (dict(block_size=24), "--block-size"),
-    (dict(quantization="awq"), "--quantization"),
+    (dict(quantization="bitsandbytes"), "--quantization"),
     (dict(gpu_memory_utilization=1.5), "--gpu-memory-utilization"),
     (dict(hf_overrides="{not json"), "--hf-overrides"),
     (dict(trust_remote_code=True), "--trust-remote-code"),
@@ -67,7 +67,7 @@ def test_vllms_short_flags():
     assert (args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size) == (
         2, 1, 1)
     with pytest.raises(ConfigError, match="--quantization"):
-        EngineArgs.from_cli_args(parser.parse_args(["m", "-q", "awq"]))
+        EngineArgs.from_cli_args(parser.parse_args(["m", "-q", "bitsandbytes"]))
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -115,9 +115,10 @@ CT = {"quant_method": "compressed-tensors", "format": "pack-quantized",
 
 
 @pytest.mark.parametrize("qc, requested, message", [
-    ({"quant_method": "gptq", "bits": 4}, None, "'gptq' .*not supported; supported: "
-     "compressed-tensors, fp8"),
-    (None, "awq", "--quantization 'awq' is not supported"),
+    ({"quant_method": "bitsandbytes"}, None, "'bitsandbytes' .*not supported; supported: "
+     "compressed-tensors, gptq, awq, fp8"),
+    (None, "bitsandbytes", "--quantization 'bitsandbytes' is not supported"),
+    (None, "awq", "no quantization_config of that method"),
     (None, "compressed-tensors", "no quantization_config of that method"),
     (CT, "fp8", "quantized with 'compressed-tensors'"),
     ({**CT, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, None, "kv_cache_scheme"),
@@ -139,10 +140,10 @@ def test_quantized_moe_and_unknown_flags_are_refused(tiny_llama, load, tmp_path)
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         quant_spec(None, "fp8", moe=True)
     with pytest.raises(ConfigError, match="--quantization.*'int3'.*supported: "
-                                          "compressed-tensors, fp8"):
+                                          "compressed-tensors, gptq, awq, fp8"):
         EngineArgs(model=tiny_llama, quantization="int3")
-    bad = _with_quant_config(tiny_llama, str(tmp_path / "gptq"), {"quant_method": "gptq"})
-    with pytest.raises(ConfigError, match="'gptq'"):
+    bad = _with_quant_config(tiny_llama, str(tmp_path / "bnb"), {"quant_method": "bitsandbytes"})
+    with pytest.raises(ConfigError, match="'bitsandbytes'"):
         load(bad)
 
 

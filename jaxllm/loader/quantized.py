@@ -57,50 +57,112 @@ def quantized_targets(targets: dict[str, list[Target]], spec: QuantSpec,
     return out
 
 
-def _projection_targets(t: Target, spec: QuantSpec, kv_heads_dim) -> dict[str, list[Target]]:
-    proj = t.param[-1]
-    rows, inputs = t.shape
-    groups = spec.groups(inputs)
-    n_in = QUANT_INPUT_AXES[proj]
-    scale_param = t.param[:-1] + (f"{proj}_scale",)
-    scale_start = (t.start[0], 0) + tuple(t.start[1 + n_in:])
-    to_scale = _scale_layout(proj, kv_heads_dim)
-    storage = spec.storage_dtype
-    if spec.weight_dtype == "int4":  # int8 values -> two a byte along the last axis
-        layout = lambda x: pack_int4(t.to_block(x))  # noqa: E731
-    else:
-        layout = t.to_block
+class _Projection:
+    """One float projection target `t` as the quantized parameters it becomes: makers of the
+    targets of its values, scales and zero points from checkpoint tensors already brought to
+    the [out, in] / [out, groups] orientation of a float weight."""
 
+    def __init__(self, t: Target, spec: QuantSpec, kv_heads_dim):
+        proj = t.param[-1]
+        self.t, self.spec = t, spec
+        self.rows, self.inputs = t.shape
+        self.groups = spec.groups(self.inputs)
+        self.bits = 4 if spec.weight_dtype == "int4" else 8
+        n_in = QUANT_INPUT_AXES[proj]
+        self._scale_param = t.param[:-1] + (f"{proj}_scale",)
+        self._zero_param = t.param[:-1] + (f"{proj}_zero",)
+        self._scale_start = (t.start[0], 0) + tuple(t.start[1 + n_in:])
+        self._to_scale = _scale_layout(proj, kv_heads_dim)
+
+    def values(self, shape, to_oi: Callable) -> Target:
+        """The values: to_oi(tensor) -> signed integers (or float8) [out, in]."""
+        t = self.t
+        if self.spec.weight_dtype == "int4":  # two a byte along the last axis
+            return Target(t.param, t.start, shape, lambda x: pack_int4(t.to_block(to_oi(x))),
+                          self.spec.storage_dtype)
+        return Target(t.param, t.start, shape, lambda x: t.to_block(to_oi(x)),
+                      self.spec.storage_dtype)
+
+    def _per_group(self, x) -> np.ndarray:  # per tensor ([1] or []): repeated over channels
+        x = np.asarray(x, np.float32)
+        return (np.full((self.rows, self.groups), x.reshape(())) if x.size == 1
+                else x.reshape(self.rows, self.groups))
+
+    def scale(self, shape, to_og: Callable = lambda x: x) -> Target:
+        """The scales: to_og(tensor) -> [out, groups] (or one per tensor)."""
+        return Target(self._scale_param, self._scale_start, shape,
+                      lambda x: self._to_scale(self._per_group(to_og(x))), np.float32)
+
+    def zero(self, shape, to_og: Callable) -> Target:
+        """The zero points, signed as the values are: to_og(tensor) -> [out, groups]."""
+        return Target(self._zero_param, self._scale_start, shape,
+                      lambda x: self._to_scale(self._per_group(to_og(x))), np.float32)
+
+
+def _projection_targets(t: Target, spec: QuantSpec, kv_heads_dim) -> dict[str, list[Target]]:
+    p = _Projection(t, spec, kv_heads_dim)
+    if spec.method in ("gptq", "awq"):
+        return {k: [v] for k, v in (_gptq if spec.method == "gptq" else _awq)(p).items()}
     if spec.method != "compressed-tensors":  # online: quantize the float weight here
         quantize = _last(lambda x: quantize_rows(x, spec))
-        return {".weight": [Target(t.param, t.start, t.shape,
-                                   lambda x: t.to_block(quantize(x)[0]), storage),
-                            Target(scale_param, scale_start, t.shape,
-                                   lambda x: to_scale(quantize(x)[1]), np.float32)]}
+        return {".weight": [p.values(t.shape, lambda x: quantize(x)[0]),
+                            p.scale(t.shape, lambda x: quantize(x)[1])]}
+    return {k: [v] for k, v in _compressed_tensors(p).items()}
 
-    def scales(x):  # per tensor ([1] or []): repeated over the channels
-        x = np.asarray(x, np.float32)
-        return np.full((rows, groups), x.reshape(())) if x.size == 1 else x.reshape(rows, groups)
 
-    found = {".weight_scale": Target(scale_param, scale_start, None,
-                                     lambda x: to_scale(scales(x)), np.float32)}
+def _compressed_tensors(p: _Projection) -> dict[str, Target]:
+    spec, bits, rows, inputs = p.spec, p.bits, p.rows, p.inputs
+    found = {".weight_scale": p.scale(None)}
     if spec.activations == "static":
         found[".input_scale"] = Target(None, (), None, lambda x: x)
-    bits = 4 if spec.weight_dtype == "int4" else 8
     if _packed(spec):
-        found[".weight_packed"] = Target(t.param, t.start, (rows, inputs * bits // 32),
-                                         lambda x: layout(unpack(x, bits, inputs)), storage)
+        found[".weight_packed"] = p.values((rows, inputs * bits // 32),
+                                           lambda x: unpack(x, bits, inputs))
         found[".weight_shape"] = Target(None, (), (2,), _expect_shape((rows, inputs)))
     else:
-        found[".weight"] = Target(t.param, t.start, t.shape, layout, storage)
+        found[".weight"] = p.values((rows, inputs), lambda x: x)
     if not spec.symmetric:
-        zero_param = t.param[:-1] + (f"{proj}_zero",)
-        unpack_zero = ((lambda x: unpack(x.T, bits, rows).T) if _packed(spec)
-                       else (lambda x: x))
-        found[".weight_zero_point"] = Target(
-            zero_param, scale_start, None,
-            lambda x: to_scale(scales(unpack_zero(x))), np.float32)
-    return {k: [v] for k, v in found.items()}
+        found[".weight_zero_point"] = p.zero(None, (lambda x: unpack(x.T, bits, rows).T)
+                                             if _packed(spec) else (lambda x: x))
+    return found
+
+
+def _gptq(p: _Projection) -> dict[str, Target]:
+    """qweight [in * bits / 32, out], qzeros [groups, out * bits / 32] (v1: stored minus
+    one), scales [groups, out], g_idx [in]; symmetric checkpoints' zero points must be the
+    midpoint, and are then not kept."""
+    bits, rows, inputs, groups = p.bits, p.rows, p.inputs, p.groups
+    offset = 1 if p.spec.checkpoint_format == "gptq" else 0
+    zeros = lambda x: (unpack(x, bits, rows) + offset).T  # noqa: E731  signed [out, groups]
+    found = {".qweight": p.values((inputs * bits // 32, rows),
+                                  lambda x: unpack(x.T, bits, inputs)),
+             ".scales": p.scale((groups, rows), lambda x: x.T),
+             ".g_idx": Target(None, (), (inputs,),
+                              _expect_values(np.arange(inputs) // (inputs // groups), "g_idx"))}
+    zshape = (groups, rows * bits // 32)
+    found[".qzeros"] = (p.zero(zshape, zeros) if not p.spec.symmetric else
+                        Target(None, (), zshape,
+                               lambda x: _expect_values(0, "symmetric qzeros")(zeros(x))))
+    return found
+
+
+# AutoAWQ packs the 8 nibbles of a word from columns 0, 2, 4, 6, 1, 3, 5, 7: column c of a
+# word is nibble _AWQ_NIBBLE[c].
+_AWQ_NIBBLE = np.array([0, 4, 1, 5, 2, 6, 3, 7])
+
+
+def _awq(p: _Projection) -> dict[str, Target]:
+    """qweight [in, out / 8], qzeros [groups, out / 8] (both in AWQ's nibble order), scales
+    [groups, out]."""
+    rows, inputs, groups = p.rows, p.inputs, p.groups
+
+    def columns(x):  # [r, out / 8] words -> signed [r, out] in column order
+        v = unpack(x, 4, rows).reshape(x.shape[0], -1, 8)
+        return v[:, :, _AWQ_NIBBLE].reshape(x.shape[0], rows)
+
+    return {".qweight": p.values((inputs, rows // 8), lambda x: columns(x).T),
+            ".qzeros": p.zero((groups, rows // 8), lambda x: columns(x).T),
+            ".scales": p.scale((groups, rows), lambda x: x.T)}
 
 
 def _packed(spec: QuantSpec) -> bool:
@@ -116,6 +178,17 @@ def unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     values = (words[..., None] >> shifts) & ((1 << bits) - 1)
     values = values.reshape(*words.shape[:-1], -1)[..., :count]
     return (values - (1 << (bits - 1))).astype(np.int8)
+
+
+def _expect_values(expected, name: str) -> Callable:
+    """A check that a tensor holds what the format implies for what is supported (it is then
+    not kept)."""
+    def check(x):
+        if not np.array_equal(np.asarray(x), np.broadcast_to(expected, np.shape(x))):
+            raise ValueError(f"{name} is not what this checkpoint's quantization_config implies "
+                             "(activation order or per-group zero points?)")
+        return x
+    return check
 
 
 def _expect_shape(shape: tuple[int, int]) -> Callable:

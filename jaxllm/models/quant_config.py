@@ -15,7 +15,7 @@ from jaxllm.engine_config import QUANTIZATION_METHODS, ConfigError
 from jaxllm.layers.quantization import QuantSpec
 
 ONLINE_METHODS = {"fp8": "float8_e4m3fn"}
-CHECKPOINT_METHODS = ("compressed-tensors",)
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq")
 SUPPORTED = QUANTIZATION_METHODS
 assert set(SUPPORTED) == {*CHECKPOINT_METHODS, *ONLINE_METHODS}
 # compressed-tensors formats whose tensors the loader reads (weight-only dequantization).
@@ -46,12 +46,13 @@ def quant_spec(quant_config, requested: Optional[str], *, moe: bool) -> Optional
     if requested is not None and requested != method:
         raise ConfigError(f"--quantization {requested}: the checkpoint is quantized with "
                           f"{method!r}")
-    if method != "compressed-tensors":
+    if method not in CHECKPOINT_METHODS:
         raise ConfigError(f"quantization method {method!r} (the checkpoint's "
                           f"quantization_config) is not supported; supported: "
                           f"{', '.join(SUPPORTED)}")
     _refuse_moe(moe, method)
-    return compressed_tensors_spec(quant_config)
+    return {"compressed-tensors": compressed_tensors_spec, "gptq": gptq_spec,
+            "awq": awq_spec}[method](quant_config)
 
 
 def _refuse_moe(moe: bool, method: str) -> None:
@@ -119,6 +120,56 @@ def compressed_tensors_spec(qc: dict) -> QuantSpec:
     return QuantSpec(method="compressed-tensors", weight_dtype=dtype,
                      group_size=int(w["group_size"]) if strategy == "group" else None,
                      symmetric=symmetric, activations=activations, checkpoint_format=fmt)
+
+
+def gptq_spec(qc: dict) -> QuantSpec:
+    """AutoGPTQ / GPTQModel checkpoints: 4- or 8-bit integers packed along the input axis
+    (`qweight`), zero points along the output axis (`qzeros`; stored minus one in the v1
+    format), `scales` per group of inputs, `g_idx` (trivial without activation order)."""
+    def refuse(what: str) -> ConfigError:
+        return ConfigError(f"gptq checkpoint: {what} is not supported (supported: 4 or 8 bits, "
+                           "desc_act false, checkpoint_format gptq or gptq_v2)")
+
+    bits = qc.get("bits")
+    if bits not in (4, 8):
+        raise refuse(f"bits {bits!r}")
+    if qc.get("desc_act"):
+        raise refuse("desc_act true (activation order: each weight's groups follow g_idx)")
+    fmt = qc.get("checkpoint_format") or "gptq"
+    if fmt not in ("gptq", "gptq_v2"):
+        raise refuse(f"checkpoint_format {fmt!r}")
+    for key in ("dynamic", "modules_in_block_to_quantize"):
+        if qc.get(key):
+            raise refuse(f"{key} (per-module settings)")
+    group = qc.get("group_size", -1)
+    return QuantSpec(method="gptq", weight_dtype="int4" if bits == 4 else "int8",
+                     group_size=None if group in (-1, None) else int(group),
+                     symmetric=bool(qc.get("sym", True)), checkpoint_format=fmt)
+
+
+def awq_spec(qc: dict) -> QuantSpec:
+    """AutoAWQ's GEMM checkpoints: 4-bit integers packed along the output axis in AWQ's
+    interleaved order, zero points likewise, `scales` per group of inputs."""
+    def refuse(what: str) -> ConfigError:
+        return ConfigError(f"awq checkpoint: {what} is not supported (supported: 4 bits, "
+                           "version gemm, with zero points)")
+
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise refuse(f"bits {bits!r}")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise refuse(f"version {version!r}")
+    if not qc.get("zero_point", True):
+        raise refuse("zero_point false")
+    skipped = [n for n in DENSE_PROJECTIONS
+               if any(m in f"model.layers.0.{n}" for m in qc.get("modules_to_not_convert") or ())]
+    if skipped:
+        raise refuse(f"modules_to_not_convert naming layer projections ({', '.join(skipped)})")
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    return QuantSpec(method="awq", weight_dtype="int4",
+                     group_size=None if group in (-1, None) else int(group), symmetric=False,
+                     checkpoint_format="gemm")
 
 
 def _matches(module: str, patterns) -> bool:
