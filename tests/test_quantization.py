@@ -133,12 +133,10 @@ CT = {"quant_method": "compressed-tensors", "format": "pack-quantized",
 ])
 def test_unsupported_quantization_is_refused_by_name(qc, requested, message):
     with pytest.raises(ConfigError, match=message):
-        quant_spec(qc, requested, moe=False)
+        quant_spec(qc, requested)
 
 
-def test_quantized_moe_and_unknown_flags_are_refused(tiny_llama, load, tmp_path):
-    with pytest.raises(ConfigError, match="mixture-of-experts"):
-        quant_spec(None, "fp8", moe=True)
+def test_unknown_methods_are_refused(tiny_llama, load, tmp_path):
     with pytest.raises(ConfigError, match="--quantization.*'int3'.*supported: "
                                           "compressed-tensors, gptq, awq, fp8"):
         EngineArgs(model=tiny_llama, quantization="int3")
@@ -148,7 +146,7 @@ def test_quantized_moe_and_unknown_flags_are_refused(tiny_llama, load, tmp_path)
 
 
 def test_compressed_tensors_config_is_read_as_one_spec():
-    spec = quant_spec(CT, None, moe=False)
+    spec = quant_spec(CT, None)
     assert spec == QuantSpec(method="compressed-tensors", weight_dtype="int4", group_size=32,
                              symmetric=True, activations="none",
                              checkpoint_format="pack-quantized")
@@ -157,7 +155,7 @@ def test_compressed_tensors_config_is_read_as_one_spec():
                                            "strategy": "tensor", "symmetric": True},
         "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
                               "dynamic": False}}}}
-    assert quant_spec(fp8, "compressed-tensors", moe=False) == QuantSpec(
+    assert quant_spec(fp8, "compressed-tensors") == QuantSpec(
         method="compressed-tensors", weight_dtype="float8_e4m3fn", activations="static",
         checkpoint_format="float-quantized")
 

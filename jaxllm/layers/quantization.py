@@ -101,6 +101,12 @@ def dequantize(w: QuantizedWeight, inputs: int, n: int, dtype) -> jax.Array:
     return (q * w.scale.reshape(groups, 1, n)).astype(dtype).reshape(inputs, n)
 
 
+def dequantize_experts(w: QuantizedWeight, inputs: int, n: int, dtype) -> jax.Array:
+    """Stacked experts' weights [X, in..., out...] (scales [X, groups, out...]) as float
+    [X, inputs, n] matrices in dtype."""
+    return jax.vmap(lambda w: dequantize(w, inputs, n, dtype))(w)
+
+
 def quantize_rows(x: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric min-max quantization of a float [out, in] matrix on the host (the online
     methods): (q [out, in] in the storage dtype, scale [out, groups] float32)."""

@@ -23,9 +23,10 @@ import numpy as np
 
 from jaxllm.layers.quantization import QuantSpec, pack_int4, quantize_rows
 
-# The quantized projections of a layer group and the number of their input axes (after the
-# layer axis) in the float layout.
-QUANT_INPUT_AXES = {"qkv": 1, "o": 3, "gate_up": 1, "down": 1}
+# The quantized projections of a layer group: (the first of their input axes, how many) in
+# the float layout ([L, in..., out...]; stacked experts [L, X, in..., out...]).
+QUANT_INPUT_AXES = {"qkv": (1, 1), "o": (1, 3), "gate_up": (1, 1), "down": (1, 1),
+                    "experts_gate_up": (2, 1), "experts_down": (2, 1)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +69,10 @@ class _Projection:
         self.rows, self.inputs = t.shape
         self.groups = spec.groups(self.inputs)
         self.bits = 4 if spec.weight_dtype == "int4" else 8
-        n_in = QUANT_INPUT_AXES[proj]
+        first, n_in = QUANT_INPUT_AXES[proj]
         self._scale_param = t.param[:-1] + (f"{proj}_scale",)
         self._zero_param = t.param[:-1] + (f"{proj}_zero",)
-        self._scale_start = (t.start[0], 0) + tuple(t.start[1 + n_in:])
+        self._scale_start = tuple(t.start[:first]) + (0,) + tuple(t.start[first + n_in:])
         self._to_scale = _scale_layout(proj, kv_heads_dim)
 
     def values(self, shape, to_oi: Callable) -> Target:
@@ -200,13 +201,17 @@ def _expect_shape(shape: tuple[int, int]) -> Callable:
 
 
 def _scale_layout(proj: str, kv_heads_dim) -> Callable[[np.ndarray], np.ndarray]:
-    """[out, groups] scales -> the parameter's block [1, groups, out...] (the projection's
-    output axes, as its float weight lays them out)."""
+    """[out, groups] scales -> the parameter's block [1, (1,) groups, out...] (the
+    projection's output axes, as its float weight lays them out)."""
     K, D = kv_heads_dim
     if proj == "qkv":  # [K * n * D, g] -> [g, K, n, D]
         return lambda x: x.reshape(K, -1, D, x.shape[-1]).transpose(3, 0, 1, 2)[None]
     if proj == "gate_up":  # [F, g] -> [g, 1, F]
         return lambda x: x.T[:, None, :][None]
+    if proj == "experts_gate_up":  # [F, g] -> [1 (expert), g, 1, F]
+        return lambda x: x.T[:, None, :][None, None]
+    if proj == "experts_down":  # [E, g] -> [1 (expert), g, E]
+        return lambda x: x.T[None, None]
     return lambda x: x.T[None]  # o, down: [E, g] -> [g, E]
 
 

@@ -59,10 +59,11 @@ class DenseLayers(nnx.Module):
     def _init_mlp(self, cfg: ModelConfig, seed: int, L: int, prefix: str) -> None:
         self._gated_mlp(seed, L, prefix, cfg.intermediate_size)
 
-    def _projection(self, seed: int, prefix: str, name: str, shape, axes, inputs: int) -> None:
+    def _projection(self, seed: int, prefix: str, name: str, shape, axes, inputs: int,
+                    first: int = 1) -> None:
         """Set a layer projection's parameters (`projection`: float, or quantized)."""
-        for attr, param in projection(self.cfg, seed, name, shape, axes, inputs,
-                                      prefix).items():
+        for attr, param in projection(self.cfg, seed, name, shape, axes, inputs, prefix,
+                                      first).items():
             setattr(self, attr, param)
 
     def _gated_mlp(self, seed: int, L: int, prefix: str, F: int) -> None:

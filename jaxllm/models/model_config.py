@@ -141,8 +141,7 @@ class ModelConfig:
             raise ConfigError(f"--enable-expert-load-metrics: {arch} has no mixture-of-experts "
                               "layers to count")
         fields["count_expert_load"] = bool(options.enable_expert_load_metrics)
-        fields["quant"] = quant_spec(checkpoint_quant, options.quantization,
-                                     moe=bool(fields.get("num_experts")))
+        fields["quant"] = quant_spec(checkpoint_quant, options.quantization)
         return cls(**fields)
 
 

@@ -35,10 +35,10 @@ class MoeLayers(DenseLayers):
         weight = lambda name, *a: dummy_weight(seed, prefix + name, *a)  # noqa: E731
         expert, mlp = ("expert", None) if cfg.expert_parallel else (None, "mlp")
         self.router = weight("router", (L, E, X), ("layers", "embed", None), dt)
-        self.experts_gate_up = weight("experts_gate_up", (L, X, E, 2, F),
-                                      ("layers", expert, "embed", None, mlp), dt)
-        self.experts_down = weight("experts_down", (L, X, F, E),
-                                   ("layers", expert, mlp, "embed"), dt)
+        self._projection(seed, prefix, "experts_gate_up", (L, X, E, 2, F),
+                         ("layers", expert, "embed", None, mlp), 1, first=2)
+        self._projection(seed, prefix, "experts_down", (L, X, F, E),
+                         ("layers", expert, mlp, "embed"), 1, first=2)
         shared = cfg.shared_expert_intermediate_size
         if shared:  # named as the dense MLP's: the backends treat them alike
             self._gated_mlp(seed, L, prefix, shared)

@@ -28,20 +28,23 @@ def dummy_weight(seed: int, name: str, shape, axes, dtype) -> nnx.Param:
 
 
 def projection(cfg: ModelConfig, seed: int, name: str, shape, axes, inputs: int,
-               prefix: str = "") -> dict[str, nnx.Param]:
+               prefix: str = "", first: int = 1) -> dict[str, nnx.Param]:
     """A stacked layer projection's parameters, by attribute name: its float weight `name`
-    [L, in..., out...] (the first `inputs` axes after L are its inputs), or with `cfg.quant`
+    [L, in..., out...] (`inputs` input axes from axis `first`: 2 for stacked experts
+    [L, X, in..., out...]), or with `cfg.quant`
     its quantized values `name` (same shape and axes; int4's last axis halved, two values a
     byte), float32 scales `name`_scale
-    [L, groups, out...] and, asymmetric, zero points `name`_zero (`QuantizedWeight`'s
+    [L, groups, out...] ([L, X, groups, out...]) and, asymmetric, zero points `name`_zero
+    (`QuantizedWeight`'s
     layout). Dummy quantized weights are the float dummy weights (named prefix + name)
     quantized."""
     spec = cfg.quant
     if spec is None:
         return {name: dummy_weight(seed, prefix + name, shape, axes, cfg.jnp_dtype)}
-    L, ins, outs = shape[0], shape[1:1 + inputs], shape[1 + inputs:]
+    lead, ins, outs = shape[:first], shape[first:first + inputs], shape[first + inputs:]
     groups = spec.groups(math.prod(ins))
-    scale_shape, scale_axes = (L, groups, *outs), ("layers", None, *axes[1 + inputs:])
+    scale_shape = (*lead, groups, *outs)
+    scale_axes = (*axes[:first], None, *axes[first + inputs:])
     w = dummy_weight(seed, prefix + name, shape, axes, jnp.float32)[...]
     top = 448.0 if spec.weight_dtype.startswith("float8") else 7.0
     q = (w * (top / 0.05)).astype(spec.storage_dtype if spec.weight_dtype != "int4" else jnp.int8)

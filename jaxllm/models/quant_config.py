@@ -26,7 +26,7 @@ DENSE_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                      "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def quant_spec(quant_config, requested: Optional[str], *, moe: bool) -> Optional[QuantSpec]:
+def quant_spec(quant_config, requested: Optional[str]) -> Optional[QuantSpec]:
     """The QuantSpec of a checkpoint's `quantization_config` (a dict, or None for a float
     checkpoint) and --quantization (`requested`), or None for a float model."""
     if requested is not None and requested not in SUPPORTED:
@@ -41,7 +41,6 @@ def quant_spec(quant_config, requested: Optional[str], *, moe: bool) -> Optional
                               "quantization_config of that method")
         if requested is None:
             return None
-        _refuse_moe(moe, requested)
         return QuantSpec(method=requested, weight_dtype=ONLINE_METHODS[requested])
     if requested is not None and requested != method:
         raise ConfigError(f"--quantization {requested}: the checkpoint is quantized with "
@@ -50,15 +49,8 @@ def quant_spec(quant_config, requested: Optional[str], *, moe: bool) -> Optional
         raise ConfigError(f"quantization method {method!r} (the checkpoint's "
                           f"quantization_config) is not supported; supported: "
                           f"{', '.join(SUPPORTED)}")
-    _refuse_moe(moe, method)
     return {"compressed-tensors": compressed_tensors_spec, "gptq": gptq_spec,
             "awq": awq_spec}[method](quant_config)
-
-
-def _refuse_moe(moe: bool, method: str) -> None:
-    if moe:
-        raise ConfigError(f"quantization {method!r}: quantized mixture-of-experts models are not "
-                          "supported yet (dense models are)")
 
 
 def compressed_tensors_spec(qc: dict) -> QuantSpec:

@@ -105,6 +105,10 @@ class CpuBackend(ReferenceBackend):
 
     def moe(self, x, ids, weights, w_gate_up, w_down, layer, *, experts, ffn, activation, dtype,
             expert_parallel):
+        if isinstance(w_gate_up, QuantizedWeight):  # the XLA experts on their widened weights
+            return ReferenceBackend().moe(x, ids, weights, w_gate_up, w_down, layer,
+                                          experts=experts, ffn=ffn, activation=activation,
+                                          dtype=dtype, expert_parallel=expert_parallel)
         if not self.native_matmul:
             return super().moe(x, ids, weights, w_gate_up, w_down, layer, experts=experts,
                                ffn=ffn, activation=activation, dtype=dtype,
@@ -184,7 +188,7 @@ def pack_native(state, cfg):
             shape = (L, E, -1) if e_in else (L, -1, E)
             group[name] = jax.tree.map(lambda w: pack(w, shape), group[name])
         for name, shape in EXPERTS.items():
-            if name in group:
+            if name in group and f"{name}_scale" not in group:
                 L, X = jax.tree.leaves(group[name])[0].shape[:2]
                 group[name] = jax.tree.map(lambda w: pack_experts(w, shape(L, X, E)), group[name])
     head = "lm_head" if "lm_head" in state else "embed"

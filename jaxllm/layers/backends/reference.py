@@ -18,7 +18,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from jaxllm.layers.attention import REFERENCE_TILING, AttentionMetadata, KVCache
 from jaxllm.layers.backends.base import Backend
 from jaxllm.layers.experts import EXPERT_IMPLS, experts_ragged, ragged_dot
-from jaxllm.layers.quantization import QuantizedWeight, dequantize
+from jaxllm.layers.quantization import QuantizedWeight, dequantize, dequantize_experts
 from pallas_kernels.activation import reference as activation_ref
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
 
@@ -111,6 +111,14 @@ class ReferenceBackend(Backend):
 
     def moe(self, x, ids, weights, w_gate_up, w_down, layer, *, experts, ffn, activation,
             dtype, expert_parallel):
+        # Quantized experts are widened whole, then run as float ones (a grouped matmul that
+        # reads them quantized is a later part).
+        if isinstance(w_gate_up, QuantizedWeight):
+            w_gate_up = dequantize_experts(w_gate_up, x.shape[1], 2 * ffn, dtype)
+            w_gate_up = w_gate_up.reshape(-1, x.shape[1], 2, ffn)
+        if isinstance(w_down, QuantizedWeight):
+            w_down = dequantize_experts(w_down, ffn, x.shape[1], dtype)
+
         def run(x, ids, weights, w_gate_up, w_down):  # the experts' weights: slices
             name = self.moe_impl(*ids.shape, w_gate_up.shape[0], dtype)
             act = lambda gu: self.gated_activation(gu, activation, dtype)  # noqa: E731
