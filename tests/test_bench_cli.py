@@ -98,6 +98,17 @@ def test_throughput_table():
         "Tokens per step": "1.75"}
 
 
+def test_weights_rows_list_each_dtype_largest_first():
+    res = {"avg_latency_s": 0.5, "latency_percentiles_s": {}, "prefill_s_median": 0.1,
+           "decode_s_per_token": 0.002, "decode_tokens_per_s": 4000, "peak_rss_gib": 1.0,
+           "weights_gib": {"bfloat16": 0.5, "int4": 3.4}}
+    table = format_latency_result(res)
+    got = rows(table)
+    assert got["Weights per device (GiB)"] == "3.90"
+    assert got["Weights int4 (GiB)"] == "3.40" and got["Weights bfloat16 (GiB)"] == "0.50"
+    assert table.index("Weights int4") < table.index("Weights bfloat16")
+
+
 def test_latency_table_without_speculation():
     res = {"avg_latency_s": 0.5, "latency_percentiles_s": {"p10": 0.4, "p99": 0.7},
            "prefill_s_median": 0.1, "decode_s_per_token": 0.002, "decode_tokens_per_s": 4000,

@@ -308,6 +308,9 @@ def test_offline_bench_runs_and_reports(tiny_llama, tmp_path, mode):
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert res["startup_s"]["since_process_start"] > 0
+    # the tiny model's weights, resident by dtype (a quantized model's under its own dtype)
+    assert 0 < sum(res["weights_gib"].values()) < 0.01, res["weights_gib"]
+    assert re.search(r"^Weights per device \(GiB\): +0\.\d\d$", r.stdout, re.M), r.stdout
     if mode[0] == "latency":
         assert 0 < res["prefill_s_median"] < res["avg_latency_s"]
         assert res["decode_tokens_per_s"] > 0

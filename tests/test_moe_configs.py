@@ -74,9 +74,9 @@ def _moe_config(expert_parallel: bool) -> ModelConfig:
 @pytest.mark.parametrize("tp,ep", [(1, False), (2, True), (2, False)],
                          ids=["1-device", "ep2", "tp2"])
 def test_moe_step_exports_for_tpu_with_megablox(tp, ep):
-    from test_export import CPU_ONLY, KERNEL, _exported
+    from test_export import CPU_ONLY, KERNEL, exported_step
 
-    exported = _exported("tpu", tp, _moe_config(ep))
+    exported = exported_step("tpu", tp, _moe_config(ep))
     text = exported.mlir_module()
     assert exported.platforms == ("tpu",) and exported.nr_devices == tp
     calls = re.findall(r"custom_call @([\w$.]+)", text)

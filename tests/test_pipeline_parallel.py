@@ -129,9 +129,9 @@ def test_stage_steps_export_for_tpu():
     from jaxllm.models.decoder import abstract_decoder
     from jaxllm.models.pipeline_stage import stage_config, stage_forward
     from jaxllm.parallel.mesh import MESH_AXES, logical_to_spec
-    from test_export import BLOCK, CPU_ONLY, KERNEL, NUM_BLOCKS, TABLE, S, T, _config
+    from test_export import BLOCK, CPU_ONLY, KERNEL, NUM_BLOCKS, TABLE, S, T, export_config
 
-    cfg, tp = _config(), 2  # a tensor-parallel stage: its weights and caches arrive sharded
+    cfg, tp = export_config(), 2  # a tensor-parallel stage: its weights and caches arrive sharded
     mesh = AbstractMesh((1, tp, 1), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
     def arg(shape, dtype, axes=None):

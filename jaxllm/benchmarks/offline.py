@@ -119,6 +119,11 @@ def format_throughput_result(res: dict) -> str:
 def _common_rows(res: dict) -> list[Row]:
     """Memory, start-up and (with --speculative-config) speculation rows of both tables."""
     rows: list[Row] = [("Peak RSS (GiB)", res["peak_rss_gib"])]
+    weights = res.get("weights_gib") or {}
+    if weights:
+        rows.append(("Weights per device (GiB)", float(sum(weights.values()))))
+        rows += [(f"Weights {dtype} (GiB)", float(gib))
+                 for dtype, gib in sorted(weights.items(), key=lambda kv: -kv[1])]
     startup = res.get("startup_s") or {}
     if startup:
         rows.append("Start-up")

@@ -52,6 +52,7 @@ class LLMEngine:
         parts = build_engine_parts(args.create_engine_config(), devices=devices)
         self.config = config = parts.config  # as started: the model path resolved
         self.model_config = parts.model_config
+        self.weight_bytes = parts.weight_bytes or {}  # by dtype, on the first device
         self.tokenizer = parts.tokenizer
         self.eos_token_ids = parts.eos_token_ids
         self.generation_defaults = parts.generation_defaults

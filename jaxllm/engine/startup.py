@@ -54,6 +54,7 @@ class EngineParts:
     step_follower: Any = None  # a multi-host follower's end of the step channel
     step_leader: Any = None  # multi-host rank 0's end (its runner sends every call down it)
     config: Optional[EngineConfig] = None  # the config as started: --model resolved to a path
+    weight_bytes: Optional[dict] = None  # resident on the first device, by dtype (start-up's)
 
 
 def process_age() -> float:
@@ -112,7 +113,8 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     mesh = next(m for m in meshes if is_local(m)) if meshes else make_mesh(tp, devices=devices)
     model, mc = load_model(load, options, mesh)
     times["load"] = time.perf_counter() - t
-    logger.info("Weights: %s%s", describe_weights(weight_bytes(model)),
+    sizes = weight_bytes(model)
+    logger.info("Weights: %s%s", describe_weights(sizes),
                 "" if mc.quant is None else f" ({mc.quant.describe()})")
     if jax.default_backend() == "cpu":  # after loading: its staging buffers are unmapped
         keep_freed_memory()
@@ -171,7 +173,7 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     times["compile"] = time.perf_counter() - t
     defaults = {k: v for k, v in gen.items() if k != "eos_token_id"}
     return EngineParts(mc, tokenizer, frozenset(eos), defaults, runner, num_blocks, times,
-                       pooler_config, follower, leader, config)
+                       pooler_config, follower, leader, config, sizes)
 
 
 def build_pipeline_runner(config: EngineConfig, model, mc, meshes: list,

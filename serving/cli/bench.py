@@ -169,13 +169,20 @@ def _load(args):
     return llm, engine_args, startup
 
 
+def _weights(llm) -> dict:
+    """The resident weights by dtype, GiB on the first device (quantized ones under their
+    own dtype)."""
+    return {"weights_gib": {k: v / 2**30 for k, v in llm.llm_engine.weight_bytes.items()}}
+
+
 def _latency(args) -> None:
     from jaxllm.benchmarks.offline import format_latency_result, run_latency, spec_decode_summary
 
     llm, engine_args, startup = _load(args)
     res = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.num_iters,
                       args.num_iters_warmup, engine_args.seed)
-    res = {"startup_s": startup, **res, **spec_decode_summary(llm.llm_engine.stats())}
+    res = {"startup_s": startup, **res, **_weights(llm),
+           **spec_decode_summary(llm.llm_engine.stats())}
     print(format_latency_result(res))
     if args.output_json:
         _write_json(args.output_json, res)
@@ -187,7 +194,8 @@ def _throughput(args) -> None:
 
     llm, engine_args, startup = _load(args)
     res = run_throughput(llm, make_requests(llm, args, engine_args.seed))
-    res = {"startup_s": startup, **res, **spec_decode_summary(llm.llm_engine.stats())}
+    res = {"startup_s": startup, **res, **_weights(llm),
+           **spec_decode_summary(llm.llm_engine.stats())}
     print(format_throughput_result(res))
     if args.output_json:
         _write_json(args.output_json, res)
