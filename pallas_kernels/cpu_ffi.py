@@ -34,6 +34,14 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-
          "-fPIC", "-shared", "-std=c++17")
 
 
+def flags() -> tuple[str, ...]:
+    """FLAGS with -march from $JAXLLM_CPU_MARCH (default native), read at each build: a lower
+    ISA (x86-64-v3: AVX2, x86-64-v2: SSE4.2) builds and measures the kernels' narrower paths on
+    a machine that has wider ones."""
+    march = os.environ.get("JAXLLM_CPU_MARCH") or "native"
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+
+
 def _cache_dir() -> str:
     """$JAXLLM_KERNEL_DIR, else ~/.cache/jaxllm/kernels (apart from the XLA cache, which
     $JAXLLM_CACHE_DIR may move or disable)."""
@@ -64,15 +72,16 @@ def build(source: str) -> Optional[str]:
     for header in _included(source):  # a header's change rebuilds what includes it
         with open(header, "rb") as f:
             src += f.read()
-    flags = " ".join(FLAGS).encode()
-    key = hashlib.sha256(src + flags + _cpu_id().encode() + jax.__version__.encode()).hexdigest()[:16]
+    used = flags()
+    key = hashlib.sha256(src + " ".join(used).encode() + _cpu_id().encode()
+                         + jax.__version__.encode()).hexdigest()[:16]
     out = os.path.join(_cache_dir(), f"{name}_{key}.so")
     if os.path.exists(out):
         return out
     os.makedirs(_cache_dir(), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
         tmp_out = os.path.join(tmp, "lib.so")
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{_HERE}", source, "-o", tmp_out]
+        cmd = [cxx, *used, f"-I{jax.ffi.include_dir()}", f"-I{_HERE}", source, "-o", tmp_out]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             logger.warning("building %s failed (%s); falling back to the pure-JAX path:\n%s",

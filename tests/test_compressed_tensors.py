@@ -58,6 +58,9 @@ def test_checkpoint_equals_transformers(tiny_llama, load, greedy, tmp_path, sche
     assert state["layers/0/qkv"].nbytes * (2 if scheme == "w4a16" else 1) == (
         np.prod(state["layers/0/qkv_scale"].shape[2:]) * cfg.hidden_size * 2)
     assert ("layers/0/down_zero" in state) == (not symmetric)
+    # int8/int4 run in the native CPU matmul (read in place); fp8 and the reference in XLA
+    native = backend == "auto" and STORAGE[scheme] in ("int8", "int4")
+    assert bool(model.backend.resident_quantized) == native
     # Reported at start-up: the projections' bytes under their quantized dtype.
     sizes = weight_bytes(model)
     assert sizes[STORAGE[scheme]] == sum(state[f"layers/0/{p}"].nbytes

@@ -73,7 +73,7 @@ def load_model(load: LoadConfig, options: ModelOptions,
         cfg = ModelConfig.from_hf(hf_config(path), options)
         _check_expert_parallel(cfg, mesh)
         backend = kernels.submit(make_backend, options.attention_backend, mesh,
-                                 cfg.num_experts > 0)
+                                 cfg.num_experts > 0, cfg.quant)
     finally:
         kernels.shutdown(wait=False)
     t_config = time.perf_counter()

@@ -97,9 +97,10 @@ class DenseLayers(nnx.Module):
         weights = with_quantized({k: v[...] for k, v in vars(self).items()
                                   if isinstance(v, nnx.Param)})
         # Read in place by the backend (indexed by layer), not sliced per layer by the scan;
-        # quantized projections are sliced (the native kernels read float weights only).
+        # quantized projections only where the backend reads them so.
         resident = {k: weights.pop(k) for k in backend.resident
-                    if k in weights and not isinstance(weights[k], QuantizedWeight)}
+                    if k in weights and (not isinstance(weights[k], QuantizedWeight)
+                                         or k in backend.resident_quantized)}
         if (start, end) != (0, self.count):
             weights = jax.tree.map(lambda v: v[start:end], weights)
 

@@ -123,3 +123,85 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulArgmax, MatmulArgmaxImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // per-strip maxima [M, S]
                                   .Ret<ffi::Buffer<ffi::S32>>()   // and their columns
                                   .Attr<int64_t>("n"));
+
+#include "matmul/kernel_cpu_quant.h"  // QRowsThrough: the paths of quantized weights
+
+// kGated as MatmulImpl's. y [M, N] = x [M, K] @ ((q - zero) * scale)[layer]: q int8 pairs of
+// strips [L, S / 2, (K + 1) / 2, 64] or int4 quads [L, S / 4, K' / 4, 128] uint8 (K' a multiple
+// of 4), scale and zero [L, S, G, 16] f32 (zero empty: symmetric), G groups of whole loads of q
+// (any K for G = 1).
+template <bool kGated>
+static ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q,
+                                  ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zero,
+                                  ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y) {
+  auto bad = [](const char* what) {
+    return ffi::Error::InvalidArgument(std::string("quantized matmul: ") + what);
+  };
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 4 || sd.size() != 4 || yd.size() != 2) return bad("ranks");
+  const int64_t M = xd[0], K = xd[1], L = qd[0], S = sd[1], G = sd[2];
+  const int64_t N = kGated ? 2 * yd[1] : yd[1];
+  if (yd[0] != M) return bad("result rows differ from x rows");
+  const bool int4 = q.element_type() == ffi::U8;
+  if (!int4 && q.element_type() != ffi::S8) return bad("q must be int8, or uint8 int4 pairs");
+  const int64_t P = int4 ? (K + 3) / 4 * 2 : (K + 1) / 2;  // pairs of rows, padded
+  const int64_t group = int4 ? kGroup<uint8_t> : kGroup<int8_t>;  // strips stored together
+  if (qd[2] != (int4 ? P / 2 : P) || qd[3] != group * kQLoad) return bad("K differs");
+  if (S != (N + kNr - 1) / kNr || qd[1] != (S + group - 1) / group) return bad("N differs");
+  if (sd[0] != L || sd[3] != kNr || G < 1 || K % G || (G > 1 && K / G % (int4 ? 4 : 2)))
+    return bad("scales must be [L, S, G, 16], G groups of whole loads of q");
+  const bool zp = zero.element_count() != 0;
+  if (zp && zero.element_count() != scale.element_count()) return bad("zero points differ");
+  const int32_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return bad("layer out of range");
+  const bool bf16_x = x.element_type() == ffi::BF16;
+  if (!bf16_x && x.element_type() != ffi::F32) return bad("x must be f32 or bf16");
+  Out out;
+  out.N = yd[1], out.gated = kGated;
+  if (y->element_type() == ffi::BF16) out.yb = static_cast<uint16_t*>(y->untyped_data());
+  else if (y->element_type() == ffi::F32) out.y = y->typed_data<float>();
+  else return bad("y must be f32 or bf16");
+  if (M == 0) return ffi::Error::Success();
+  QLayer w;
+  w.group = qd[2] * qd[3];
+  w.q = static_cast<const int8_t*>(q.untyped_data()) + l * qd[1] * w.group;
+  if (l + 1 < L) w.after = static_cast<const int8_t*>(w.q) + qd[1] * w.group;
+  w.scale = scale.typed_data() + l * S * G * kNr;
+  w.zero = zp ? zero.typed_data() + l * S * G * kNr : nullptr;
+  w.P = P, w.G = G, w.gp = G == 1 ? P : K / G / 2;
+  // x as panels of whole pairs (bf16 against the bf16 dot product, else f32) and its group
+  // sums, in the calling thread's buffers (fresh ones cost page faults every call).
+  thread_local std::vector<float> xs;
+  xs.resize(zp ? M * G : 0);
+  auto run = [&](auto bf, const auto* x0) {
+    constexpr bool kBf = decltype(bf)::value;
+    thread_local std::vector<QTile<kBf>> panels;
+    panels.resize(M * 2 * P);
+    Panels(pool, x0, M, K, P, panels.data());
+    if (zp) GroupSums(x0, K, M, G, K / G, xs.data());
+    if (int4) QRowsThrough<kBf, uint8_t>(pool, panels.data(), xs.data(), M, N, w, out);
+    else QRowsThrough<kBf, int8_t>(pool, panels.data(), xs.data(), M, N, w, out);
+  };
+  const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
+#ifdef JAXLLM_DPBF16
+  if (bf16_x) return run(std::true_type{}, xb), ffi::Error::Success();
+#endif
+  if (bf16_x) run(std::false_type{}, xb);
+  else run(std::false_type{}, x.typed_data<float>());
+  return ffi::Error::Success();
+}
+
+static auto QuantMatmulBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()         // x [M, K], f32 or bf16
+      .Arg<ffi::AnyBuffer>()         // q, packed: int8, or uint8 int4 pairs
+      .Arg<ffi::Buffer<ffi::F32>>()  // scale [L, S, G, 16]
+      .Arg<ffi::Buffer<ffi::F32>>()  // zero [L, S, G, 16], or empty
+      .Arg<ffi::Buffer<ffi::S32>>()  // layer
+      .Ret<ffi::AnyBuffer>();        // y [M, N] (gated: silu(gate) * up), f32 or bf16
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuant, QuantMatmulImpl<false>, QuantMatmulBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantSilu, QuantMatmulImpl<true>,
+                              QuantMatmulBinding());

@@ -19,15 +19,20 @@ from pallas_kernels import cpu_ffi
 TARGET = "jaxllm_matmul"
 ARGMAX_TARGET = "jaxllm_matmul_argmax"
 SILU_TARGET = "jaxllm_matmul_silu"
+QUANT_TARGET = "jaxllm_matmul_quant"
+QUANT_SILU_TARGET = "jaxllm_matmul_quant_silu"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_cpu.cc")
 STRIP = 16  # columns per packed strip
+GROUP = {jnp.dtype(jnp.int8): 2, jnp.dtype(jnp.uint8): 4}  # strips stored side by side
 
 
 def available() -> bool:
     """Build (once) and register the kernel; False if this machine cannot build it."""
     return cpu_ffi.register(_SOURCE, ((TARGET, "JaxllmMatmul"),
                                       (ARGMAX_TARGET, "JaxllmMatmulArgmax"),
-                                      (SILU_TARGET, "JaxllmMatmulSilu")))
+                                      (SILU_TARGET, "JaxllmMatmulSilu"),
+                                      (QUANT_TARGET, "JaxllmMatmulQuant"),
+                                      (QUANT_SILU_TARGET, "JaxllmMatmulQuantSilu")))
 
 
 def _paired(w: jax.Array) -> bool:
@@ -67,11 +72,15 @@ def matmul(x: jax.Array, w: jax.Array, layer=0, *, n: int, out_dtype=jnp.float32
     `activation.reference.silu_and_mul` of its float32 product in out_dtype, computed while the
     product is in cache (it is never written)."""
     x = _operand(x, w, 2 * n if gated else n)
-    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    _check_out(out_dtype)
     call = jax.ffi.ffi_call(SILU_TARGET if gated else TARGET,
                             jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
     return call(x, w, jnp.asarray(layer, jnp.int32))
+
+
+def _check_out(out_dtype) -> None:
+    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
 
 
 def _operand(x: jax.Array, w: jax.Array, n: int) -> jax.Array:
@@ -113,3 +122,70 @@ def packed_rows(w: jax.Array, ids: jax.Array, k: int) -> jax.Array:
         rows = w[0, s[:, None], :, 2 * c[:, None] + jnp.arange(2)]  # [n, 2, P]
         return rows.transpose(0, 2, 1).reshape(len(ids), -1)[:, :k]
     return w[0, s, :, c]
+
+
+def pack_quantized(q: jax.Array, scale: jax.Array, zero=None) -> tuple:
+    """Quantized weights (`jaxllm.layers.quantization.QuantizedWeight`'s form, stacked) -> the
+    arrays `matmul_quantized` reads: (q, scale) or (q, scale, zero).
+
+    q int8 [L, K, N], or int4 as uint8 [L, K, N / 2] (column 2i in the low nibble, 2i + 1 in the
+    high one, each plus 8); scale, zero float32 [L, G, N] (G groups of K / G inputs; with G > 1
+    a multiple of 2, int4 of 4). Packed in strips of 16 columns (S of them, the last padded),
+    each strip a run of 32-byte loads: int8 rows 2p and 2p + 1 (an odd K padded with a zero row);
+    int4 rows 4b .. 4b + 3 (K padded with zeros to a multiple of 4), byte 2j + t holding
+    q[4b + t, j] + 8 in its low nibble and q[4b + 2 + t, j] + 8 in its high one (the order of the
+    kernel's bf16 pairs). The strips are stored in groups (int8 of 2, int4 of 4, the last
+    padded), the group's loads side by side, so that a task's strips are one sequential read:
+    int8 [L, S / 2, (K + 1) // 2, 64], int4 uint8 [L, S / 4, (K + 3) // 4, 128]; scale, zero
+    float32 [L, S, G, 16]."""
+    L, K = q.shape[:2]
+    G = scale.shape[1]
+    rows = 4 if q.dtype == jnp.uint8 else 2  # a load's rows: a group holds whole loads
+    if K % G or (G > 1 and K // G % rows):
+        raise ValueError(f"{G} groups of {K} inputs: the kernel needs groups of a multiple of "
+                         f"{rows} inputs")
+    if q.dtype not in GROUP:
+        raise ValueError(f"q must be int8, or uint8 (int4 pairs), got {q.dtype}")
+    W = GROUP[q.dtype]
+    if q.dtype == jnp.uint8:  # a load: 4 rows of 16 columns in 32 bytes
+        u = jnp.stack([q & 15, q >> 4], axis=-1).reshape(L, K, -1)
+        N = u.shape[2]
+        S = -(-N // STRIP)
+        u = jnp.pad(u, ((0, 0), (0, -K % 4), (0, -(-S // W) * W * STRIP - N)), constant_values=8)
+        u = u.reshape(L, -1, 2, 2, -(-S // W), W, STRIP)  # [L, K' / 4, h, t, S / W, W, 16]
+        packed = (u[:, :, 0] | (u[:, :, 1] << 4)).transpose(0, 3, 1, 4, 5, 2)  # rows 4b + 2h + t
+    else:  # a load: 2 rows of 16 columns
+        N = q.shape[2]
+        S = -(-N // STRIP)
+        packed = jnp.pad(q, ((0, 0), (0, K % 2), (0, -(-S // W) * W * STRIP - N)))
+        packed = packed.reshape(L, -1, 2, -(-S // W), W, STRIP).transpose(0, 3, 1, 4, 2, 5)
+
+    def strips(a):
+        a = jnp.pad(a.astype(jnp.float32), ((0, 0), (0, 0), (0, S * STRIP - N)))
+        return a.reshape(L, G, S, STRIP).transpose(0, 2, 1, 3)
+
+    packed = packed.reshape(L, -(-S // W), -1, W * 32)
+    return (packed, strips(scale)) + (() if zero is None else (strips(zero),))
+
+
+def matmul_quantized(x: jax.Array, packed: tuple, layer=0, *, n: int, out_dtype=jnp.float32,
+                     gated: bool = False) -> jax.Array:
+    """[M, n] = x [M, K] @ ((q - zero) * scale)[layer] of `pack_quantized` weights, summed in
+    float32 (per group: the products of x and q, less zero times x's sum over the group, times
+    the scale; one order whatever M, so a row's bits do not depend on the other rows). x
+    float32 or bfloat16 (with AVX512_BF16, bfloat16 x multiplies q natively); out_dtype and
+    gated as `matmul`'s."""
+    _check_out(out_dtype)
+    if not available():
+        raise RuntimeError("the CPU matmul kernel could not be built (see the log)")
+    q, scale = packed[:2]
+    zero = packed[2] if len(packed) > 2 else jnp.zeros((0,), jnp.float32)
+    cols = 2 * n if gated else n
+    if not STRIP * (scale.shape[1] - 1) < cols <= STRIP * scale.shape[1]:
+        raise ValueError(f"packed weights of {scale.shape[1]} strips need n in "
+                         f"({STRIP * (scale.shape[1] - 1)}, {STRIP * scale.shape[1]}], got {cols}")
+    if x.dtype != jnp.bfloat16:
+        x = x.astype(jnp.float32)
+    call = jax.ffi.ffi_call(QUANT_SILU_TARGET if gated else QUANT_TARGET,
+                            jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
+    return call(x, q, scale, zero, jnp.asarray(layer, jnp.int32))

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import ConfigError
 from jaxllm.layers.backends.base import Backend
+from jaxllm.layers.quantization import QuantSpec
 from pallas_kernels.ragged_paged_attention import kernel_cpu
 
 BACKENDS = ("reference", "pallas", "cpu")
@@ -35,13 +36,14 @@ def resolve_backend(requested: str, num_devices: int = 1) -> str:
 
 
 def make_backend(requested: str = "reference", mesh: Optional[Mesh] = None,
-                 experts: bool = True) -> Backend:
+                 experts: bool = True, quant: Optional[QuantSpec] = None) -> Backend:
     """The backend for --attention-backend on the model's mesh, its kernels built now (never
-    inside a trace); `experts=False` for a dense model, whose backend never runs experts."""
+    inside a trace); `experts=False` for a dense model, whose backend never runs experts;
+    `quant`: how the model's projections are quantized (None: float)."""
     name = resolve_backend(requested, 1 if mesh is None else mesh.size)
     if name == "cpu":
         from jaxllm.layers.backends.cpu import CpuBackend
-        return CpuBackend.create(experts)
+        return CpuBackend.create(experts, quant)
     multi = None if mesh is None or mesh.size == 1 else mesh.abstract_mesh
     if name == "pallas":
         from jaxllm.layers.backends.pallas import PallasBackend

@@ -26,6 +26,9 @@ class Backend:
     # Layer weights the projections read stacked ([layers, ...], with the layer index) rather
     # than as the scan's per-layer slices.
     resident: ClassVar[frozenset] = frozenset()
+    # Of those, the ones it also reads stacked when they are quantized (`QuantizedWeight`s of
+    # its own layout); other quantized projections arrive as the scan's per-layer slices.
+    resident_quantized: ClassVar[frozenset] = frozenset()
 
     def relayout(self, state: nnx.State, cfg) -> nnx.State:
         """The loaded (logical-layout) state as this backend's ops read it; called once."""

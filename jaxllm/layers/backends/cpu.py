@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxllm.layers.attention import KVCache, native_cpu_attention
 from jaxllm.layers.backends.reference import ReferenceBackend, from_bits
 from jaxllm.layers.experts import experts_sorted
-from jaxllm.layers.quantization import QuantizedWeight
+from jaxllm.layers.quantization import QuantizedWeight, QuantSpec
 from pallas_kernels.activation import kernel_cpu as activation_cpu
 from pallas_kernels.grouped_matmul import kernel_cpu as grouped_cpu
 from pallas_kernels.matmul import kernel_cpu as matmul_cpu
@@ -34,6 +34,9 @@ from pallas_kernels.sampling import kernel_cpu as sampling_cpu
 # (else their output), which fixes the row-major [L, in, out] view `pack` takes.
 PROJECTIONS = {"qkv": True, "o": False, "gate_up": True, "down": False, "router": True,
                "shared_gate": True}
+# Quantized weights the native matmul reads (`matmul_cpu.pack_quantized`): float8 ones run
+# XLA's dot on their widened values.
+NATIVE_QUANT = ("int8", "int4")
 # The stacked experts of a MoE layer group ([L, X, ...]), which the grouped matmul reads packed
 # (`grouped_cpu.pack`): their row-major [L, X, in, out] view.
 EXPERTS = {"experts_gate_up": lambda L, X, E: (L, X, E, -1),
@@ -53,40 +56,58 @@ class CpuBackend(ReferenceBackend):
     name: ClassVar[str] = "cpu"
     native_matmul: bool = True
     native_sampling: bool = True
+    native_quant: bool = False  # the layer projections are quantized and the matmul reads them
 
     @classmethod
-    def create(cls, experts: bool = True) -> "CpuBackend":
+    def create(cls, experts: bool = True, quant: Optional[QuantSpec] = None) -> "CpuBackend":
         """Build the kernels now: the attention kernel (`resolve_backend` checked it builds),
         and the projection (with `experts`, the MoE experts' too) and sampling kernels if they
-        can be built here."""
+        can be built here. quant: how the projections are quantized (None: float)."""
         attention_cpu.available()
-        return cls(native_matmul=build_projection_kernels(experts),
-                   native_sampling=sampling_cpu.available())
+        native = build_projection_kernels(experts)
+        return cls(native_matmul=native, native_sampling=sampling_cpu.available(),
+                   native_quant=native and quant is not None
+                   and quant.weight_dtype in NATIVE_QUANT)
 
     @property
     def resident(self) -> frozenset:
         return frozenset(PROJECTIONS) | frozenset(EXPERTS) if self.native_matmul else frozenset()
 
+    @property
+    def resident_quantized(self) -> frozenset:
+        return frozenset(PROJECTIONS) if self.native_quant else frozenset()
+
     def relayout(self, state, cfg):
-        return super().relayout(pack_native(state, cfg) if self.native_matmul else state, cfg)
+        if self.native_matmul:
+            state = pack_native(state, cfg, quantized=self.native_quant)
+        return super().relayout(state, cfg)
 
     def embed(self, table, ids, width):
         if table.ndim == 2:  # not packed: an untied embedding
             return super().embed(table, ids, width)
         return from_bits(matmul_cpu.packed_rows(table, ids, width))  # packed as the LM head
 
+    def _native(self, w) -> bool:
+        """Whether the native matmul reads w (float, or quantized in its layout)."""
+        return self.native_quant if isinstance(w, QuantizedWeight) else self.native_matmul
+
+    def _matmul(self, x, w, layer, **kw):
+        if isinstance(w, QuantizedWeight):
+            parts = (w.q, w.scale) + (() if w.zero is None else (w.zero,))
+            return matmul_cpu.matmul_quantized(x, parts, layer, **kw)
+        return matmul_cpu.matmul(x, w, layer, **kw)
+
     def project(self, x, w, layer, *, n, out_dtype, bias=None):
-        if not self.native_matmul or isinstance(w, QuantizedWeight):
+        if not self._native(w):
             return super().project(x, w, layer, n=n, out_dtype=out_dtype, bias=bias)
         # The kernel rounds to bf16 itself where nothing is added first.
-        y = matmul_cpu.matmul(x, w, layer, n=n,
-                              out_dtype=jnp.float32 if bias is not None else out_dtype)
+        y = self._matmul(x, w, layer, n=n,
+                         out_dtype=jnp.float32 if bias is not None else out_dtype)
         return (y if bias is None else y + bias.reshape(n)).astype(out_dtype)
 
     def gated_project(self, x, w, layer, *, n, activation, dtype):
-        if (self.native_matmul and activation == "silu"  # activated in the kernel, in cache
-                and not isinstance(w, QuantizedWeight)):
-            return matmul_cpu.matmul(x, w, layer, n=n, out_dtype=dtype, gated=True)
+        if self._native(w) and activation == "silu":  # activated in the kernel, in cache
+            return self._matmul(x, w, layer, n=n, out_dtype=dtype, gated=True)
         return super().gated_project(x, w, layer, n=n, activation=activation, dtype=dtype)
 
     def gated_activation(self, gate_up, activation, dtype):
@@ -162,27 +183,36 @@ class CpuBackend(ReferenceBackend):
     def batch_variance(self, cfg, cache_dtype):
         if not self.native_matmul:
             return "the native matmul kernels did not build here (XLA's dots run instead)"
+        if cfg.quant is not None and not self.native_quant:
+            return (f"{cfg.quant.weight_dtype} weights run XLA's dots (the native matmul reads "
+                    f"{' and '.join(NATIVE_QUANT)} ones)")
+        if cfg.quant is not None and cfg.num_experts:
+            return "quantized experts run XLA's dots (the native grouped matmul reads float ones)"
         if not native_cpu_attention(self.name, cache_dtype):
             return (f"a {jnp.dtype(cache_dtype).name} KV cache runs the XLA attention (use "
                     "--kv-cache-dtype auto)")
         return None  # MoE layers too: router and experts run in the native kernels
 
 
-def pack_native(state, cfg):
+def pack_native(state, cfg, quantized: bool = False):
     """The state with the layer projections (a MoE layer's router and shared gate among them),
     the MoE experts (`grouped_cpu.pack`) and the LM head (for tied embeddings the embedding,
     then looked up in place) in the native matmul's packed layout (strips of 16 output
     columns, `matmul_cpu.pack`): every read is sequential and no step repacks them, faster than
     row-major weights for the projections and most of all for the LM head (docs/performance.md
-    has the figures)."""
+    has the figures). quantized: quantized projections too (`matmul_cpu.pack_quantized`),
+    else they are left as they are."""
     E = cfg.hidden_size
     pack = _packer(lambda w, shape: matmul_cpu.pack(w.reshape(shape)))
     pack_experts = _packer(lambda w, shape: grouped_cpu.pack(w.reshape(shape)))
     for group in state["layers"].values():
         for name, e_in in PROJECTIONS.items():
-            # A dense group has no router; a MoE one may have no MLP. Quantized projections
-            # stay in their layout (the backend's `project` dequantizes them).
-            if name not in group or f"{name}_scale" in group:
+            # A dense group has no router; a MoE one may have no MLP.
+            if name not in group:
+                continue
+            if f"{name}_scale" in group:  # quantized: packed with its scales (zero points)
+                if quantized:
+                    _pack_quantized(group, name, E, e_in)
                 continue
             L = jax.tree.leaves(group[name])[0].shape[0]
             shape = (L, E, -1) if e_in else (L, -1, E)
@@ -195,6 +225,19 @@ def pack_native(state, cfg):
     if head in state:  # a middle pipeline stage has neither
         state[head] = jax.tree.map(lambda w: pack(w.T, (1, E, -1)), state[head])
     return state
+
+
+def _pack_quantized(group, name: str, E: int, e_in: bool) -> None:
+    """A quantized projection's values, scales and zero points (`QuantizedWeight`'s layout,
+    stacked) in the native matmul's, in place in the group's state."""
+    keys = [k for k in (name, f"{name}_scale", f"{name}_zero") if k in group]
+    q, scale, *zero = [jax.tree.leaves(group[k])[0] for k in keys]
+    L = q.shape[0]
+    q = q.reshape((L, E, -1) if e_in else (L, -1, q.shape[-1]))
+    flat = lambda a: a.reshape(L, a.shape[1], -1)  # noqa: E731  [L, groups, N]
+    packed = jax.jit(matmul_cpu.pack_quantized)(q, flat(scale), *(flat(z) for z in zero))
+    for k, a in zip(keys, packed):
+        group[k] = jax.tree.map(lambda _, a=a: a, group[k])
 
 
 def _packer(f):
