@@ -28,6 +28,8 @@ import shutil
 import struct
 from typing import Iterable, Optional
 
+import numpy as np
+
 SCHEMES = ("w8a16", "w8a8", "fp8", "fp8-tensor", "w4a16")
 # Routers stay float in every llm-compressor MoE recipe; they are Linear, so they need naming.
 ROUTERS = ("re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$", "re:.*shared_expert_gate$")
@@ -253,3 +255,21 @@ def _edit_json(path: str, **updates) -> None:
     data.update(updates)
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
+
+
+PROMPTS = [[1, 5, 9, 33, 70, 2, 8, 100], [4, 8, 15, 16, 23, 42]]
+
+
+def assert_equals_oracle(model, oracle, greedy, new_tokens: int = 4) -> None:
+    """A loaded jaxllm model's prefill logits and greedy tokens on PROMPTS against a
+    transformers model: logits equal up to float32 summation order (2e-4 of the largest;
+    quantization itself moves them about a thousand times more), tokens equal."""
+    import torch
+
+    prefill, _, tokens = greedy(model, PROMPTS, new_tokens)
+    for p, got, toks in zip(PROMPTS, prefill, tokens):
+        with torch.no_grad():
+            want = oracle(torch.tensor([p])).logits[0].numpy()
+            out = oracle.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False)
+        assert np.abs(got - want).max() < 2e-4 * np.abs(want).max()
+        assert out[0, len(p):].tolist() == toks

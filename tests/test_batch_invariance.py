@@ -227,7 +227,10 @@ def test_backends_say_why_they_are_not_batch_invariant():
     from jaxllm.layers.backends.pallas import PallasBackend
     from jaxllm.layers.backends.reference import ReferenceBackend
 
-    dense, moe = SimpleNamespace(moe_layers=()), SimpleNamespace(moe_layers=(False, True))
+    from jaxllm.layers.quantization import QuantSpec
+
+    dense = SimpleNamespace(moe_layers=(), num_experts=0, quant=None)
+    moe = SimpleNamespace(moe_layers=(False, True), num_experts=8, quant=None)
     assert CpuBackend().batch_variance(dense, jnp.bfloat16) is None
     assert CpuBackend().batch_variance(dense, jnp.float32) is None
     for backend in (ReferenceBackend(), PallasBackend()):
@@ -236,6 +239,16 @@ def test_backends_say_why_they_are_not_batch_invariant():
     assert "float8_e4m3fn KV cache" in CpuBackend().batch_variance(dense, jnp.float8_e4m3fn)
     assert CpuBackend().batch_variance(moe, jnp.float32) is None
     assert "native matmul" in CpuBackend(native_matmul=False).batch_variance(moe, jnp.float32)
+    # Quantized projections: int8/int4 in the native matmul (invariant), fp8 and quantized
+    # experts in XLA's dots.
+    int8, fp8 = QuantSpec("compressed-tensors", "int8"), QuantSpec("fp8", "float8_e4m3fn")
+    native = CpuBackend(native_quant=True)
+    assert native.batch_variance(SimpleNamespace(**{**vars(dense), "quant": int8}),
+                                 jnp.float32) is None
+    assert "float8_e4m3fn weights run XLA's dots" in CpuBackend().batch_variance(
+        SimpleNamespace(**{**vars(dense), "quant": fp8}), jnp.float32)
+    assert "quantized experts" in native.batch_variance(
+        SimpleNamespace(**{**vars(moe), "quant": int8}), jnp.float32)
 
 
 def test_batch_invariant_flag_refuses_the_reference_backend(tiny_llama):
