@@ -288,6 +288,15 @@ def run_with_host_devices(n: int, argv: list[str], timeout: int = 900):
                           text=True, timeout=timeout)
 
 
+def sharded_params(model) -> list[str]:
+    """The model's parameters (as "layers/0/qkv" paths) split over the mesh's `model` axis."""
+    import jax
+    from flax import nnx
+
+    return sorted("/".join(map(str, p)) for p, v in nnx.to_flat_state(nnx.state(model))
+                  if "model" in jax.tree.leaves(tuple(v.get_value().sharding.spec)))
+
+
 def greedy_record(model, prompts: list[list[int]], new_tokens: int) -> dict:
     """`paged_greedy` as JSON-ready lists, with the number of devices the model is on."""
     prefill, steps, tokens = paged_greedy(model, prompts, new_tokens)

@@ -205,7 +205,8 @@ def _calibrate(module, name: str, in_amax: dict) -> None:
             g = w.unflatten(-1, (-1, args.group_size))
             lo, hi = g.amin(-1), g.amax(-1)
         else:
-            raise NotImplementedError(args.strategy)
+            raise ValueError(f"{name}: weight strategy {args.strategy!r} is not one this writer "
+                             "makes (tensor, channel, group)")
         _set_qparams(module, "weight", *calculate_qparams(lo, hi, args))
         act = scheme.input_activations
         if act is not None and not act.dynamic:

@@ -46,11 +46,9 @@ def test_quantized_tensor_parallel_matches_single_device(make_tiny_checkpoint, t
 
 
 def _child(paths: dict) -> dict:
-    import jax
-    from flax import nnx
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from conftest import greedy_record, load_tiny
+    from conftest import greedy_record, load_tiny, sharded_params
 
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(3, 512, n)] for n in (7, 19)]
@@ -60,8 +58,7 @@ def _child(paths: dict) -> dict:
         for tp, ep in RUNS[name]:
             model, cfg, _ = load_tiny(path, tp=tp, enable_expert_parallel=ep)
             assert cfg.quant is not None
-            sharded = sorted("/".join(map(str, p)) for p, v in nnx.to_flat_state(nnx.state(model))
-                             if "model" in jax.tree.leaves(tuple(v.get_value().sharding.spec)))
+            sharded = sharded_params(model)
             report[name][f"{tp}-ep" if ep else str(tp)] = {
                 "sharded": sharded, **greedy_record(model, prompts, 6)}
     return report

@@ -55,11 +55,9 @@ def test_tensor_parallel_matches_single_device(make_tiny_checkpoint):
 
 def _child(paths: dict) -> dict:
     """Runs under 8 host devices: each model at each tp; logits, tokens, sharded params."""
-    import jax
-    from flax import nnx
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from conftest import greedy_record, load_tiny
+    from conftest import greedy_record, load_tiny, sharded_params
 
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(3, 512, n)] for n in (7, 19)]
@@ -68,8 +66,7 @@ def _child(paths: dict) -> dict:
         report[name] = {}
         for tp, backend in [(tp, "auto") for tp in TPS] + [(4, "pallas")]:
             model, _, mesh = load_tiny(path, tp=tp, attention_backend=backend)
-            sharded = sorted("/".join(map(str, p)) for p, v in nnx.to_flat_state(nnx.state(model))
-                             if "model" in jax.tree.leaves(tuple(v.get_value().sharding.spec)))
+            sharded = sharded_params(model)
             report[name][PALLAS if backend == "pallas" else str(tp)] = {
                 "backend": model.backend.name, "sharded": sharded,
                 **greedy_record(model, prompts, NEW_TOKENS)}
