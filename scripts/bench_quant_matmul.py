@@ -5,7 +5,8 @@ Each variant is one jitted program that runs the four projections (qkv, o, gate_
 silu, down) over every layer of a stack (30 for SmolLM2-135M: the weights do not stay in cache),
 each projection a `lax.scan` over the layer index, on `--rows` activation rows. The variants
 alternate in rounds; the table gives the median ms per pass and the speed relative to the bf16
-kernel (bf16 time / variant time: above 1 is faster).
+kernel (bf16 time / variant time: above 1 is faster). The load average printed before and
+after tells whether other work shared the cores.
 
     python scripts/bench_quant_matmul.py --rows 1 4 16 64
     JAXLLM_CPU_MARCH=x86-64-v3 python scripts/bench_quant_matmul.py   # the AVX2 build
@@ -115,7 +116,8 @@ def main() -> None:
     print(f"{args.dims}, {L} layers, x {args.x_dtype}; int8 group {args.int8_group or 'channel'},"
           f" int4 group {args.int4_group or 'channel'}, {kind}; -march="
           f"{os.environ.get('JAXLLM_CPU_MARCH') or 'native'}; {os.cpu_count()} CPUs; weights MB: "
-          + ", ".join(f"{k} {v / 1e6:.0f}" for k, v in nbytes.items()))
+          + ", ".join(f"{k} {v / 1e6:.0f}" for k, v in nbytes.items())
+          + f"; load average {os.getloadavg()[0]:.2f}")
     print(f"{'rows':>5s} " + " ".join(f"{k:>17s}" for k in runs))
     for rows in args.rows:
         x = jnp.asarray(rng.standard_normal((rows, E), np.float32), dtype)
@@ -132,6 +134,7 @@ def main() -> None:
         med = {k: float(np.median(v)) for k, v in times.items()}
         print(f"{rows:5d} " + " ".join(f"{med[k] * 1e3:7.2f} ms {med['bf16'] / med[k]:5.2f}x"
                                        for k in runs))
+    print(f"load average {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -126,10 +126,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulArgmax, MatmulArgmaxImpl,
 
 #include "matmul/kernel_cpu_quant.h"  // QRowsThrough: the paths of quantized weights
 
-// kGated as MatmulImpl's. y [M, N] = x [M, K] @ ((q - zero) * scale)[layer]: q int8 pairs of
-// strips [L, S / 2, (K + 1) / 2, 64] or int4 quads [L, S / 4, K' / 4, 128] uint8 (K' a multiple
-// of 4), scale and zero [L, S, G, 16] f32 (zero empty: symmetric), G groups of whole loads of q
-// (any K for G = 1).
+// kGated as MatmulImpl's. y [M, N] = x [M, K] @ ((q - zero) * scale)[layer] (`pack_quantized`):
+// q int8 strips by twos [L, ceil(S / 2), ceil(K / 2), 64] or int4 by fours [L, ceil(S / 4),
+// ceil(K / 4), 128] uint8, scale and zero [L, S, G, 16] f32 (zero empty: symmetric), G groups of
+// whole loads of q (any K for G = 1).
 template <bool kGated>
 static ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q,
                                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zero,

@@ -3,7 +3,7 @@ layer of the stacked weights in place, bf16 or f32; few rows at memory speed.
 
 `available()` says whether the kernel could be built here; callers fall back to `jnp` dots.
 Weights are first laid out by `pack` (strips of 16 columns, so that every read is sequential and
-no step repacks them).
+no step repacks them); quantized ones (int8, int4) by `pack_quantized`, for `matmul_quantized`.
 """
 
 from __future__ import annotations
@@ -134,31 +134,28 @@ def pack_quantized(q: jax.Array, scale: jax.Array, zero=None) -> tuple:
     each strip a run of 32-byte loads: int8 rows 2p and 2p + 1 (an odd K padded with a zero row);
     int4 rows 4b .. 4b + 3 (K padded with zeros to a multiple of 4), byte 2j + t holding
     q[4b + t, j] + 8 in its low nibble and q[4b + 2 + t, j] + 8 in its high one (the order of the
-    kernel's bf16 pairs). The strips are stored in groups (int8 of 2, int4 of 4, the last
+    kernel's bf16 pairs). The strips are stored in groups of W (int8 2, int4 4; the last group
     padded), the group's loads side by side, so that a task's strips are one sequential read:
-    int8 [L, S / 2, (K + 1) // 2, 64], int4 uint8 [L, S / 4, (K + 3) // 4, 128]; scale, zero
-    float32 [L, S, G, 16]."""
+    int8 [L, ceil(S / 2), ceil(K / 2), 64], int4 uint8 [L, ceil(S / 4), ceil(K / 4), 128];
+    scale, zero float32 [L, S, G, 16]."""
+    if q.dtype not in GROUP:
+        raise ValueError(f"q must be int8, or uint8 (int4 pairs), got {q.dtype}")
     L, K = q.shape[:2]
-    G = scale.shape[1]
-    rows = 4 if q.dtype == jnp.uint8 else 2  # a load's rows: a group holds whole loads
+    G, W = scale.shape[1], GROUP[q.dtype]
+    rows = 4 if q.dtype == jnp.uint8 else 2  # a load's rows: a group of inputs holds whole loads
     if K % G or (G > 1 and K // G % rows):
         raise ValueError(f"{G} groups of {K} inputs: the kernel needs groups of a multiple of "
                          f"{rows} inputs")
-    if q.dtype not in GROUP:
-        raise ValueError(f"q must be int8, or uint8 (int4 pairs), got {q.dtype}")
-    W = GROUP[q.dtype]
-    if q.dtype == jnp.uint8:  # a load: 4 rows of 16 columns in 32 bytes
-        u = jnp.stack([q & 15, q >> 4], axis=-1).reshape(L, K, -1)
-        N = u.shape[2]
-        S = -(-N // STRIP)
-        u = jnp.pad(u, ((0, 0), (0, -K % 4), (0, -(-S // W) * W * STRIP - N)), constant_values=8)
-        u = u.reshape(L, -1, 2, 2, -(-S // W), W, STRIP)  # [L, K' / 4, h, t, S / W, W, 16]
-        packed = (u[:, :, 0] | (u[:, :, 1] << 4)).transpose(0, 3, 1, 4, 5, 2)  # rows 4b + 2h + t
-    else:  # a load: 2 rows of 16 columns
-        N = q.shape[2]
-        S = -(-N // STRIP)
-        packed = jnp.pad(q, ((0, 0), (0, K % 2), (0, -(-S // W) * W * STRIP - N)))
-        packed = packed.reshape(L, -1, 2, -(-S // W), W, STRIP).transpose(0, 3, 1, 4, 2, 5)
+    if q.dtype == jnp.uint8:
+        q = jnp.stack([q & 15, q >> 4], axis=-1).reshape(L, K, -1)  # values plus 8
+    N = q.shape[2]
+    S = -(-N // STRIP)
+    pad = ((0, 0), (0, -K % rows), (0, -(-S // W) * W * STRIP - N))
+    if rows == 4:  # rows 4b + 2h + t: [L, K' / 4, h, t, S' / W, W, 16], nibble h of byte 2j + t
+        u = jnp.pad(q, pad, constant_values=8).reshape(L, -1, 2, 2, -(-S // W), W, STRIP)
+        packed = (u[:, :, 0] | (u[:, :, 1] << 4)).transpose(0, 3, 1, 4, 5, 2)
+    else:  # rows 2p + t: [L, K' / 2, t, S' / W, W, 16]
+        packed = jnp.pad(q, pad).reshape(L, -1, 2, -(-S // W), W, STRIP).transpose(0, 3, 1, 4, 2, 5)
 
     def strips(a):
         a = jnp.pad(a.astype(jnp.float32), ((0, 0), (0, 0), (0, S * STRIP - N)))

@@ -2,24 +2,25 @@
 // y = x @ ((q - zero) * scale), q int8 or int4 with f32 scales (and zero points) per group of
 // K / G consecutive inputs and output column.
 //
-// Layout (`pack_quantized` in kernel_cpu.py): the columns in strips of 16, each contiguous, the
-// last one padded, as `pack`'s; K in pairs of rows (padded with zero rows). int8 strips [K', 16]
-// (rows 2p and 2p + 1: one load of 32 bytes); int4 strips [K' / 4, 32] bytes, byte 2j + t of
-// load b holding row 4b + t of column j in its low nibble and row 4b + 2 + t in its high one,
-// each plus 8 (one load, two pairs: the bf16 dot product's operand order, a table lookup per
-// nibble); scales and zero points [G, 16] f32 per strip.
+// Layout (`pack_quantized` in kernel_cpu.py): the columns in strips of 16 (the last padded),
+// each a run of 32-byte loads: int8 rows 2p and 2p + 1 (K padded to pairs); int4 rows 4b to
+// 4b + 3 (K padded to fours), byte 2j + t holding row 4b + t of column j in its low nibble and
+// row 4b + 2 + t in its high one, each plus 8 (the bf16 dot product's operand order: a table
+// lookup a nibble). The strips are stored in groups (`kGroup`), the group's loads side by side;
+// scales and zero points [G, 16] f32 per strip.
 //
 // Every element is one fixed chain, whatever M and whichever path runs it (batch invariance,
 // issue 26): per group g, p = the products x[k] q[k, n] summed down the group from zero (fused
 // multiply-adds in k order, or, bf16 x with AVX512_BF16, vdpbf16ps in pair order: q is exact in
 // bf16), t = p - zero * xs (xs: the row's sum of x over the group, in one order per row), and
-// acc = fma(scale, t, acc) from acc = 0. Few rows (`QStream`) widen the strips in registers as
-// they stream them: 1 or 1/2 byte per weight read at memory speed; more rows (`QGemm`) widen a
-// tile of strips once into a scratch and run every row block against it.
+// acc = fma(scale, t, acc) from acc = 0. Up to kQStreamRows rows (`QStream`) widen the strips in
+// registers as they stream them (1 or 1/2 byte a weight from memory), more rows (`QGemm`) widen
+// a tile of strips once into a scratch and run every panel of rows against it.
 #ifndef JAXLLM_MATMUL_KERNEL_CPU_QUANT_H_
 #define JAXLLM_MATMUL_KERNEL_CPU_QUANT_H_
 
-#include "matmul/kernel_cpu_quant_vec.h"  // F16, QRow, BfPair, WidenStrip
+#include "matmul/kernel_cpu_quant_sched.h"  // QAhead, QRuns, WithRows
+#include "matmul/kernel_cpu_quant_vec.h"    // F16, QRow, BfPair, WidenStrip
 
 // One layer's packed quantized weights.
 struct QLayer {
@@ -41,45 +42,14 @@ struct QStrip {
   int64_t cols;
 };
 
-// Packed strips are stored in groups, the group's loads side by side: a task's strips are one
-// sequential read. (Strip after strip, a task read 4 runs of a few KB 32 bytes at a time, which
-// the hardware fetched ahead at 2/3 of the speed.) Groups of 2 int8 strips, 4 int4 ones: a group
-// a line or two of each load, and (K = 576) few enough bytes that a task's strips stay in L1
-// from a panel of rows to the next.
+// Packed strips are stored in groups, the group's loads side by side, and a streaming task reads
+// a group: one sequential run (strip after strip, a task read several short runs 32 bytes at a
+// time, which the hardware fetched ahead too slowly). Groups of 2 int8 strips, 4 int4 ones: a
+// line or two a load, and few enough bytes to stay in L1 from a panel of rows to the next (4
+// int8 strips of a 576-input projection did not).
 template <typename Q>
 constexpr int64_t kGroup = std::is_same_v<Q, uint8_t> ? 4 : 2;
 constexpr int64_t kQLoad = 32;  // values of a load
-// The weights a thread reads next (its next task's strips, or tile), fetched into L2 a few lines
-// each pair step of the chains before them: a task's first pass over its weights otherwise waits
-// on memory (as `Prefetch` does for the bf16 strips).
-struct QAhead {
-  const char* p = nullptr;
-  int64_t lines = 0, step = 0;  // lines in all, per pair step
-  int64_t also = 0;             // bytes past p to as many lines more (gated: the up strips)
-
-  // `bytes` at p over `steps` pair steps.
-  static QAhead Of(const void* p, int64_t bytes, int64_t steps, int64_t also = 0) {
-    const int64_t lines = (bytes + 63) / 64;
-    return {static_cast<const char*>(p), lines, (lines + steps - 1) / std::max<int64_t>(steps, 1),
-            also};
-  }
-  // The share of call c of chains of P pair steps each.
-  QAhead Share(int64_t c, int64_t P) const {
-    const int64_t skip = std::min(lines, c * P * step);
-    return {p + 64 * skip, lines - skip, step, also};
-  }
-  // The lines of pair steps [i, i + n).
-  inline void At(int64_t i, int64_t n) const {
-    for (int64_t j = i * step; j < std::min(lines, (i + n) * step); ++j) {
-      Fetch(p + 64 * j);
-      if (also) Fetch(p + also + 64 * j);
-    }
-  }
-  // As __builtin_prefetch(a, 0, 2), which GCC deleted from these loops as having no effect.
-  // (An address operand, not a memory one: that would make the compiler store the chains
-  // before every prefetch.)
-  static inline void Fetch(const char* a) { asm volatile("prefetcht1 (%0)" : : "r"(a)); }
-};
 
 // xs[r * G + g]: row r's sum of x over group g (gs values), in one order: 8 lanes down the
 // group, the lanes in turn, then the values past the last 8.
@@ -98,25 +68,9 @@ static void GroupSums(const T* x, int64_t ldx, int64_t M, int64_t G, int64_t gs,
     }
 }
 
-// f(integral_constant<R>) for R = n in [1, kMax].
-template <int kMax, typename F>
-static inline void WithRows(int64_t n, const F& f) {
-  static_assert(kMax <= 8, "the cases below");
-  switch (n) {
-    case 8: if constexpr (kMax >= 8) f(std::integral_constant<int, 8>{}); break;
-    case 7: if constexpr (kMax >= 7) f(std::integral_constant<int, 7>{}); break;
-    case 6: if constexpr (kMax >= 6) f(std::integral_constant<int, 6>{}); break;
-    case 5: if constexpr (kMax >= 5) f(std::integral_constant<int, 5>{}); break;
-    case 4: if constexpr (kMax >= 4) f(std::integral_constant<int, 4>{}); break;
-    case 3: if constexpr (kMax >= 3) f(std::integral_constant<int, 3>{}); break;
-    case 2: if constexpr (kMax >= 2) f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
-  }
-}
-
-// Strips side by side in a streaming task: enough chains to cover the FMA or dot-product latency
-// with 1-2 rows, within the registers (AVX2: 16, F16 two of them); rows of a streaming panel
-// (kQFewRows) and of a register block of the many-row path (kQMr, by kQU strips).
+// Strips side by side in a streaming chain block: enough chains to cover the FMA or dot-product
+// latency with few rows, within the registers (AVX2: 16, F16 two of them); rows of a streaming
+// panel (kQFewRows) and of a register block of the many-row path (kQMr, by kQU strips).
 #ifdef __AVX512F__
 template <int R>
 constexpr int kQStreamU = R <= 4 ? 4 : 2;
@@ -128,7 +82,7 @@ constexpr int kQFewRows = 4, kQMr = 4, kQU = 1;
 #endif
 // Up to this many rows stream the strips, widened in registers again for each panel, rather
 // than widened once into a tile (`QGemm`): the widening fills the dot products' idle issue slots
-// (measured as fast or faster up to 128 rows; AVX2's f32 FMAs leave fewer to int4's unpacking).
+// (as fast or faster, measured, up to here; AVX2's f32 FMAs leave fewer to int4's unpacking).
 #ifdef __AVX512F__
 constexpr int64_t kQStreamRows = 128;
 #else
@@ -289,16 +243,13 @@ static inline void QChainsOf(int64_t b, const X* xp, const float* xs, const QStr
   QChains<kBf, Q, R, 1>(xp, xs, st, ldy, w, ahead);
 }
 
-// Few rows (panels of R0 rows, R0 - 1 for some): tasks of a quad of strips (and, gated, their
+// Few rows (panels of R0 rows, R0 - 1 for some): tasks of a group of strips (and, gated, their
 // up strips after it), widened in registers as they stream, U strips at a time, each panel in
 // turn (the strips in cache for all but the first), written in place (f32) or finished from
-// the task's scratch. The last tasks have 2 strips, so that the threads finish together. A
-// thread's last task fetches the next layer's first tasks (the engine's next call on these
-// weights, a layer on), which otherwise start every call waiting on memory.
-#ifndef AHEAD_ONE
-#define AHEAD_ONE 0
-#endif
-constexpr bool kAheadOne = AHEAD_ONE;
+// the task's scratch; a run of them a thread (`QRuns`). With several panels a task fetches the
+// next one's strips; the last task of a thread's share fetches the share's first in the next
+// layer (the engine's next call on these weights, a layer on), which otherwise starts every
+// call waiting on memory.
 template <bool kBf, typename Q, int R0, typename X>
 static void QStream(ffi::ThreadPool& pool, const X* xp, const float* xs, int64_t M, int64_t N,
                     const QLayer& w, const Out& out) {
@@ -306,8 +257,8 @@ static void QStream(ffi::ThreadPool& pool, const X* xp, const float* xs, int64_t
   const int64_t n = out.gated ? N / 2 : N, strips = (n + kNr - 1) / kNr;
   const int64_t threads = pool.num_threads();
   const QPanels panels(0, M, M);
-  // Tasks of a group of strips (a multiple of the threads), one sequential read, which stays in
-  // L1 from a panel to the next; then of 2 strips.
+  // Tasks of a group of strips, one sequential read that stays in L1 from a panel to the next
+  // (as many as make equal shares), then of 2 strips.
   const int64_t tb = kGroup<Q>;
   int64_t full = strips / tb;
   if (full > threads) full -= full % threads;
@@ -315,21 +266,22 @@ static void QStream(ffi::ThreadPool& pool, const X* xp, const float* xs, int64_t
   auto first = [&](int64_t t) { return t < full ? t * tb : full * tb + (t - full) * 2; };
   auto size = [&](int64_t t) { return std::min<int64_t>(t < full ? tb : 2, strips - first(t)); };
   const bool direct = out.y != nullptr && !out.gated;
-  ParallelForAhead(pool, tasks, [&](int64_t t, int64_t next) {
+  QRuns(pool, tasks, [&](int64_t t, int64_t next, int64_t run, int64_t end) {
     const int64_t s0 = first(t), B = size(t);
     const int64_t c0 = s0 * kNr, cols = std::min(B * kNr, n - c0);
     thread_local std::vector<float> scratch(kQStreamRows * 2 * kTile);  // as `Out::Rows`'
     float* y = direct ? out.y + c0 : scratch.data();  // (gated: up columns from kTile)
     const int64_t ldy = direct ? N : 2 * kTile;
-    auto run = [&](int64_t s, float* ys) {  // strips [s, s + B) into ys
+    auto run_on = [&](int64_t s, float* ys) {  // strips [s, s + B) into ys
+      // The next task's strips, or for a run's last task, the run's first in the next layer
+      // (same strips, the layer after).
       QAhead ahead;
-      if (next >= 0 && (panels.n > 1 || kAheadOne))  // the next task, over the first panel
-        ahead = QAhead::Of(RawStrip<Q>(w, first(next) + s - s0),
-                           (size(next) + kGroup<Q> - 1) / kGroup<Q> * w.group, w.P);
-      else if (next < 0 && w.after != nullptr)  // the next layer's first tasks, for its call
-        ahead = QAhead::Of(RawStrip<Q>(w, s - s0) - static_cast<const Q*>(w.q) +
-                               static_cast<const Q*>(w.after),
-                           (first(std::min(tasks, threads)) + 3) / kGroup<Q> * w.group, w.P);
+      if (next >= 0 && panels.n > 1)
+        ahead = QAhead::Of(RawStrip<Q>(w, first(next) + s - s0), w.group, w.P);
+      else if (t + 1 == end && w.after != nullptr)
+        ahead = QAhead::Of(static_cast<const Q*>(w.after) +
+                               (RawStrip<Q>(w, first(run) + s - s0) - RawStrip<Q>(w, 0)),
+                           w.group, w.P);
       for (int64_t j = 0; j < panels.n; ++j)
         for (int64_t u0 = 0; u0 < B; u0 += U) {
           const int64_t r0 = panels.Start(j), b = std::min<int64_t>(U, B - u0);
@@ -345,8 +297,8 @@ static void QStream(ffi::ThreadPool& pool, const X* xp, const float* xs, int64_t
           });
         }
     };
-    run(s0, y);
-    if (out.gated) run(n / kNr + s0, y + kTile);
+    run_on(s0, y);
+    if (out.gated) run_on(n / kNr + s0, y + kTile);
     if (!direct) out.Finish({scratch.data(), ldy}, 0, M, c0, cols);
   });
 }

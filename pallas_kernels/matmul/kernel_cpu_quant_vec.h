@@ -1,12 +1,13 @@
 // Part of kernel_cpu_quant.h: 16-float rows (`F16`, one AVX-512 register, two AVX2 ones, or
-// portable vectors elsewhere) and the widening of a strip's pair of packed quantized rows into
-// them (`QPair`) or, for vdpbf16ps, into bf16 pairs (`BfPair`). Integers of 8 bits and fewer are
+// portable vectors elsewhere) and the widening of a strip's load of packed quantized rows into
+// them (`QRow`) or, for vdpbf16ps, into bf16 pairs (`BfPair`). Integers of 8 bits and fewer are
 // exact in f32 and bf16, so every path multiplies by the same values.
 #ifndef JAXLLM_MATMUL_KERNEL_CPU_QUANT_VEC_H_
 #define JAXLLM_MATMUL_KERNEL_CPU_QUANT_VEC_H_
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu_vec.h"
 
