@@ -5,7 +5,6 @@ with peft, their B matrices random (init_lora_weights=False), so each changes th
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 
@@ -14,15 +13,9 @@ import pytest
 
 from jaxllm import LLM, LoRARequest, SamplingParams
 from jaxllm.config import ConfigError
+from lora_adapters import ADAPTERS, make_adapters, oracle, requests
 
 NEW = 6
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# name -> peft LoraConfig arguments: ranks 8, 4 (rsLoRA), 16; all modules, q/v, o/up/down.
-ADAPTERS = {
-    "all": dict(r=8, lora_alpha=16, target_modules=ALL),
-    "qv": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"]),
-    "oud": dict(r=16, lora_alpha=8, target_modules=["o_proj", "up_proj", "down_proj"]),
-}
 
 
 @pytest.fixture(autouse=True)
@@ -32,41 +25,7 @@ def _fail_on_recompile(monkeypatch):
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama, tmp_path_factory):
-    """{name: (folder, the peft model: the oracle)}."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    out = {}
-    for i, (name, kw) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(100 + i)
-        model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **kw))
-        path = str(tmp_path_factory.mktemp(f"lora_{name}"))
-        model.save_pretrained(path)
-        out[name] = (path, model.eval())
-    out[None] = (None, base)
-    return out
-
-
-def requests(adapters) -> dict:
-    return {name: LoRARequest(name, i + 1, adapters[name][0])
-            for i, name in enumerate(ADAPTERS)}
-
-
-def oracle(model, prompt: list[int], new: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their logprobs, the whole sequence recomputed each token."""
-    import torch
-
-    ids, lps = list(prompt), []
-    with torch.no_grad():
-        for _ in range(new):
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
-            lp = torch.log_softmax(logits, -1)
-            tok = int(lp.argmax())
-            ids.append(tok)
-            lps.append(float(lp[tok]))
-    return ids[len(prompt):], lps
+    return make_adapters(tiny_llama, str(tmp_path_factory.mktemp("lora")))
 
 
 def lora_llm(path: str, **kw) -> LLM:
@@ -149,3 +108,42 @@ def test_refusals_name_the_problem(tiny_llama, adapters, tmp_path):
                 max_num_batched_tokens=64, disable_log_stats=True)
     with pytest.raises(ValueError, match="--enable-lora"):
         plain.generate("hi", sp, lora_request=LoRARequest("qv", 2, path))
+
+
+@pytest.mark.parametrize("extra", [
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                             "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
+    dict(num_scheduler_steps=4)], ids=["ngram", "multi-step"])
+def test_with_speculation_and_multi_step(tiny_llama, adapters, extra):
+    """Drafts are verified, and multi-step bursts run, with each token's adapter."""
+    llm = lora_llm(tiny_llama, **extra)
+    reqs = requests(adapters)
+    prompt = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9]  # repeats, so n-gram drafts are proposed
+    names = [None, "all", "qv"]
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 3, sp,
+                        lora_request=[reqs.get(n) for n in names], use_tqdm=False)
+    for name, out in zip(names, outs):
+        assert list(out.outputs[0].token_ids) == oracle(adapters[name][1], prompt, 10)[0], name
+
+
+def test_bfloat16_on_the_default_backend(tiny_llama, adapters):
+    """bf16 weights and adapters (the CPU backend keeps them as bits: the slots are written
+    so): the adapter's teacher-forced logprobs are near its float32 oracle's, far from the
+    base model's."""
+    import torch
+
+    llm = lora_llm(tiny_llama, dtype="bfloat16")
+    prompt = list(range(20, 36))
+    tokens, _ = oracle(adapters["all"][1], prompt, 8)
+    seq = prompt + tokens
+    with torch.no_grad():
+        def teacher(model):
+            lp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0].double(), -1)
+            return np.array([float(lp[i, seq[i + 1]]) for i in range(len(seq) - 1)])
+        want, base = teacher(adapters["all"][1]), teacher(adapters[None][1])
+    out = llm.generate({"prompt_token_ids": seq}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       lora_request=requests(adapters)["all"], use_tqdm=False)[0]
+    got = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], seq[1:])])
+    err, gap = np.abs(got - want).max(), np.abs(base - want).max()
+    assert err < 0.1 and err < gap / 5, (err, gap)
