@@ -32,6 +32,7 @@ _EXPORTS = {
     "CompletionOutput": "jaxllm.outputs",
     "PoolingRequestOutput": "jaxllm.outputs",
     "EmbeddingRequestOutput": "jaxllm.outputs",
+    "LoRARequest": "jaxllm.lora.request",
 }
 
 __all__ = list(_EXPORTS)

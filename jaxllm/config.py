@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from jaxllm.engine_config import (QUANTIZATION_METHODS, ConfigError, EngineConfig,
-                                  check_data_parallel, check_pipeline, engine_config_from,
+                                  check_data_parallel, check_lora, check_pipeline,
+                                  engine_config_from,
                                   flag_name)
 from jaxllm.json_object import json_object
 from jaxllm.spec_decode.config import SpeculativeConfig
@@ -35,6 +36,7 @@ STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_fallback", "disable_any_whitespac
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
 TASKS = ("auto", "generate", "embed", "embedding")
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 
 
 def parse_size(value: Union[str, int, None]) -> Optional[int]:
@@ -183,6 +185,16 @@ class EngineArgs:
                                        "float checkpoint's layer projections to float8 at "
                                        "load. GGUF weights are dequantized at load.",
                                        default=None)
+    enable_lora: bool = _arg("Serve LoRA adapters (peft folders) over the base model: "
+                             "requests name one (LoRARequest; the server's `model` field).",
+                             default=False)
+    max_loras: int = _arg("Adapters a step can run at once (device slots); a request whose "
+                          "adapter finds no free slot waits.", default=1)
+    max_lora_rank: int = _arg("Largest adapter rank.", choices=LORA_RANKS, default=16)
+    max_cpu_loras: Optional[int] = _arg("Adapters kept read in host memory (default "
+                                        "--max-loras; at least that).", default=None)
+    lora_dtype: str = _arg("Adapter weights' dtype (auto = the model's).",
+                           choices=("auto", "float16", "bfloat16", "float32"), default="auto")
     served_model_name: Optional[list] = _arg("Name(s) the API serves the model under.",
                                              default=None)
     max_logprobs: int = _arg("Most logprobs a request may ask for.", default=20)
@@ -272,6 +284,7 @@ class EngineArgs:
         if self.pipeline_parallel_size > 1:
             check_pipeline(self)
         check_data_parallel(self, bad)
+        check_lora(self, bad)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             bad("quantization", f"{self.quantization!r} is not supported (supported: "
                 f"{', '.join(QUANTIZATION_METHODS)})")

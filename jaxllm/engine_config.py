@@ -75,6 +75,7 @@ class ModelOptions:
     convert: str = "auto"
     pooler_config: Optional[dict] = None
     quantization: Optional[str] = None  # --quantization (the checkpoint's own when None)
+    lora: Optional["LoRAConfig"] = None  # --enable-lora: the layers hold adapter slots
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,15 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """--enable-lora: adapter slots on the device and adapters read on the host."""
+    max_loras: int       # device slots: adapters one step can run
+    max_lora_rank: int
+    max_cpu_loras: int   # adapters kept read on the host (>= max_loras)
+    lora_dtype: str      # 'auto' = the model's
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine is started with, by consumer (vLLM's VllmConfig)."""
     load: LoadConfig
@@ -133,6 +143,7 @@ class EngineConfig:
     speculative: Optional[SpeculativeConfig]
     structured_outputs: Optional[dict]  # --structured-outputs-config
     disable_log_stats: bool
+    lora: Optional[LoRAConfig] = None  # --enable-lora
 
 
 def engine_config_from(args: Any) -> EngineConfig:
@@ -145,9 +156,11 @@ def engine_config_from(args: Any) -> EngineConfig:
     def default_on(flag: Optional[bool]) -> bool:
         return True if flag is None else flag
 
+    lora = (LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras,
+                       args.lora_dtype) if args.enable_lora else None)
     return EngineConfig(
         load=part(LoadConfig),
-        model=part(ModelOptions),
+        model=part(ModelOptions, lora=lora),
         cache=part(CacheConfig, cache_dtype=args.kv_cache_dtype,
                    enable_prefix_caching=default_on(args.enable_prefix_caching)),
         scheduler=part(SchedulerConfig, policy=args.scheduling_policy,
@@ -155,7 +168,8 @@ def engine_config_from(args: Any) -> EngineConfig:
         parallel=part(ParallelConfig, data_parallel_size_local=args.data_parallel_local),
         speculative=args.speculative_config,
         structured_outputs=args.structured_outputs_config,
-        disable_log_stats=args.disable_log_stats)
+        disable_log_stats=args.disable_log_stats,
+        lora=lora)
 
 
 def check_pipeline(args: Any) -> None:
@@ -176,6 +190,27 @@ def check_pipeline(args: Any) -> None:
             raise ConfigError(f"--pipeline-parallel-size={args.pipeline_parallel_size} with "
                               f"--{flag_name(name)}={getattr(args, name)!r}: {why} is not "
                               f"implemented; drop one of the two")
+
+
+def check_lora(args: Any, bad: Callable[[str, str], None]) -> None:
+    """--enable-lora's sizes, and the layouts it does not combine with yet (each would need the
+    adapter slots written on other hosts or replicas, or a stage's share of them)."""
+    if not args.enable_lora:
+        for name, default in (("max_loras", 1), ("max_lora_rank", 16), ("max_cpu_loras", None),
+                              ("lora_dtype", "auto")):
+            if getattr(args, name) != default:
+                bad(name, "needs --enable-lora")
+        return
+    if args.max_loras < 1:
+        bad("max_loras", "must be positive")
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        bad("max_cpu_loras", f"must be at least --max-loras ({args.max_loras})")
+    for name, on in (("pipeline_parallel_size", args.pipeline_parallel_size > 1),
+                     ("data_parallel_size", args.data_parallel_size > 1),
+                     ("nnodes", args.nnodes > 1),
+                     ("runner", args.runner == "pooling" or args.convert == "embed")):
+        if on:
+            bad(name, "with --enable-lora is not implemented yet; drop one of the two")
 
 
 def check_data_parallel(args: Any, bad: Callable[[str, str], None]) -> None:

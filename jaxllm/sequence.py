@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling_params import SamplingParams
 
 # Placeholder output token of a step dispatched but not read yet (async scheduling).
@@ -61,6 +62,7 @@ class Sequence:
     grammar: Optional[Any] = None
     # Set by the engine for metrics.
     first_token_time: Optional[float] = None
+    lora_request: Optional[LoRARequest] = None  # the adapter it runs with (None: the base model)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -115,6 +117,7 @@ class ScheduledSequence:
     # Speculative draft tokens computed after the known ones (the last num_tokens of the
     # step); their positions are verified, and only the accepted ones count as computed.
     spec_token_ids: list[int] = field(default_factory=list)
+    lora_slot: int = -1  # the device slot of its LoRA adapter (-1: none)
 
 
 @dataclass

@@ -37,7 +37,8 @@ LAYERS = {
     "jaxllm.sequence": 0,
     "jaxllm.outputs": 0,
     "jaxllm.structured_output": 0,  # request constraints and the grammar engine (no JAX)
-    "jaxllm.spec_decode.config": 0,  # --speculative-config, read by EngineArgs (no JAX)
+    "jaxllm.spec_decode.config": 0,
+    "jaxllm.lora": 0,               # the LoRA request type (no JAX)  # --speculative-config, read by EngineArgs (no JAX)
 }
 # (importer, imported) pairs allowed to go upward, each with its reason. Keep it empty.
 ALLOWED: dict[tuple[str, str], str] = {}

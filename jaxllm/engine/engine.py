@@ -22,10 +22,12 @@ from typing import Optional, Union
 from jaxllm.config import EngineArgs
 from jaxllm.engine.input_processor import InputProcessor, PromptType
 from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.engine.lora_slots import LoRASlots
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.startup import build_engine_parts
-from jaxllm.engine.stats import EngineStats, StatsLogger
+from jaxllm.engine.stats import EngineStats, LoraStats, StatsLogger
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
@@ -62,6 +64,9 @@ class LLMEngine:
         self.pooler = (None if parts.pooler_config is None
                        else Pooler(parts.pooler_config, self.runner, block_size))
         sc, pp = config.scheduler, config.parallel.pipeline_parallel_size
+        self.lora_config = config.lora
+        self.lora_slots = (None if config.lora is None else
+                           LoRASlots(config.lora, self.model_config, self.runner.write_lora_slot))
         self.kv_cache_manager = KVCacheManager(
             parts.num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching,
             hash_algo=config.cache.prefix_caching_hash_algo)
@@ -70,7 +75,7 @@ class LLMEngine:
             max_num_batched_tokens=self.runner.max_num_batched_tokens,
             max_model_len=self.model_config.max_model_len,
             enable_chunked_prefill=sc.enable_chunked_prefill, policy=sc.policy,
-            block_size=block_size, pipeline_depth=pp)
+            block_size=block_size, pipeline_depth=pp, lora_slots=self.lora_slots)
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config, max_logprobs=sc.max_logprobs,
             eos_token_ids=self.eos_token_ids, structured_outputs=config.structured_outputs,
@@ -105,16 +110,37 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: Optional[SamplingParams] = None, priority: int = 0,
-                    arrival_time: Optional[float] = None) -> None:
+                    arrival_time: Optional[float] = None,
+                    lora_request: Optional[LoRARequest] = None) -> None:
+        """lora_request: the adapter to run it with (registered here on first use)."""
         if self.pooler is not None:
             raise ValueError("Text generation is only supported for generative models; this "
                              "one runs with --runner pooling (embeddings). Start it with "
                              "--runner generate to generate text.")
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already running")
-        req = self.input_processor.process(request_id, prompt, params, priority, arrival_time)
+        if lora_request is not None:
+            self.add_lora(lora_request)
+        req = self.input_processor.process(request_id, prompt, params, priority, arrival_time,
+                                           lora_request)
         for seq in self.output_processor.add_request(req):
             self.scheduler.add_seq(seq)
+
+    # --- LoRA adapters -----------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register and read a peft adapter (False: it is registered already). Errors name
+        the adapter; --enable-lora must be on."""
+        if self.lora_slots is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: LoRA is off; start the "
+                             f"engine with --enable-lora (enable_lora=True) to serve adapters")
+        return self.lora_slots.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (False if unknown); requests running with it finish with it."""
+        return self.lora_slots is not None and self.lora_slots.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set() if self.lora_slots is None else self.lora_slots.list()
 
     def encode(self, request_id: str, prompt: PromptType,
                params: Optional[PoolingParams] = None) -> PoolingRequestOutput:
@@ -246,4 +272,9 @@ class LLMEngine:
             generation_tokens_total=self.output_processor.num_generation_tokens,
             spec_decode=self.speculator.stats() if self.speculator is not None else None,
             expert_load=(None if load is None  # --enable-expert-load-metrics
-                         else dict(zip(self.runner.moe_layer_ids, load.copy()))))
+                         else dict(zip(self.runner.moe_layer_ids, load.copy()))),
+            lora=None if self.lora_slots is None else LoraStats(
+                self.lora_slots.running(),
+                tuple(sorted({s.lora_request.lora_name for s in self.scheduler.waiting_seqs()
+                              if s.lora_request is not None})),
+                self.lora_config.max_loras))

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxllm.engine.grammar import Grammars
 from jaxllm.layers.sampling_tensors import EXTRA_PENALTY_IDS
+from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict]
@@ -34,6 +35,7 @@ class EngineRequest:
     grammar: Any = None     # a compiled grammar, its matcher made per sequence
     priority: int = 0
     arrival_time: float = 0.0
+    lora_request: Optional[LoRARequest] = None
 
 
 class InputProcessor:
@@ -88,7 +90,9 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: PromptType,
                 params: Optional[SamplingParams] = None, priority: int = 0,
-                arrival_time: Optional[float] = None) -> EngineRequest:
+                arrival_time: Optional[float] = None,
+                lora_request: Optional[LoRARequest] = None) -> EngineRequest:
+        """lora_request: checked by the engine (its adapter registered) before this."""
         params = params.clone() if params is not None else SamplingParams()
         if params.bad_words:
             if self.tokenizer is None:
@@ -109,4 +113,5 @@ class InputProcessor:
         seeds = tuple(params.seed + i if params.seed is not None
                       else int(self._rng.integers(2**31 - 1)) for i in range(params.n))
         return EngineRequest(request_id, text, ids, params, seeds, self.eos_token_ids, grammar,
-                             priority, time.monotonic() if arrival_time is None else arrival_time)
+                             priority, time.monotonic() if arrival_time is None else arrival_time,
+                             lora_request)

@@ -23,7 +23,7 @@ from typing import Optional
 
 from jaxllm.sequence import Sequence
 
-_ROOT = 0  # the parent uid of a first block
+_ROOT = 0  # the parent uid of a first block (of a sequence without a LoRA adapter)
 
 
 def _hash_builtin(parent, tokens: tuple) -> int:
@@ -32,6 +32,24 @@ def _hash_builtin(parent, tokens: tuple) -> int:
 
 def _hash_sha256(parent, tokens: tuple) -> bytes:
     return hashlib.sha256(parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
+
+
+def _adapter_key(seq: Sequence) -> Optional[tuple]:
+    """A LoRA adapter's identity as a 'block' of ints no real block has (a negative token):
+    its name, id and folder, which a reload under the same name changes only if the folder
+    does."""
+    lora = seq.lora_request
+    if lora is None:
+        return None
+    digest = hashlib.sha256(repr((lora.lora_name, lora.lora_int_id, lora.lora_path)).encode())
+    return (-1, int.from_bytes(digest.digest()[:7], "little"))
+
+
+def _root_uid(seq: Sequence):
+    """The parent uid of a sequence's first block: hits are verified through it, so a block
+    computed with one adapter (or none) is never another's, hash collisions included."""
+    key = _adapter_key(seq)
+    return _ROOT if key is None else key
 
 
 class Block:
@@ -117,7 +135,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return [], 0
         hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
-        ids, parent = [], _ROOT
+        ids, parent = [], _root_uid(seq)
         for i, h in enumerate(hashes):
             b = self._cached.get(h)
             if b is None or b.parent_uid != parent or b.token_ids != self._block_tokens(seq, i):
@@ -168,7 +186,7 @@ class KVCacheManager:
         hashes = self._block_hashes(seq, num_full)
         ids = self._seq_blocks[seq.seq_id]
         for i in range(len(uids), num_full):
-            parent = uids[-1] if uids else _ROOT
+            parent = uids[-1] if uids else _root_uid(seq)
             if parent is None:  # the chain broke at a collision: nothing after it is verifiable
                 uids.append(None)
                 continue
@@ -235,10 +253,16 @@ class KVCacheManager:
             tokens = tokens + seq.output_token_ids[max(s - len(p), 0):e - len(p)]
         return tuple(tokens)
 
+    def _seq_root_hash(self, seq: Sequence):
+        """The parent hash of a sequence's first block: the root, or with a LoRA adapter the
+        root extended by the adapter's identity (its KV differs from the base model's)."""
+        key = _adapter_key(seq)
+        return self._root_hash if key is None else self._hash(self._root_hash, key)
+
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list:
         """Chain hashes of the sequence's first num_blocks full blocks (of known tokens)."""
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
         while len(hashes) < num_blocks:
-            parent = hashes[-1] if hashes else self._root_hash
+            parent = hashes[-1] if hashes else self._seq_root_hash(seq)
             hashes.append(self._hash(parent, self._block_tokens(seq, len(hashes))))
         return hashes

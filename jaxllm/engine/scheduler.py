@@ -21,7 +21,9 @@ class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs", block_size: int,
-                 pipeline_depth: int = 1):
+                 pipeline_depth: int = 1, lora_slots=None):
+        """lora_slots: the engine's LoRA adapter slots (jaxllm/engine/lora_slots.py) when
+        LoRA is on: a sequence runs only while its adapter holds a slot."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         if block_size != kv_cache_manager.block_size:
@@ -52,6 +54,8 @@ class Scheduler:
         # that a step never needs a token still in flight (penalties, grammars and stop
         # strings see every output token, as on one device).
         self.pipeline_depth = pipeline_depth
+        self.lora_slots = lora_slots
+        self._lora_holders: set[str] = set()  # running sequences holding an adapter slot
 
     @property
     def num_running(self) -> int:
@@ -60,6 +64,10 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def waiting_seqs(self) -> list[Sequence]:
+        """The waiting sequences, in no particular order."""
+        return [seq for _, seq in self.waiting]
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.seqs)
@@ -83,6 +91,7 @@ class Scheduler:
         for seq in done:
             seq.status = status
             self.kv.free(seq)
+            self._release_lora(seq)
             while drop_pending and seq.output_token_ids and seq.output_token_ids[-1] == PENDING:
                 seq.output_token_ids.pop()
         if done:
@@ -152,11 +161,15 @@ class Scheduler:
                 scheduled[seq.seq_id] = self._scheduled(seq, n, spec)
                 budget -= n
         # As vLLM: admit nobody in a step that had to preempt, or the victim would bounce back.
+        no_slot = []  # waiting sequences passed over: their adapter found no free slot
         while (not preempted and self.waiting and budget and len(scheduled) < cap
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0][1]
             if self._in_flight(seq):
                 break  # preempted with its token in flight: it comes back first
+            if not self._has_lora_slot(seq):
+                no_slot.append(heapq.heappop(self.waiting))  # as vLLM: later ones may run
+                continue
             blocks, num_cached = self.kv.get_computed_blocks(seq)
             n = seq.num_tokens - num_cached
             if n > budget and not self.chunked_prefill:
@@ -165,6 +178,7 @@ class Scheduler:
             if not self.kv.allocate_slots(seq, n, blocks):
                 break
             heapq.heappop(self.waiting)
+            self._take_lora(seq)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
             seq.num_computed_tokens = num_cached
@@ -172,6 +186,8 @@ class Scheduler:
             self.running.append(seq)
             scheduled[seq.seq_id] = self._scheduled(seq, n)
             budget -= n
+        for item in no_slot:
+            heapq.heappush(self.waiting, item)
         return SchedulerOutput(list(scheduled.values()), preempted)
 
     def advance(self, sched: SchedulerOutput) -> None:
@@ -261,6 +277,7 @@ class Scheduler:
             victim = self.running[-1]
         self.running.remove(victim)
         self.kv.free(victim)
+        self._release_lora(victim)
         victim.status = SequenceStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -276,9 +293,31 @@ class Scheduler:
     def _scheduled(self, seq: Sequence, n: int, drafts=()) -> ScheduledSequence:
         start = seq.num_computed_tokens
         num_spec = max(0, start + n - seq.num_tokens)
+        slot = (-1 if seq.lora_request is None or self.lora_slots is None
+                else self.lora_slots.slot(seq.lora_request))
         return ScheduledSequence(seq, start, n, self.kv.get_block_ids(seq.seq_id),
                                  sample=start + n >= seq.num_tokens,
-                                 spec_token_ids=list(drafts[:num_spec]))
+                                 spec_token_ids=list(drafts[:num_spec]), lora_slot=slot)
+
+    # --- LoRA adapter slots ----------------------------------------------------------------------
+    def _has_lora_slot(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence's adapter is in a slot, or could be put in one (then
+        `_take_lora` does, once the sequence is admitted)."""
+        if seq.lora_request is None:
+            return True
+        if self.lora_slots is None:
+            raise ValueError(f"sequence {seq.seq_id!r} has a LoRA adapter and LoRA is off")
+        return self.lora_slots.can_acquire(seq.lora_request)
+
+    def _take_lora(self, seq: Sequence) -> None:
+        if seq.lora_request is not None:
+            self.lora_slots.acquire(seq.lora_request)
+            self._lora_holders.add(seq.seq_id)
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.seq_id in self._lora_holders:
+            self._lora_holders.discard(seq.seq_id)
+            self.lora_slots.release(seq.lora_request)
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Finish on a token stop; the step after, if already dispatched, loses its token."""

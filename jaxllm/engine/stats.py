@@ -22,6 +22,15 @@ LOG_INTERVAL_S = 5.0
 
 
 @dataclass(frozen=True)
+class LoraStats:
+    """--enable-lora: the adapters of running and waiting requests, by name (vLLM's
+    lora_requests_info), and the device slots."""
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    max_lora: int = 0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -39,6 +48,7 @@ class EngineStats:
     # Data parallelism: each replica's own, and the router's prefix-affinity hits.
     replicas: tuple["EngineStats", ...] = ()
     prefix_affinity_hits: Optional[int] = None
+    lora: Optional[LoraStats] = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -12,6 +12,7 @@ from jaxllm.config import DEFAULT_MODEL, EngineArgs
 from jaxllm.deploy.data_parallel import make_engine
 from jaxllm.engine.engine import PromptType
 from jaxllm.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
@@ -38,9 +39,19 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Params = None, use_tqdm: bool = True,
-                 priority: Optional[list[int]] = None) -> list[RequestOutput]:
-        """Outputs in the order of the prompts. A single prompt may be given bare."""
+                 priority: Optional[list[int]] = None,
+                 lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None
+                 ) -> list[RequestOutput]:
+        """Outputs in the order of the prompts. A single prompt may be given bare.
+        lora_request: the adapter of every prompt, or one per prompt (None: the base model);
+        needs enable_lora=True."""
         prompts = _as_list(prompts)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -57,7 +68,9 @@ class LLM:
                 p = (p if p is not None else SamplingParams()).clone()
                 p.output_kind = RequestOutputKind.FINAL_ONLY
                 rid = str(next(self._ids))
-                self.llm_engine.add_request(rid, prompt, p, priority[i] if priority else 0)
+                lora = {"lora_request": loras[i]} if loras[i] is not None else {}
+                self.llm_engine.add_request(rid, prompt, p, priority[i] if priority else 0,
+                                            **lora)
                 ids.append(rid)
         except Exception:
             self.llm_engine.abort_request(ids)
@@ -68,7 +81,9 @@ class LLM:
              chat_template: Optional[str] = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: Optional[list[dict]] = None,
-             chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
+             chat_template_kwargs: Optional[dict] = None,
+             lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None
+             ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations. `tools` (OpenAI
         function definitions) are rendered by the chat template, as in vLLM; the outputs are
         the model's text (parse tool calls with a tool parser from
@@ -87,7 +102,8 @@ class LLM:
             # The template already holds any BOS: do not add special tokens again (as vLLM).
             prompts.append({"prompt": text,
                             "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
                     params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:

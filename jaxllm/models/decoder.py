@@ -21,6 +21,7 @@ from jaxllm.config import ConfigError
 from jaxllm.layers.attention import AttentionMetadata, KVCache
 from jaxllm.layers.backends.base import Backend
 from jaxllm.layers.backends.reference import ACTIVATIONS, ReferenceBackend
+from jaxllm.layers.lora import slot_mask
 from jaxllm.models.dense import DenseLayers
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.moe import MoeLayers
@@ -75,20 +76,24 @@ class Decoder(nnx.Module):
                         else dummy_weight(seed, "lm_head", (V, E), ("vocab", "embed"), dt))
 
     def __call__(self, kv_caches: tuple[KVCache, ...], token_ids: jax.Array, positions: jax.Array,
-                 md: AttentionMetadata) -> tuple[jax.Array, tuple[KVCache, ...]]:
-        """The whole forward: final hidden states [T, E] and the updated caches."""
+                 md: AttentionMetadata, lora_slots: Optional[jax.Array] = None
+                 ) -> tuple[jax.Array, tuple[KVCache, ...]]:
+        """The whole forward: final hidden states [T, E] and the updated caches. lora_slots:
+        each token's LoRA adapter slot, int32 [T] (-1: the base model), when the model was
+        built with slots (cfg.lora)."""
         h = self.embed_tokens(token_ids)
-        h, kv_caches = self.run_layers(h, kv_caches, positions, md)
+        h, kv_caches = self.run_layers(h, kv_caches, positions, md, lora_slots=lora_slots)
         return self.apply_final_norm(h), kv_caches
 
     def forward_counting_experts(self, kv_caches: tuple[KVCache, ...], token_ids: jax.Array,
-                                 positions: jax.Array, md: AttentionMetadata
+                                 positions: jax.Array, md: AttentionMetadata,
+                                 lora_slots: Optional[jax.Array] = None
                                  ) -> tuple[jax.Array, tuple[KVCache, ...], jax.Array]:
         """The forward (`__call__`), and the tokens it routed to each expert of each MoE layer,
         padding not counted: int32 [len(moe_layer_ids), experts] (--enable-expert-load-metrics,
         which sets cfg.count_expert_load; the MoE groups sow their counts)."""
         (h, caches), sown = nnx.capture(Decoder.__call__, nnx.Intermediate)(
-            self, kv_caches, token_ids, positions, md)
+            self, kv_caches, token_ids, positions, md, lora_slots)
         loads = [sown["layers"][i]["expert_load"][...]
                  for i, g in enumerate(self.groups) if g.kind == "moe"]
         return h, caches, jnp.concatenate(loads)
@@ -119,11 +124,17 @@ class Decoder(nnx.Module):
         return h
 
     def run_layers(self, h: jax.Array, kv_caches: tuple[KVCache, ...], positions: jax.Array,
-                   md: AttentionMetadata, start: int = 0, end: Optional[int] = None
+                   md: AttentionMetadata, start: int = 0, end: Optional[int] = None,
+                   lora_slots: Optional[jax.Array] = None
                    ) -> tuple[jax.Array, tuple[KVCache, ...]]:
         """Hidden states entering layer `start` -> those leaving layer end - 1 (static bounds;
         end None = the last layer). Caches of groups outside the range pass through."""
         cfg = self.cfg
+        if (lora_slots is None) != (cfg.lora is None):
+            raise ValueError("lora_slots are the step's input exactly when the model has LoRA "
+                             "slots (cfg.lora)")
+        lora = (None if lora_slots is None
+                else slot_mask(lora_slots, cfg.lora.max_loras, h.dtype))
         end = cfg.num_layers if end is None else end
         specs = tuple(dict.fromkeys(cfg.rope))  # distinct RoPE settings (Gemma 3: local/global)
         cos, sin = rope_tables(specs, cfg.head_dim, positions, h.dtype)
@@ -136,7 +147,7 @@ class Decoder(nnx.Module):
             rope_ids = jnp.asarray([specs.index(s) for s in cfg.rope[a:b]], jnp.int32)
             windows = jnp.asarray(cfg.sliding_window[a:b], jnp.int32) if windowed else None
             h, caches[i] = layers(self.backend, h, caches[i], md, (cos, sin, rope_ids, windows),
-                                  a - g.first, b - g.first)
+                                  a - g.first, b - g.first, lora)
         return h, tuple(caches)
 
     def apply_final_norm(self, h: jax.Array) -> jax.Array:

@@ -21,7 +21,8 @@ from jaxllm.layers.attention import AttentionMetadata, KVCache
 from jaxllm.layers.backends.base import Backend
 from jaxllm.layers.quantization import QuantizedWeight
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.params import constant, projection, rms_norm, with_quantized
+from jaxllm.layers.lora import LORA_PROJECTIONS
+from jaxllm.models.params import constant, lora_slots, projection, rms_norm, with_quantized
 from jaxllm.models.rope import apply_rope
 
 
@@ -51,13 +52,27 @@ class DenseLayers(nnx.Module):
         self.k_norm = head_norm() if cfg.qk_norm else None
         self._projection(seed, prefix, "o", (L, K, G, D, E),
                          ("layers", "kv_heads", "q_per_kv", "head_dim", "embed"), 3)
+        if cfg.lora is not None:
+            self._lora("qkv", L, (E,), ("embed",), (K, G + 2, D),
+                       ("kv_heads", "q_per_kv", "head_dim"))
+            self._lora("o", L, (K, G, D), ("kv_heads", "q_per_kv", "head_dim"), (E,), ("embed",))
         self.o_bias = constant(0.0, (L, E), ("layers", "embed"), dt) if cfg.o_bias else None
         self.post_attn_norm = norm() if cfg.sandwich_norms else None
         self.mlp_norm = norm()
         self.post_mlp_norm = norm() if cfg.sandwich_norms else None
 
     def _init_mlp(self, cfg: ModelConfig, seed: int, L: int, prefix: str) -> None:
-        self._gated_mlp(seed, L, prefix, cfg.intermediate_size)
+        E, F = cfg.hidden_size, cfg.intermediate_size
+        self._gated_mlp(seed, L, prefix, F)
+        if cfg.lora is not None:
+            self._lora("gate_up", L, (E,), ("embed",), (2, F), (None, "mlp"))
+            self._lora("down", L, (F,), ("mlp",), (E,), ("embed",))
+
+    def _lora(self, name: str, L: int, ins, in_axes, outs, out_axes) -> None:
+        """Set a projection's LoRA adapter slots (`lora_slots`)."""
+        for attr, param in lora_slots(self.cfg, name, L, ins, in_axes, outs, out_axes,
+                                      len(LORA_PROJECTIONS[name])).items():
+            setattr(self, attr, param)
 
     def _projection(self, seed: int, prefix: str, name: str, shape, axes, inputs: int,
                     first: int = 1) -> None:
@@ -81,18 +96,21 @@ class DenseLayers(nnx.Module):
                 "o": cfg.hidden_size, "gate_up": 2 * cfg.intermediate_size,
                 "down": cfg.hidden_size}
 
-    def mlp(self, backend: Backend, w: dict, x: jax.Array, layer
+    def mlp(self, backend: Backend, w: dict, x: jax.Array, layer, lora=None
             ) -> tuple[jax.Array, Optional[jax.Array]]:
         """The normed hidden states x [T, E] -> the MLP's output [T, E] in x's dtype, and the
         experts each token was routed to [T, k] when the step counts them (a dense MLP routes
-        nothing: None)."""
-        return gated_mlp(backend, self.widths(), w, x, layer, self.cfg.activation), None
+        nothing: None). lora: each token's adapter slot, one-hot [T, S] (`slot_mask`), when
+        the model has LoRA slots."""
+        return gated_mlp(backend, self.widths(), w, x, layer, self.cfg.activation, lora), None
 
     def __call__(self, backend: Backend, h: jax.Array, cache: KVCache, md: AttentionMetadata,
-                 rope: tuple, start: int, end: int) -> tuple[jax.Array, KVCache]:
+                 rope: tuple, start: int, end: int, lora: Optional[jax.Array] = None
+                 ) -> tuple[jax.Array, KVCache]:
         """Run the group's layers [start, end) (local indices) over hidden states h [T, E].
         rope: (cos, sin) tables per distinct RoPE setting, then each of those layers' table
-        index and sliding window (None when no layer has one)."""
+        index and sliding window (None when no layer has one). lora: each token's adapter
+        slot, one-hot [T, S] (None: no adapters in this model)."""
         cos, sin, rope_ids, windows = rope
         weights = with_quantized({k: v[...] for k, v in vars(self).items()
                                   if isinstance(v, nnx.Param)})
@@ -110,7 +128,7 @@ class DenseLayers(nnx.Module):
             w = {**{k: v if isinstance(v, QuantizedWeight) else backend.weight(v)
                     for k, v in w.items()}, **resident}
             h, cache, routes = _layer(self, backend, w, h, cache, layer, md, cos[rope_id],
-                                      sin[rope_id], window)
+                                      sin[rope_id], window, lora)
             return (h, cache), routes
 
         layers = jnp.arange(start, end, dtype=jnp.int32)
@@ -120,37 +138,55 @@ class DenseLayers(nnx.Module):
         return h, cache
 
 
-def gated_mlp(backend: Backend, widths: dict, w: dict, x: jax.Array, layer, activation: str
-              ) -> jax.Array:
-    """down(activation(gate(x)) * up(x)) through the backend's projections."""
-    h = backend.gated_project(x, w["gate_up"], layer, n=widths["gate_up"] // 2,
-                              activation=activation, dtype=x.dtype)
-    return backend.project(h, w["down"], layer, n=widths["down"], out_dtype=x.dtype)
+def gated_mlp(backend: Backend, widths: dict, w: dict, x: jax.Array, layer, activation: str,
+              lora: Optional[jax.Array] = None) -> jax.Array:
+    """down(activation(gate(x)) * up(x)) through the backend's projections (and the LoRA
+    adapters', where the layers hold slots for them)."""
+    F = widths["gate_up"] // 2
+    if lora is None or "gate_up_lora_a" not in w:
+        h = backend.gated_project(x, w["gate_up"], layer, n=F, activation=activation,
+                                  dtype=x.dtype)
+    else:  # the adapter's delta joins gate/up before the activation
+        gate_up = project(backend, w, "gate_up", x, layer, 2 * F, jnp.float32, lora)
+        h = backend.gated_activation(gate_up.reshape(x.shape[0], 2, F), activation, x.dtype)
+    return project(backend, w, "down", h, layer, widths["down"], x.dtype, lora)
+
+
+def project(backend: Backend, w: dict, name: str, x: jax.Array, layer, n: int, out_dtype,
+            lora: Optional[jax.Array], bias: Optional[jax.Array] = None) -> jax.Array:
+    """The layer's projection `name` of x [T, K] -> [T, n] (backend.project), plus each
+    token's LoRA delta where the layers hold adapter slots for it (summed in float32)."""
+    if lora is None or f"{name}_lora_a" not in w:
+        return backend.project(x, w[name], layer, n=n, out_dtype=out_dtype, bias=bias)
+    y = backend.project(x, w[name], layer, n=n, out_dtype=jnp.float32, bias=bias)
+    delta = backend.lora(x, w[f"{name}_lora_a"], w[f"{name}_lora_b"], lora)
+    return (y + delta).astype(out_dtype)
 
 
 def _layer(group: DenseLayers, backend: Backend, w: dict, h: jax.Array, cache: KVCache, layer,
-           md: AttentionMetadata, cos, sin, window
+           md: AttentionMetadata, cos, sin, window, lora
            ) -> tuple[jax.Array, KVCache, Optional[jax.Array]]:
     cfg, widths = group.cfg, group.widths()
     T, dt = h.shape[0], h.dtype
     K, G, D = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
-    project = lambda name, x, out_dtype=dt, bias=None: backend.project(  # noqa: E731
-        x, w[name], layer, n=widths[name], out_dtype=out_dtype, bias=bias)
+
+    def project_(name, x, bias=None):
+        return project(backend, w, name, x, layer, widths[name], dt, lora, bias)
 
     x = rms_norm(h, w["attn_norm"], cfg)
-    qkv = project("qkv", x, bias=w["qkv_bias"] if cfg.qkv_bias else None).reshape(T, K, G + 2, D)
+    qkv = project_("qkv", x, bias=w["qkv_bias"] if cfg.qkv_bias else None).reshape(T, K, G + 2, D)
     q, k, v = qkv[:, :, :G].reshape(T, K * G, D), qkv[:, :, G], qkv[:, :, G + 1]
     if cfg.qk_norm:
         q, k = rms_norm(q, w["q_norm"], cfg), rms_norm(k, w["k_norm"], cfg)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, cache = backend.attention(q, k, v, cache, layer, md, sm_scale=cfg.sm_scale,
                                  sliding_window=window, soft_cap=cfg.attn_logit_softcap)
-    a = project("o", o.reshape(T, K * G * D), bias=w["o_bias"] if cfg.o_bias else None)
+    a = project_("o", o.reshape(T, K * G * D), bias=w["o_bias"] if cfg.o_bias else None)
     if cfg.sandwich_norms:
         a = rms_norm(a, w["post_attn_norm"], cfg)
     h = h + a
 
-    m, routes = group.mlp(backend, w, rms_norm(h, w["mlp_norm"], cfg), layer)
+    m, routes = group.mlp(backend, w, rms_norm(h, w["mlp_norm"], cfg), layer, lora)
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_mlp_norm"], cfg)
     return h + m, cache, routes

@@ -17,7 +17,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from jaxllm.config import ConfigError
-from jaxllm.engine_config import ModelOptions
+from jaxllm.engine_config import LoRAConfig, ModelOptions
 from jaxllm.layers.quantization import QuantSpec
 from jaxllm.models.quant_config import quant_spec
 from jaxllm.models.registry import arch_features
@@ -68,6 +68,7 @@ class ModelConfig:
     expert_parallel: bool = False       # --enable-expert-parallel: experts sharded, not FFNs
     count_expert_load: bool = False     # --enable-expert-load-metrics: the step counts routes
     quant: Optional[QuantSpec] = None   # quantized layer projections (None: float weights)
+    lora: Optional[LoRAConfig] = None   # --enable-lora: adapter slots beside the projections
 
     @property
     def q_per_kv(self) -> int:
@@ -142,6 +143,7 @@ class ModelConfig:
                               "layers to count")
         fields["count_expert_load"] = bool(options.enable_expert_load_metrics)
         fields["quant"] = quant_spec(checkpoint_quant, options.quantization)
+        fields["lora"] = options.lora
         return cls(**fields)
 
 

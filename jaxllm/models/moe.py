@@ -49,8 +49,11 @@ class MoeLayers(DenseLayers):
         return {**super().widths(), "gate_up": 2 * cfg.shared_expert_intermediate_size,
                 "router": cfg.num_experts, "shared_gate": 1}
 
-    def mlp(self, backend: Backend, w: dict, x: jax.Array, layer
+    def mlp(self, backend: Backend, w: dict, x: jax.Array, layer, lora=None
             ) -> tuple[jax.Array, Optional[jax.Array]]:
+        """As DenseLayers.mlp; the MoE MLP holds no LoRA slots (adapters for its experts or
+        shared expert are refused when read: jaxllm/loader/lora.py), so `lora` has none to
+        apply."""
         cfg, f32 = self.cfg, jnp.float32
         # Through the backend's projections, as the experts are: on the CPU backend the native
         # matmul, whose rows do not depend on the batch (XLA's dot may sum them by shape).

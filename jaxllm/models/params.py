@@ -58,6 +58,22 @@ def projection(cfg: ModelConfig, seed: int, name: str, shape, axes, inputs: int,
     return out
 
 
+def lora_slots(cfg: ModelConfig, name: str, L: int, ins: tuple, in_axes: tuple, outs: tuple,
+               out_axes: tuple, parts: int) -> dict[str, nnx.Param]:
+    """The LoRA adapter slots of a stacked projection `name` (zeros: empty; the engine writes
+    adapters in): `name`_lora_a [L, in..., S, R] and `name`_lora_b [L, S, R, out...], S =
+    --max-loras, R = --max-lora-rank per fused part (jaxllm/layers/lora.py). The input and
+    output axes keep the projection's logical names, so tensor parallelism shards them as it
+    shards the projection."""
+    lora = cfg.lora
+    S, R = lora.max_loras, lora.max_lora_rank * parts
+    dt = jnp.dtype(cfg.dtype if lora.lora_dtype == "auto" else lora.lora_dtype)
+    return {f"{name}_lora_a": constant(0.0, (L, *ins, S, R), ("layers", *in_axes, None, None),
+                                       dt),
+            f"{name}_lora_b": constant(0.0, (L, S, R, *outs), ("layers", None, None, *out_axes),
+                                       dt)}
+
+
 def with_quantized(weights: dict) -> dict:
     """Layer weights by name with each quantized projection's values, scales and zero points
     (`projection`) gathered into one `QuantizedWeight` under the projection's name."""

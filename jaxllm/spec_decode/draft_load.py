@@ -38,11 +38,12 @@ def draft_config(spec: SpeculativeConfig, config: EngineConfig) -> EngineConfig:
                    tokenizer_revision=None, use_tqdm_on_load=False,
                    load_format="dummy" if config.load.load_format == "dummy" else "auto")
     model = replace(config.model, max_model_len=None, hf_overrides=None, rope_scaling=None,
-                    rope_theta=None, enable_expert_parallel=False)
+                    rope_theta=None, enable_expert_parallel=False, lora=None)
     parallel = replace(config.parallel, tensor_parallel_size=1, pipeline_parallel_size=1,
                        data_parallel_size=1, data_parallel_size_local=1)
     return replace(config, load=load, model=model, parallel=parallel, speculative=None,
-                   cache=replace(config.cache, num_gpu_blocks_override=None))
+                   cache=replace(config.cache, num_gpu_blocks_override=None),
+                   lora=None)  # the draft proposes with the base model (as vLLM's)
 
 
 def load_draft(spec: SpeculativeConfig, draft: EngineConfig, target_load: LoadConfig,

@@ -42,6 +42,7 @@ class StepInputs(NamedTuple):
     logits_indices: Any   # int32 [num_rows]: the flat rows whose next token is sampled
     prev_tokens: Any      # int32 [num_rows]: the previous step's samples (device array)
     from_prev: Any        # int32 [T]: row of prev_tokens to take the token from, -1 = none
+    lora_slots: Any = None  # int32 [T]: each token's LoRA adapter slot, -1 = none (None: no LoRA)
 
 
 @dataclass
@@ -67,9 +68,12 @@ class InputBatcher:
 
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
                  max_model_len: int, enforce_eager: bool, decode_programs: bool,
-                 num_rows: Optional[int] = None, num_speculative_tokens: int = 0):
-        """num_rows: sampled rows per step (max_num_seqs, times 1 + k with k drafts each)."""
+                 num_rows: Optional[int] = None, num_speculative_tokens: int = 0,
+                 lora: bool = False):
+        """num_rows: sampled rows per step (max_num_seqs, times 1 + k with k drafts each).
+        lora: the model has LoRA slots (each token's slot is an input)."""
         self.max_num_seqs = max_num_seqs
+        self.lora = lora
         self.num_rows = num_rows or max_num_seqs
         self.block_size = block_size
         self.blocks_per_seq = math.ceil(max_model_len / block_size)
@@ -117,10 +121,13 @@ class InputBatcher:
         tables = np.zeros((S, self.blocks_per_seq), np.int32)
         cu = np.zeros(S + 1, np.int32)
         from_prev = np.full(T, -1, np.int32)
+        lora_slots = np.full(T, -1, np.int32) if self.lora else None
         prev_rows = {s.seq_id: i for i, s in enumerate(prev_seqs)}
         rows, prompt_rows, t = [], [], 0
         for i, it in enumerate(items):
             seq, n, start, spec = it.seq, it.num_tokens, it.start, it.spec_token_ids
+            if lora_slots is not None:
+                lora_slots[t:t + n] = it.lora_slot
             if n == 1 and not spec and start >= seq.num_prompt_tokens:
                 # A decode token, in scalars: the general path's dozen small array operations
                 # per sequence add up over a large batch, all while the device waits.
@@ -162,7 +169,8 @@ class InputBatcher:
                                decode_only=decode_only and self.decode_programs)
         logits_indices = np.zeros(self.num_rows, np.int32)
         logits_indices[:len(rows)] = [r[1] for r in rows]
-        inputs = StepInputs(token_ids, positions, md, logits_indices, prev_tokens, from_prev)
+        inputs = StepInputs(token_ids, positions, md, logits_indices, prev_tokens, from_prev,
+                            lora_slots)
         return PreparedStep(inputs, [r[0] for r in rows], prompt_rows)
 
     def padding(self, T: int, decode_only: bool, prev_tokens) -> StepInputs:
@@ -172,7 +180,8 @@ class InputBatcher:
                                np.zeros((S, self.blocks_per_seq), np.int32),
                                np.zeros(S + 1, np.int32), np.zeros(1, np.int32),
                                decode_only=decode_only)
-        return StepInputs(z, z, md, np.zeros(self.num_rows, np.int32), prev_tokens, z)
+        return StepInputs(z, z, md, np.zeros(self.num_rows, np.int32), prev_tokens, z,
+                          np.full(T, -1, np.int32) if self.lora else None)
 
 
 def prompt_logprob_targets(T: int, prompt_rows: list[PromptRows]):

@@ -47,6 +47,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm.layers.attention import empty_kv_caches, kv_cache_shardings
+from jaxllm.layers.lora import write_slot
 from jaxllm.layers.sampler import LOGIT_ROWS, SamplerOutput, gathered_token_logprobs, sample_rows
 from jaxllm.layers.sampling_tensors import (EXTRA_PENALTY_IDS, SamplingTensors, needs_processing,
                                           warmup_tensors)
@@ -84,7 +85,7 @@ class ModelRunner:
             # Decode steps get programs of their own (decode tiling) unless the attention is
             # the same for every step: then a decode step of T tokens runs the bucket T one.
             decode_programs=backend.decode_programs(kv_cache_dtype), num_rows=self.num_rows,
-            num_speculative_tokens=num_speculative_tokens)
+            num_speculative_tokens=num_speculative_tokens, lora=model_config.lora is not None)
         self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
         self.graphdef, state = nnx.split(model)
         self.state = backend.relayout(state, model_config)  # the weights as its ops read them
@@ -105,6 +106,7 @@ class ModelRunner:
         self._sample = jax.jit(self._sample_fn, out_shardings=self.rows_sharding)
         self._no_prev_tokens = jax.device_put(np.zeros(self.num_rows, np.int32),
                                               self.rows_sharding)
+        self._write_slot = jax.jit(write_slot, static_argnums=3, donate_argnums=0)
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn,
                                         out_shardings=self.rows_sharding)
         self._burst = jax.jit(self._burst_fn, donate_argnums=(1,),
@@ -155,6 +157,21 @@ class ModelRunner:
         hosts (leader: a StepLeader of jaxllm/parallel/step_channel.py), which replay it."""
         self.launcher.lead_hosts(leader)
 
+    def write_lora_slot(self, slot: int, weights: dict) -> None:
+        """Put a LoRA adapter in device slot `slot` (between steps: the next step reads it).
+        weights: {(layer group, projection): (A [L, in..., R], B [L, R, out...])}, the slot
+        layout of jaxllm/loader/lora.py; the projections it leaves out get zeros."""
+        layers = self.state["layers"]
+        for g, group in layers.items():
+            for name in [k[:-len("_lora_a")] for k in group if str(k).endswith("_lora_a")]:
+                a_stack, b_stack = group[f"{name}_lora_a"], group[f"{name}_lora_b"]
+                a, b = weights.get((g, name)) or (
+                    np.zeros(a_stack.shape[:-2] + a_stack.shape[-1:], np.float32),
+                    np.zeros(b_stack.shape[:1] + b_stack.shape[2:], np.float32))
+                for stack, value, axis in ((a_stack, a, a_stack.ndim - 2), (b_stack, b, 1)):
+                    stack.set_value(self._write_slot(stack.get_value(), value, np.int32(slot),
+                                                     axis))
+
     def add_step_hook(self, hook: Callable[[StepEvent], None]) -> Callable[[], None]:
         """Call hook(StepEvent) after every launch and every read; returns its remover."""
         self._hooks.append(hook)
@@ -166,15 +183,15 @@ class ModelRunner:
 
     # --- the jitted functions ----------------------------------------------------------------
     def _forward_fn(self, state, kv_cache, token_ids, positions, md, logits_indices,
-                    prev_tokens, from_prev):
+                    prev_tokens, from_prev, lora_slots=None):
         model = nnx.merge(self.graphdef, state)
         token_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], token_ids)
         load = None
         if self.moe_layer_ids:
             hidden, kv_cache, load = model.forward_counting_experts(kv_cache, token_ids,
-                                                                    positions, md)
+                                                                    positions, md, lora_slots)
         else:
-            hidden, kv_cache = model(kv_cache, token_ids, positions, md)
+            hidden, kv_cache = model(kv_cache, token_ids, positions, md, lora_slots)
         return hidden[logits_indices], hidden, kv_cache, load
 
     def _sample_fn(self, state, rows, num_rows, tensors):
@@ -189,7 +206,7 @@ class ModelRunner:
                                        model.compute_logits, self.max_logprobs)
 
     def _burst_fn(self, state, kv_cache, token_ids, positions, md, logits_indices, from_prev,
-                  num_rows, tensors, prev_tokens):
+                  num_rows, tensors, prev_tokens, lora_slots=None):
         """K decode steps in one call (multi-step scheduling): each step's inputs are stacked on
         a leading K axis, step k's in-flight tokens are step k-1's samples and step 0's are
         prev_tokens (the samples of the step dispatched before, still on the device). Each
@@ -197,12 +214,12 @@ class ModelRunner:
         the K steps' expert loads come back summed (None when not counted)."""
         def step(carry, xs):
             kv, prev_tokens = carry
-            tok, pos, m, li, fp, n, t = xs
-            rows, _, kv, load = self._forward_fn(state, kv, tok, pos, m, li, prev_tokens, fp)
+            tok, pos, m, li, fp, n, t, ls = xs
+            rows, _, kv, load = self._forward_fn(state, kv, tok, pos, m, li, prev_tokens, fp, ls)
             sampled = self._sample_fn(state, rows, n, t).token_ids
             return (kv, sampled), (sampled, load)
 
-        xs = (token_ids, positions, md, logits_indices, from_prev, num_rows, tensors)
+        xs = (token_ids, positions, md, logits_indices, from_prev, num_rows, tensors, lora_slots)
         (kv_cache, _), (tokens, loads) = lax.scan(step, (kv_cache, prev_tokens), xs)
         return tuple(tokens), kv_cache, None if loads is None else loads.sum(0)
 
@@ -282,7 +299,7 @@ class ModelRunner:
         return (self.state, self.kv_cache,
                 *stack((pad.token_ids, pad.positions, pad.metadata, pad.logits_indices,
                         pad.from_prev, np.int32(0), tensors)),
-                self._no_prev_tokens)
+                self._no_prev_tokens, stack(pad.lora_slots))
 
     def dispatch_burst(self, steps: list[BurstStep],
                        prev: Optional[Inflight] = None) -> list[Inflight]:
@@ -291,13 +308,14 @@ class ModelRunner:
         before. Returns the steps' Inflights, each holding its step's tokens on the device."""
         stack = lambda *xs: np.stack([np.asarray(x) for x in xs])  # noqa: E731
         inputs = [s.inputs._replace(prev_tokens=None) for s in steps]
-        token_ids, positions, md, logits_indices, _, from_prev = jax.tree.map(stack, *inputs)
+        token_ids, positions, md, logits_indices, _, from_prev, lora_slots = jax.tree.map(
+            stack, *inputs)
         num_rows = np.array([len(s.inflight.seqs) for s in steps], np.int32)
         tensors = jax.tree.map(stack, *[s.tensors for s in steps])
         key = self.burst_key(len(steps[0].inflight.seqs), len(steps), steps[0].tensors)
         tokens, self.kv_cache, load = self.launcher.run(
             key, self._burst, self.state, self.kv_cache, token_ids, positions, md,
-            logits_indices, from_prev, num_rows, tensors, self._prev_tokens(prev))
+            logits_indices, from_prev, num_rows, tensors, self._prev_tokens(prev), lora_slots)
         for s, t in zip(steps, tokens):
             s.inflight.out = SamplerOutput(t)
         steps[0].inflight.expert_load = load  # all K steps' routes, read with step 0's tokens

@@ -49,6 +49,11 @@ class Backend:
         `layer` picks it); its input axes come first, in x's order, its outputs last."""
         raise NotImplementedError
 
+    def lora(self, x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> jax.Array:
+        """The LoRA delta of a projection for each token's adapter: x [T, I] -> float32 [T, N]
+        (jaxllm/layers/lora.py: a [I..., S, R], b [S, R, N...], mask [T, S])."""
+        raise NotImplementedError
+
     def gated_activation(self, gate_up: jax.Array, activation: str, dtype) -> jax.Array:
         """float32 gate/up [T, 2, F] -> activation(gate) * up [T, F] in dtype."""
         raise NotImplementedError

@@ -18,6 +18,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from jaxllm.layers.attention import REFERENCE_TILING, AttentionMetadata, KVCache
 from jaxllm.layers.backends.base import Backend
 from jaxllm.layers.experts import EXPERT_IMPLS, experts_ragged, ragged_dot
+from jaxllm.layers.lora import lora_delta
 from jaxllm.layers.quantization import QuantizedWeight, dequantize, dequantize_experts
 from pallas_kernels.activation import reference as activation_ref
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
@@ -69,6 +70,9 @@ class ReferenceBackend(Backend):
 
     def embed(self, table, ids, width):
         return from_bits(jnp.take(table, ids, axis=0))
+
+    def lora(self, x, a, b, mask):
+        return lora_delta(x, from_bits(a), from_bits(b), mask)
 
     def project(self, x, w, layer, *, n, out_dtype, bias=None):
         # As 2-D operands: contracting separate axes made XLA:CPU transpose the weight
