@@ -10,20 +10,22 @@ import os
 import socket
 from typing import Optional
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 import jaxllm
-from serving.cli_args import chat_output_settings
-from serving.errors import document_errors, error_response, install_error_handlers
+from serving.cli_args import chat_output_settings, lora_modules
+from serving.errors import APIError, document_errors, error_response, install_error_handlers
 from serving.generation import EventStreamResponse, until_disconnect
+from serving.lora_adapters import RUNTIME_UPDATING_ENV, runtime_updating_allowed
 from serving.log_setup import setup_logging
 from serving.middleware import APIKeyMiddleware, HTTPLimitsMiddleware, RequestIdMiddleware
-from serving.protocol import (ChatCompletionRequest, DetokenizeRequest, ModelCard, ModelList,
-                              TokenizeRequest, random_id)
+from serving.protocol import (ChatCompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
+                              ModelCard, ModelList, TokenizeRequest, UnloadLoRAAdapterRequest,
+                              random_id)
 from serving.protocol_completion import CompletionRequest
 from serving.protocol_pooling import EmbeddingRequest, PoolingRequest
 from serving.serving_chat import create_chat_completion
@@ -85,9 +87,39 @@ async def version():
 
 @router.get("/v1/models")
 async def models(request: Request):
+    """The served names, then each LoRA adapter (root: its path, parent: its base model)."""
     s = _state(request)
-    return ModelList(data=[ModelCard(id=name, root=s.model_path, max_model_len=s.max_model_len)
-                           for name in s.served_model_names]).model_dump()
+    cards = [ModelCard(id=name, root=s.model_path, max_model_len=s.max_model_len)
+             for name in s.served_model_names]
+    adapters = s.lora.requests.values() if getattr(s, "lora", None) is not None else ()
+    cards += [ModelCard(id=r.lora_name, root=r.lora_path, parent=r.base_model_name,
+                        max_model_len=s.max_model_len) for r in adapters]
+    return ModelList(data=cards).model_dump()
+
+
+def _runtime_lora_updating(request: Request) -> None:
+    """vLLM registers the adapter routes only with $VLLM_ALLOW_RUNTIME_LORA_UPDATING true (a 404
+    without); here they answer that 404 themselves, before reading the body, saying what turns
+    them on (and stay out of /openapi.json)."""
+    lora = getattr(_state(request), "lora", None)
+    if lora is None or not lora.runtime_updating:
+        raise APIError(f"Loading and unloading LoRA adapters at run time is off: start the "
+                       f"server with {RUNTIME_UPDATING_ENV}=True (and --enable-lora).", 404)
+
+
+lora_router = APIRouter(dependencies=[Depends(_runtime_lora_updating)])
+
+
+@lora_router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request):
+    s = _state(request)
+    return PlainTextResponse(await s.lora.load(s.engine, body.lora_name, body.lora_path))
+
+
+@lora_router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request):
+    s = _state(request)
+    return PlainTextResponse(await s.lora.unload(s.engine, body.lora_name, body.lora_int_id))
 
 
 # What a route answers with "stream": true, besides its JSON: server-sent events, each event's
@@ -138,6 +170,9 @@ def build_app(state: ServingState, args: argparse.Namespace) -> FastAPI:
     app.state.serving = state
     install_error_handlers(app)
     app.include_router(router)
+    lora = getattr(state, "lora", None)
+    app.include_router(lora_router,
+                       include_in_schema=lora is not None and lora.runtime_updating)
     document_errors(app)
     # Added last = outermost: CORS answers preflights and decorates 401s too.
     app.add_middleware(HTTPLimitsMiddleware, max_body=args.max_request_body_size,
@@ -183,11 +218,13 @@ def run_server(args: argparse.Namespace) -> None:
         settings = chat_output_settings(args)
         check_vllm_flags(args)
         engine_args = EngineArgs.from_cli_args(args)
+        modules = lora_modules(args, list(engine_args.served_model_name or [engine_args.model]),
+                               engine_args.enable_lora)
         chat_template = load_chat_template(args.chat_template)
     except (ConfigError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     sock = bind_socket(args.host, args.port)
-    asyncio.run(_serve(args, engine_args, chat_template, settings, sock))
+    asyncio.run(_serve(args, engine_args, chat_template, settings, sock, modules))
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
@@ -200,7 +237,7 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
 
 
 async def _serve(args, engine_args, chat_template, settings: dict,
-                 sock: socket.socket) -> None:
+                 sock: socket.socket, modules: list) -> None:
     import uvicorn
 
     from jaxllm.deploy.data_parallel import make_engine
@@ -215,6 +252,7 @@ async def _serve(args, engine_args, chat_template, settings: dict,
                                      max_log_len=args.max_log_len,
                                      **settings)
     try:
+        await _register_adapters(state, modules)
         config = uvicorn.Config(build_app(state, args), log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log,
                                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
@@ -242,6 +280,19 @@ async def _serve(args, engine_args, chat_template, settings: dict,
         engine.shutdown()
     if server.engine_failed:
         raise SystemExit(1)
+
+
+async def _register_adapters(state: ServingState, modules: list) -> None:
+    """The --lora-modules into the engine (ids 1, 2, ... in order); the runtime routes on if
+    $VLLM_ALLOW_RUNTIME_LORA_UPDATING is true. A module that cannot load stops the start-up."""
+    state.lora.runtime_updating = runtime_updating_allowed()
+    if state.lora.runtime_updating:
+        logger.warning("LoRA adapters may be loaded and unloaded at run time "
+                       "(%s): only for local development, as in vLLM.", RUNTIME_UPDATING_ENV)
+    try:
+        await state.lora.register(state.engine, modules)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 async def _announce(server, where: str) -> None:

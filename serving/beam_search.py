@@ -60,7 +60,8 @@ async def beam_search_completion(state: ServingState, req: CompletionRequest, mo
         pending = search.pending()
         streams = await submit(state, [Prompt(ids, None) for ids in pending],
                                [search.sampling_params] * len(pending),
-                               f"{request_id}-beam{step}", req.priority)
+                               f"{request_id}-beam{step}", req.priority,
+                               state.lora_request(model))
         search.advance([out.outputs[0].logprobs[0] for out in await collect(streams)])
         step += 1
     choices, generated = [], 0

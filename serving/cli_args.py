@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 
 def _json_list(value: str) -> list:
@@ -79,9 +81,77 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "--enable-log-requests.")
     g.add_argument("--max-log-len", type=_count, default=None,
                    help="Most characters (or token ids) of any value in request logs.")
+    g.add_argument("--lora-modules", type=lora_module, nargs="+", action="extend",
+                   default=None, metavar="NAME=PATH|JSON",
+                   help='LoRA adapters served under their own model names (needs '
+                        '--enable-lora): each `name=path` or a JSON object {"name": ..., '
+                        '"path": ..., "base_model_name": ...}. A request chooses one by '
+                        'its `model` field.')
     add_limit_args(parser)
     add_chat_output_args(parser)
     return parser
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """One --lora-modules value (vLLM's LoRAModulePath)."""
+    name: str
+    path: str
+    base_model_name: Optional[str] = None
+
+
+_LORA_MODULE_KEYS = ("name", "path", "base_model_name")
+
+
+def lora_module(value: str) -> LoRAModulePath:
+    """`name=path` or a JSON object, as vLLM's --lora-modules; argparse names the flag and the
+    value it refuses, a ValueError's message says why."""
+    if "=" in value and "," not in value and not value.lstrip().startswith("{"):
+        name, path = value.split("=", 1)
+        if not name or not path:
+            raise argparse.ArgumentTypeError(f"{value!r}: expected name=path")
+        return LoRAModulePath(name, path)
+    try:
+        spec = json.loads(value)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: expected name=path or a JSON object") from None
+    if not isinstance(spec, dict):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected name=path or a JSON object")
+    unknown = sorted(set(spec) - set(_LORA_MODULE_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{value!r}: unknown field {unknown[0]!r} (fields: "
+                                         f"{', '.join(_LORA_MODULE_KEYS)})")
+    for key in ("name", "path"):
+        if not isinstance(spec.get(key), str) or not spec[key]:
+            raise argparse.ArgumentTypeError(f"{value!r}: {key!r} must be a non-empty string")
+    base = spec.get("base_model_name")
+    if base is not None and not isinstance(base, str):
+        raise argparse.ArgumentTypeError(f"{value!r}: 'base_model_name' must be a string")
+    return LoRAModulePath(spec["name"], spec["path"], base)
+
+
+def lora_modules(args: argparse.Namespace, served_model_names: list[str],
+                 enable_lora: bool) -> list[LoRAModulePath]:
+    """The --lora-modules to register at start-up, after the rules a ValueError names: they
+    need --enable-lora, their names are unique and not a served model's, and a
+    base_model_name is one of the served names."""
+    modules = list(args.lora_modules or [])
+    if modules and not enable_lora:
+        raise ValueError("--lora-modules requires --enable-lora")
+    seen: set[str] = set()
+    for m in modules:
+        if m.name in served_model_names:
+            raise ValueError(f"--lora-modules {m.name}: the name is a served model name "
+                             f"(--served-model-name); choose another")
+        if m.name in seen:
+            raise ValueError(f"--lora-modules {m.name}: the name is given twice")
+        seen.add(m.name)
+        if m.base_model_name is not None and m.base_model_name not in served_model_names:
+            raise ValueError(f"--lora-modules {m.name}: base_model_name "
+                             f"{m.base_model_name!r} is not a served model name "
+                             f"({', '.join(served_model_names)})")
+    return modules
 
 
 # vLLM's names; tests/test_chat_tools.py checks them against the parser registries (importing
@@ -208,7 +278,12 @@ def config_file_args(parser: argparse.ArgumentParser, path: str) -> list[str]:
             elif f"--no-{flag[2:]}" in actions:
                 args.append(f"--no-{flag[2:]}")
         elif isinstance(value, list) and action.nargs in ("+", "*"):
-            args += [flag, *map(str, value)]
+            # an item that is a mapping or list (a --lora-modules object) goes as JSON
+            items = [json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value]
+            if isinstance(action, argparse._ExtendAction):  # one `--flag=item` each: a
+                args += [f"{flag}={v}" for v in items]      # positional after it stays one
+            else:
+                args += [flag, *items]
         elif isinstance(value, (list, dict)):
             args += [flag, json.dumps(value)]
         else:

@@ -54,19 +54,23 @@ async def _first(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 async def submit(state: ServingState, prompts: list[Prompt], params: list[SamplingParams],
-                 request_id: str, priority: int) -> list[AsyncIterator[RequestOutput]]:
-    """Start one engine request per prompt; return their output streams once all have begun.
+                 request_id: str, priority: int, lora_request=None
+                 ) -> list[AsyncIterator[RequestOutput]]:
+    """Start one engine request per prompt (with the LoRA adapter the request's `model` named,
+    if any); return their output streams once all have begun.
 
     The request's sequences are admitted first (503 when the server is full); each stream
     gives its sequences back when it ends, however it ends."""
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    adapter = {} if lora_request is None else {"lora_request": lora_request}
     tickets = [state.admission.enter(sp.n) for sp in params]
     gens = []
     firsts = []
     try:
         for rid, prompt, sp in zip(ids, prompts, params):
             state.log_request(rid, prompt.text, prompt.token_ids, sp)
-            gens.append(state.engine.generate(prompt.token_ids, sp, rid, priority=priority))
+            gens.append(state.engine.generate(prompt.token_ids, sp, rid, priority=priority,
+                                              **adapter))
         firsts = [asyncio.ensure_future(_first(g)) for g in gens]
         await asyncio.wait(firsts, return_when=asyncio.FIRST_EXCEPTION)
         for task in firsts:

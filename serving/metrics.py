@@ -64,6 +64,7 @@ class EngineStatsCollector:
                       s.num_preemptions)
         yield from self._spec_decode_counters(s.spec_decode, counter)
         yield from self._replica_gauges(s.replicas)
+        yield from self._lora_info(s.lora)
         if s.expert_load is not None:  # --enable-expert-load-metrics
             c = CounterMetricFamily("jaxllm:moe_expert_tokens", "Tokens routed to an expert of "
                                     "an MoE layer (a token counts once per expert of its top-k; "
@@ -89,6 +90,20 @@ class EngineStatsCollector:
         for pos, n in enumerate(sd.num_accepted_tokens_per_pos):
             c.add_metric([self.model_name, str(pos)], n)
         yield c
+
+    @staticmethod
+    def _lora_info(lora):
+        """With --enable-lora: vLLM's lora_requests_info, its labels the adapters (names, each
+        once, comma-separated) of the running and of the waiting requests and --max-loras, its
+        value the time of the reading (vLLM's; routers read the latest)."""
+        if lora is None:
+            return
+        g = GaugeMetricFamily("jaxllm:lora_requests_info", "Running stats on lora requests.",
+                              labels=["max_lora", "waiting_lora_adapters",
+                                      "running_lora_adapters"])
+        g.add_metric([str(lora.max_lora), ",".join(dict.fromkeys(lora.waiting)),
+                      ",".join(dict.fromkeys(lora.running))], time.time())
+        yield g
 
     def _replica_gauges(self, replicas):
         """With --data-parallel-size: each replica's load (the totals above sum them)."""

@@ -392,6 +392,25 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+# --- LoRA adapters at run time (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) -------
+
+class _LoRAAdapterBody(RequestBody):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is refused, naming it
+
+
+class LoadLoRAAdapterRequest(_LoRAAdapterBody):
+    lora_name: str
+    lora_path: str
+    # vLLM's in-place reload and 3-D weights: refused when set (unload, then load instead).
+    load_inplace: Literal[False] = False
+    is_3d_lora_weight: Literal[False] = False
+
+
+class UnloadLoRAAdapterRequest(_LoRAAdapterBody):
+    lora_name: str
+    lora_int_id: Optional[int] = None  # vLLM's; when given, it must be the adapter's id
+
+
 # --- OpenAI batch files (jaxllm run-batch) ----------------------------------------------------
 
 class BatchRequestInput(OpenAIModel):

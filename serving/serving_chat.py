@@ -59,7 +59,8 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     # vLLM's chat echo: repeat the last message when it is the role being answered.
     echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == role else None
     request_id = f"chatcmpl-{base_id}"
-    streams = await submit(state, [prompt], [params], request_id, req.priority)
+    streams = await submit(state, [prompt], [params], request_id, req.priority,
+                           state.lora_request(model))
     if req.stream:
         return _stream(state, req, model, request_id, role, echo, prompt, streams, parsers)
     (out,) = await collect(streams)

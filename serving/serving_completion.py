@@ -48,7 +48,8 @@ async def create_completion(state: ServingState, req: CompletionRequest, base_id
             if p.text is None:
                 p.text = state.decode(p.token_ids) if state.tokenizer is not None else ""
     request_id = f"cmpl-{base_id}"
-    streams = await submit(state, prompts, params, request_id, req.priority)
+    streams = await submit(state, prompts, params, request_id, req.priority,
+                           state.lora_request(model))
     if req.stream:
         return _stream(state, req, model, request_id, prompts, streams)
     final = await collect(streams)

@@ -50,7 +50,7 @@ def _encode(data: np.ndarray, fmt: str):
 async def _pool(state: ServingState, req: EmbeddingRequest, base_id: str):
     """(name, [PoolingRequestOutput], prompt tokens) for every input of the request."""
     state.warn_ignored_fields(req)
-    name = state.model_name(req.model)
+    name = state.model_name(req.model, adapters=False)  # pooling runs no adapter
     params = _params(req)
     inputs = _inputs(req)
     if len(inputs) > state.limits.max_n_sequences:

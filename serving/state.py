@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from serving.errors import APIError
+from serving.lora_adapters import LoRAAdapters
 from serving.metrics import ServerMetrics
 
 logger = logging.getLogger("jaxllm.serving")
@@ -146,6 +147,8 @@ class ServingState:
     max_log_len: Optional[int] = None
     limits: RequestLimits = field(default_factory=RequestLimits)
     admission: Admission = field(default_factory=lambda: Admission(0, None))
+    # LoRA adapters served under their own names (--lora-modules, /v1/load_lora_adapter).
+    lora: Optional[LoRAAdapters] = None
     # One thread: tokenizing long prompts stays off the event loop, and HF tokenizers are not
     # safe to share between threads.
     _tokenizer_thread: ThreadPoolExecutor = field(
@@ -162,6 +165,7 @@ class ServingState:
         limits = limits or RequestLimits()
         if tokenizer is not None:
             limits.max_prompt_chars = max_model_len * longest_token_chars(tokenizer)
+        kwargs.setdefault("lora", LoRAAdapters(names))
         return cls(engine=engine, served_model_names=names, model_path=args.model,
                    tokenizer=tokenizer, max_model_len=max_model_len,
                    vocab_size=engine.model_config.vocab_size, max_logprobs=args.max_logprobs,
@@ -170,13 +174,25 @@ class ServingState:
                    admission=Admission(args.max_num_seqs, limits.max_waiting_requests),
                    **kwargs)
 
-    def model_name(self, requested: Optional[str]) -> str:
-        """The name to answer with; an unknown name is a 404 as in OpenAI's API."""
+    def model_name(self, requested: Optional[str], adapters: bool = True) -> str:
+        """The name to answer with: a served model's or (unless `adapters` is False: a route
+        that cannot run one says so with a 400) a LoRA adapter's; an unknown name is a 404 as
+        in OpenAI's API."""
         if requested is None or requested == "":
             return self.served_model_names[0]
-        if requested not in self.served_model_names:
-            raise APIError(f"The model `{requested}` does not exist.", 404, param="model")
-        return requested
+        if requested in self.served_model_names:
+            return requested
+        if self.lora_request(requested) is not None:
+            if not adapters:
+                raise APIError(f"The model `{requested}` is a LoRA adapter, which this route "
+                               f"cannot run; use a base model "
+                               f"({', '.join(self.served_model_names)}).", param="model")
+            return requested
+        raise APIError(f"The model `{requested}` does not exist.", 404, param="model")
+
+    def lora_request(self, name: Optional[str]):
+        """The LoRARequest of the adapter served as `name`; None for a base model."""
+        return self.lora.get(name) if self.lora is not None else None
 
     def require_tokenizer(self):
         if self.tokenizer is None:

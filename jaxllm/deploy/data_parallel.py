@@ -25,6 +25,7 @@ from jaxllm.deploy.router import PrefixAffinityRouter
 from jaxllm.engine.errors import ReplicaLostError
 from jaxllm.engine.stats import EngineStats, sum_stats
 from jaxllm.engine.engine import LLMEngine, PromptType
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
@@ -34,6 +35,11 @@ def make_engine(args: EngineArgs):
     """The engine for these arguments: one LLMEngine (a pipeline of stages included), or N
     replicas behind a router."""
     return DataParallelEngine(args) if args.data_parallel_size > 1 else LLMEngine(args)
+
+
+def _no_lora():
+    raise ValueError("LoRA adapters are not supported with --data-parallel-size > 1 (each "
+                     "replica would need them); serve them from one replica")
 
 
 def _step(replica) -> list:
@@ -91,7 +97,10 @@ class DataParallelEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: Optional[SamplingParams] = None, priority: int = 0,
-                    arrival_time: Optional[float] = None) -> None:
+                    arrival_time: Optional[float] = None,
+                    lora_request: Optional[LoRARequest] = None) -> None:
+        if lora_request is not None:
+            _no_lora()
         if request_id in self._replica_of:
             raise ValueError(f"request id {request_id!r} is already running")
         # tokenized once, here: the router reads the ids the replica will run
@@ -108,6 +117,15 @@ class DataParallelEngine:
             except ReplicaLostError:
                 self._fail_lost()
         self._replica_of[request_id] = replica
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        _no_lora()
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        _no_lora()
+
+    def list_loras(self) -> set[int]:
+        return set()
 
     def encode(self, request_id: str, prompt: PromptType,
                params: Optional[PoolingParams] = None) -> PoolingRequestOutput:

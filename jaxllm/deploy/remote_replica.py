@@ -148,7 +148,10 @@ class RemoteReplica:
                      self.rank, reason)
         raise ReplicaLostError(f"data-parallel rank {self.rank} is lost: {reason}")
 
-    def add_request(self, request_id, prompt, params=None, priority=0, arrival_time=None):
+    def add_request(self, request_id, prompt, params=None, priority=0, arrival_time=None,
+                    lora_request=None):
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported on data-parallel replicas")
         arrival = (time.monotonic() if arrival_time is None else arrival_time) - self._offset
         self._call("add_request", request_id, prompt, params, priority, arrival)
 
@@ -166,6 +169,15 @@ class RemoteReplica:
 
     def encode(self, request_id, prompt, params=None):
         return self._call("encode", request_id, prompt, params)
+
+    def add_lora(self, lora_request) -> bool:
+        raise ValueError("LoRA adapters are not supported on data-parallel replicas")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        raise ValueError("LoRA adapters are not supported on data-parallel replicas")
+
+    def list_loras(self) -> set[int]:
+        return set()
 
     def has_unfinished_requests(self) -> bool:
         return self._unfinished > 0

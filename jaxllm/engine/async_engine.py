@@ -32,6 +32,7 @@ from typing import AsyncIterator, Optional
 from jaxllm.engine.engine import LLMEngine, PromptType
 from jaxllm.engine.errors import EngineDeadError, RequestCancelledError
 from jaxllm.engine.stats import EngineStats
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.parallel.step_channel import add_host_lost_hook
@@ -86,8 +87,11 @@ class AsyncLLMEngine:
         return None
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs as tokens arrive; invalid requests raise before the first yield."""
+                       request_id: str, priority: int = 0,
+                       lora_request: Optional[LoRARequest] = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs as tokens arrive (with `lora_request`'s adapter, if any); invalid
+        requests raise before the first yield."""
         if self._error is not None:
             raise EngineDeadError(f"the engine loop failed: {self._error!r}")
         if request_id in self._streams:
@@ -96,7 +100,8 @@ class AsyncLLMEngine:
         out_q: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
         self._streams[request_id] = (loop, out_q)
-        self._commands.put(("add", request_id, prompt, sampling_params, priority, loop, added))
+        self._commands.put(("add", request_id, prompt, sampling_params, priority, lora_request,
+                            loop, added))
         if self._error is not None:  # the loop died meanwhile: nobody else will answer the add
             self._fail_pending()
         finished = False
@@ -127,6 +132,29 @@ class AsyncLLMEngine:
             self._fail_pending()
         return await done
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and validate an adapter into the engine's cache (on the engine thread, between
+        steps); the engine's ValueError for a bad adapter or when LoRA is off."""
+        return await self._call("add_lora", lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter (requests running with it finish with it); False if unknown."""
+        return await self._call("remove_lora", lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        return await self._call("list_loras")
+
+    async def _call(self, method: str, *args):
+        """`engine.method(*args)` on the engine thread; its result, or what it raised."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop failed: {self._error!r}")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(("call", method, args, loop, done))
+        if self._error is not None:
+            self._fail_pending()
+        return await done
+
     def cancel_all(self, reason: str) -> int:
         """Fail every request in flight with RequestCancelledError(reason) and abort it in
         the engine (the shutdown timeout ran out); returns how many there were."""
@@ -151,13 +179,24 @@ class AsyncLLMEngine:
 
     def _handle(self, cmd) -> None:
         if cmd[0] == "add":
-            _, rid, prompt, params, priority, loop, fut = cmd
+            _, rid, prompt, params, priority, lora, loop, fut = cmd
             error = None
             try:
-                self.engine.add_request(rid, prompt, params, priority)
+                if lora is None:
+                    self.engine.add_request(rid, prompt, params, priority)
+                else:
+                    self.engine.add_request(rid, prompt, params, priority, lora_request=lora)
             except Exception as e:  # invalid request: report to its caller, keep serving
                 error = e
             loop.call_soon_threadsafe(_settle, fut, error)
+        elif cmd[0] == "call":
+            _, method, args, loop, fut = cmd
+            result = error = None
+            try:
+                result = getattr(self.engine, method)(*args)
+            except Exception as e:  # a refused adapter: report to its caller, keep serving
+                error = e
+            loop.call_soon_threadsafe(_settle, fut, error, result)
         elif cmd[0] == "encode":
             _, rid, prompt, params, loop, fut = cmd
             result = error = None
@@ -217,7 +256,7 @@ class AsyncLLMEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] in ("add", "encode"):
+            if cmd[0] in ("add", "encode", "call"):
                 loop, fut = cmd[-2], cmd[-1]
                 loop.call_soon_threadsafe(_settle, fut, error)
 

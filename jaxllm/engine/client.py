@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Optional, Protocol, Union, runtime_checka
 
 from jaxllm.engine.input_processor import PromptType
 from jaxllm.engine.stats import EngineStats
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
@@ -34,7 +35,16 @@ class EngineCore(Protocol):
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: Optional[SamplingParams] = None, priority: int = 0,
-                    arrival_time: Optional[float] = None) -> None: ...
+                    arrival_time: Optional[float] = None,
+                    lora_request: Optional[LoRARequest] = None) -> None: ...
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and validate an adapter (ValueError naming the problem)."""
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """False for an adapter it does not hold."""
+
+    def list_loras(self) -> set[int]: ...
 
     def abort_request(self, request_ids: Union[str, list[str]]) -> None: ...
 
@@ -59,7 +69,14 @@ class EngineClient(Protocol):
     def get_tokenizer(self) -> Any: ...
 
     def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+                 priority: int = 0, lora_request: Optional[LoRARequest] = None
+                 ) -> AsyncIterator[RequestOutput]: ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool: ...
+
+    async def remove_lora(self, lora_int_id: int) -> bool: ...
+
+    async def list_loras(self) -> set[int]: ...
 
     async def encode(self, prompt: PromptType, pooling_params: PoolingParams,
                      request_id: str) -> PoolingRequestOutput: ...
