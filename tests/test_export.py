@@ -54,9 +54,10 @@ def exported_step(platform: str, tp: int, cfg: ModelConfig = None) -> export.Exp
     model = abstract_decoder(cfg, PallasBackend(mesh if tp > 1 else None))
     graphdef, state = nnx.split(model)
 
-    def step(state, kv_caches, token_ids, positions, md, logits_indices, num_rows, tensors):
+    def step(state, kv_caches, token_ids, positions, md, logits_indices, num_rows, tensors,
+             lora_slots=None):
         m = nnx.merge(graphdef, state)
-        hidden, kv_caches = m(kv_caches, token_ids, positions, md)
+        hidden, kv_caches = m(kv_caches, token_ids, positions, md, lora_slots)
         out = sample_rows(hidden[logits_indices], num_rows, m.compute_logits, tensors,
                           greedy_head=m.greedy_head)
         return out, kv_caches
@@ -78,7 +79,8 @@ def exported_step(platform: str, tp: int, cfg: ModelConfig = None) -> export.Exp
     md = AttentionMetadata(i32(T), i32(S), i32(S, TABLE), i32(S + 1), i32(1))
     # The sampler variant with the most work: random rows, top-k/top-p, penalties, logprobs.
     _, tensors = warmup_tensors(S, cfg.vocab_size, max_logprobs=4, penalty_width=300)[-1]
-    args = (params, caches, i32(T), i32(T), md, i32(S), i32(), jax.tree.map(arg, tensors))
+    args = (params, caches, i32(T), i32(T), md, i32(S), i32(), jax.tree.map(arg, tensors),
+            *((i32(T),) if cfg.lora is not None else ()))  # each token's LoRA slot
     return export.export(jax.jit(step, donate_argnums=1), platforms=(platform,),
                          disabled_checks=UNCHECKED)(*args)
 

@@ -127,6 +127,19 @@ def test_with_speculation_and_multi_step(tiny_llama, adapters, extra):
         assert list(out.outputs[0].token_ids) == oracle(adapters[name][1], prompt, 10)[0], name
 
 
+def test_structured_output_with_an_adapter(tiny_llama, adapters):
+    """A grammar constrains an adapter's tokens as it does the base model's."""
+    from jaxllm import StructuredOutputsParams
+
+    llm = lora_llm(tiny_llama)
+    sp = SamplingParams(max_tokens=12, temperature=0.0,
+                        structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"]))
+    outs = llm.generate(["pick:"] * 2, sp, lora_request=[None, requests(adapters)["all"]],
+                        use_tqdm=False)
+    assert all(o.outputs[0].text in ("alpha", "beta") for o in outs), [o.outputs[0].text
+                                                                     for o in outs]
+
+
 def test_bfloat16_on_the_default_backend(tiny_llama, adapters):
     """bf16 weights and adapters (the CPU backend keeps them as bits: the slots are written
     so): the adapter's teacher-forced logprobs are near its float32 oracle's, far from the
@@ -147,3 +160,23 @@ def test_bfloat16_on_the_default_backend(tiny_llama, adapters):
     got = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], seq[1:])])
     err, gap = np.abs(got - want).max(), np.abs(base - want).max()
     assert err < 0.1 and err < gap / 5, (err, gap)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lora_step_exports_for_the_accelerators(platform, tp):
+    """The step with adapter slots lowers for TPU and GPU with only the platform's attention
+    kernel as a custom call (the LoRA delta is plain XLA: dots, gathers, a conditional), its
+    slots sharded with their projections on a 2-device mesh."""
+    import dataclasses
+    import re
+
+    from jaxllm.engine_config import LoRAConfig
+    from test_export import KERNEL, exported_step, export_config
+
+    cfg = dataclasses.replace(export_config(), lora=LoRAConfig(4, 8, 4, "auto"))
+    text = exported_step(platform, tp, cfg).mlir_module()
+    assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {KERNEL[platform]}
+    assert "stablehlo.case" in text or "stablehlo.if" in text  # no adapter: nothing computed
+    if tp > 1:
+        assert '{"model"}' in text

@@ -2,15 +2,19 @@
 
 The adapters live in a fixed number of slots stacked beside each layer projection (filled and
 replaced between steps, so a batch may mix adapters, and the base model, with no recompile).
-A projection's slots are A [I, S, R] and B [S, R, N] (I inputs flattened, S slots, R the rank
-budget of the projection: fused projections hold a block of rank per part, e.g. q, k and v),
-each adapter's scaling folded into its B. punica's BGMV gathers each token's A and B; on XLA a
+A projection's slots are A [I, S, P·R] and B [S, R, N] (I inputs flattened, S slots, R
+--max-lora-rank; a fused projection of P parts, q/k/v or gate/up, holds a rank block per
+part in A, and each part's columns of B), each adapter's scaling folded into its B. punica's BGMV gathers each token's A and B; on XLA a
 gather of weights per token is a copy of T weight matrices, so here every token runs through
-all S slots' A in one dot (T x I x S·R, small beside the projection itself), the products of
-slots other than the token's are zeroed, and one dot with all B's sums the rest.
+all S slots' A in one dot (T x I x S·P·R), the products of slots other than the token's are
+zeroed, and one dot per part with all B's sums the rest; a step of fewer tokens than slots
+gathers each token's adapter instead.
 """
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -20,21 +24,70 @@ LORA_PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
                     "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 
-def slot_mask(lora_slots: jax.Array, num_slots: int, dtype) -> jax.Array:
-    """Each token's slot (int32 [T], -1 = the base model) as a one-hot [T, S] in dtype."""
-    return (lora_slots[:, None] == jnp.arange(num_slots, dtype=lora_slots.dtype)).astype(dtype)
+class LoraBatch(NamedTuple):
+    """Each token's adapter slot in a step: int32 [T] (-1 = the base model), as a float32
+    one-hot [T, S] (all zero for none), and whether any token has one (bool [])."""
+    slots: jax.Array
+    mask: jax.Array
+    any: jax.Array
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> jax.Array:
+def lora_batch(lora_slots: jax.Array, num_slots: int) -> LoraBatch:
+    mask = lora_slots[:, None] == jnp.arange(num_slots, dtype=lora_slots.dtype)
+    return LoraBatch(lora_slots, mask.astype(jnp.float32), jnp.any(lora_slots >= 0))
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, batch: LoraBatch,
+               split: Optional[tuple] = None) -> jax.Array:
     """x [T, I] through the adapter in each token's slot: float32 [T, N] =
-    (x @ a[:, s]) @ b[s] for the token's slot s (mask [T, S], `slot_mask`), zero for none.
-    a [I..., S, R] (the input axes as the projection's), b [S, R, N...]."""
-    S, R = a.shape[-2:]
+    (x @ a[:, s]) @ b[s] for the token's slot s, zero for none. a [I..., S, P·R] (the input
+    axes as the projection's; a rank block per part), b [S, R, out...] (the output axes as the
+    projection's). split (axis, sizes): a fused projection's P parts along output axis `axis`
+    (q, k and v heads; gate and up), part p's columns reached only through rank block p, so
+    B is stored once, not P times with zeros; None: one part.
+
+    Fewer tokens than slots (small decode steps) gather each token's A and B: T adapters'
+    weights are read instead of all S. Otherwise every slot's are read once, as dense dots,
+    unless no token has an adapter (a conditional: on XLA:CPU a conditional costs more than a
+    small step's gathered delta, so small steps compute theirs)."""
     T = x.shape[0]
-    xa = jnp.dot(x, a.reshape(-1, S * R).astype(x.dtype), preferred_element_type=jnp.float32)
-    xa = (xa.reshape(T, S, R) * mask[:, :, None].astype(jnp.float32)).astype(b.dtype)
-    return jnp.dot(xa.reshape(T, S * R), b.reshape(S * R, -1),
-                   preferred_element_type=jnp.float32)
+    if T < a.shape[-2]:
+        return _delta(x, a, b, batch, split)
+    zeros = jnp.zeros((T, math.prod(b.shape[2:])), jnp.float32)
+    return jax.lax.cond(batch.any, lambda: _delta(x, a, b, batch, split), lambda: zeros)
+
+
+def _delta(x, a, b, batch, split):
+    S, PR = a.shape[-2:]
+    R, outs = b.shape[1], b.shape[2:]
+    T = x.shape[0]
+    axis, sizes = split if split is not None else (0, (outs[0],))
+    P = len(sizes)
+    a = a.reshape(-1, S, PR)
+    f32 = jnp.float32
+    if T < S:
+        slot = jnp.maximum(batch.slots, 0)
+        at = jnp.take(a, slot, axis=1).astype(x.dtype)  # [I, T, P·R]
+        xa = jnp.einsum("ti,itr->tr", x, at, preferred_element_type=f32)
+        xa = (xa * (batch.slots >= 0)[:, None]).astype(b.dtype).reshape(T, P, R)
+        b = jnp.take(b, slot, axis=0)  # [T, R, out...]
+    else:
+        xa = jnp.dot(x, a.reshape(-1, S * PR).astype(x.dtype), preferred_element_type=f32)
+        xa = (xa.reshape(T, S, P, R) * batch.mask[:, :, None, None]).astype(b.dtype)
+    pieces, lo = [], 0
+    for p, size in enumerate(sizes):
+        bp = jax.lax.slice_in_dim(b, lo, lo + size, axis=2 + axis)
+        lo += size
+        shape = bp.shape[2:]
+        if T < S:
+            d = jnp.einsum("tr,trm->tm", xa[:, p], bp.reshape(T, R, -1),
+                           preferred_element_type=f32)
+        else:
+            d = jnp.dot(xa[:, :, p].reshape(T, S * R), bp.reshape(S * R, -1),
+                        preferred_element_type=f32)
+        pieces.append(d.reshape(T, *shape))
+    delta = pieces[0] if P == 1 else jnp.concatenate(pieces, axis=1 + axis)
+    return delta.reshape(T, -1)
 
 
 def write_slot(stack: jax.Array, value: jax.Array, slot: jax.Array, axis: int) -> jax.Array:

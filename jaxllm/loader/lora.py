@@ -42,8 +42,9 @@ class AdapterError(ValueError):
 
 @dataclass
 class Adapter:
-    """One adapter in slot layout: {(layer group, projection): (A [L, in..., R],
-    B [L, R, out...])} in float32, the projections it leaves alone absent (zeros)."""
+    """One adapter in slot layout: {(layer group, projection): (A [L, in..., parts·R],
+    B [L, R, out...])} in float32 (R --max-lora-rank), the projections it leaves alone absent
+    (zeros)."""
     request: LoRARequest
     rank: int
     weights: dict
@@ -147,15 +148,14 @@ def _slot_weights(modules: dict, conf: dict, cfg: ModelConfig, where: str) -> di
         parts = len(LORA_PROJECTIONS[proj])
         if (g, proj) not in out:
             out[(g, proj)] = (np.zeros((L, *ins, parts * R), np.float32),
-                              np.zeros((L, parts * R, *outs), np.float32))
+                              np.zeros((L, R, *outs), np.float32))
         A, B = out[(g, proj)]
-        cols = slice(part * R, part * R + r)
-        A[i, ..., cols] = at
+        A[i, ..., part * R:part * R + r] = at  # each part's own rank block of A
         if proj == "qkv":  # q heads, then k, then v, along the fused q_per_kv axis
             heads = slice(0, G) if part == 0 else slice(G + part - 1, G + part)
-            B[i, cols, :, heads, :] = bt
+            B[i, :r, :, heads, :] = bt
         elif proj == "gate_up":
-            B[i, cols, part:part + 1, :] = bt
+            B[i, :r, part:part + 1, :] = bt
         else:
-            B[i, cols] = bt
+            B[i, :r] = bt
     return out

@@ -21,7 +21,7 @@ from jaxllm.config import ConfigError
 from jaxllm.layers.attention import AttentionMetadata, KVCache
 from jaxllm.layers.backends.base import Backend
 from jaxllm.layers.backends.reference import ACTIVATIONS, ReferenceBackend
-from jaxllm.layers.lora import slot_mask
+from jaxllm.layers.lora import lora_batch
 from jaxllm.models.dense import DenseLayers
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.moe import MoeLayers
@@ -133,8 +133,7 @@ class Decoder(nnx.Module):
         if (lora_slots is None) != (cfg.lora is None):
             raise ValueError("lora_slots are the step's input exactly when the model has LoRA "
                              "slots (cfg.lora)")
-        lora = (None if lora_slots is None
-                else slot_mask(lora_slots, cfg.lora.max_loras, h.dtype))
+        lora = None if lora_slots is None else lora_batch(lora_slots, cfg.lora.max_loras)
         end = cfg.num_layers if end is None else end
         specs = tuple(dict.fromkeys(cfg.rope))  # distinct RoPE settings (Gemma 3: local/global)
         cos, sin = rope_tables(specs, cfg.head_dim, positions, h.dtype)

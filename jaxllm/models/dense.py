@@ -21,7 +21,7 @@ from jaxllm.layers.attention import AttentionMetadata, KVCache
 from jaxllm.layers.backends.base import Backend
 from jaxllm.layers.quantization import QuantizedWeight
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.layers.lora import LORA_PROJECTIONS
+from jaxllm.layers.lora import LORA_PROJECTIONS, LoraBatch
 from jaxllm.models.params import constant, lora_slots, projection, rms_norm, with_quantized
 from jaxllm.models.rope import apply_rope
 
@@ -100,17 +100,17 @@ class DenseLayers(nnx.Module):
             ) -> tuple[jax.Array, Optional[jax.Array]]:
         """The normed hidden states x [T, E] -> the MLP's output [T, E] in x's dtype, and the
         experts each token was routed to [T, k] when the step counts them (a dense MLP routes
-        nothing: None). lora: each token's adapter slot, one-hot [T, S] (`slot_mask`), when
-        the model has LoRA slots."""
+        nothing: None). lora: each token's adapter slot (`LoraBatch`), when the model has
+        LoRA slots."""
         return gated_mlp(backend, self.widths(), w, x, layer, self.cfg.activation, lora), None
 
     def __call__(self, backend: Backend, h: jax.Array, cache: KVCache, md: AttentionMetadata,
-                 rope: tuple, start: int, end: int, lora: Optional[jax.Array] = None
+                 rope: tuple, start: int, end: int, lora: Optional[LoraBatch] = None
                  ) -> tuple[jax.Array, KVCache]:
         """Run the group's layers [start, end) (local indices) over hidden states h [T, E].
         rope: (cos, sin) tables per distinct RoPE setting, then each of those layers' table
         index and sliding window (None when no layer has one). lora: each token's adapter
-        slot, one-hot [T, S] (None: no adapters in this model)."""
+        slot (`LoraBatch`; None: no adapters in this model)."""
         cos, sin, rope_ids, windows = rope
         weights = with_quantized({k: v[...] for k, v in vars(self).items()
                                   if isinstance(v, nnx.Param)})
@@ -139,7 +139,7 @@ class DenseLayers(nnx.Module):
 
 
 def gated_mlp(backend: Backend, widths: dict, w: dict, x: jax.Array, layer, activation: str,
-              lora: Optional[jax.Array] = None) -> jax.Array:
+              lora: Optional[LoraBatch] = None) -> jax.Array:
     """down(activation(gate(x)) * up(x)) through the backend's projections (and the LoRA
     adapters', where the layers hold slots for them)."""
     F = widths["gate_up"] // 2
@@ -147,19 +147,22 @@ def gated_mlp(backend: Backend, widths: dict, w: dict, x: jax.Array, layer, acti
         h = backend.gated_project(x, w["gate_up"], layer, n=F, activation=activation,
                                   dtype=x.dtype)
     else:  # the adapter's delta joins gate/up before the activation
-        gate_up = project(backend, w, "gate_up", x, layer, 2 * F, jnp.float32, lora)
+        gate_up = project(backend, w, "gate_up", x, layer, 2 * F, jnp.float32, lora,
+                          split=(0, (1, 1)))
         h = backend.gated_activation(gate_up.reshape(x.shape[0], 2, F), activation, x.dtype)
     return project(backend, w, "down", h, layer, widths["down"], x.dtype, lora)
 
 
 def project(backend: Backend, w: dict, name: str, x: jax.Array, layer, n: int, out_dtype,
-            lora: Optional[jax.Array], bias: Optional[jax.Array] = None) -> jax.Array:
+            lora: Optional[LoraBatch], bias: Optional[jax.Array] = None,
+            split: Optional[tuple] = None) -> jax.Array:
     """The layer's projection `name` of x [T, K] -> [T, n] (backend.project), plus each
-    token's LoRA delta where the layers hold adapter slots for it (summed in float32)."""
+    token's LoRA delta where the layers hold adapter slots for it (summed in float32; split:
+    a fused projection's parts, `lora_delta`'s)."""
     if lora is None or f"{name}_lora_a" not in w:
         return backend.project(x, w[name], layer, n=n, out_dtype=out_dtype, bias=bias)
     y = backend.project(x, w[name], layer, n=n, out_dtype=jnp.float32, bias=bias)
-    delta = backend.lora(x, w[f"{name}_lora_a"], w[f"{name}_lora_b"], lora)
+    delta = backend.lora(x, w[f"{name}_lora_a"], w[f"{name}_lora_b"], lora, split)
     return (y + delta).astype(out_dtype)
 
 
@@ -170,11 +173,12 @@ def _layer(group: DenseLayers, backend: Backend, w: dict, h: jax.Array, cache: K
     T, dt = h.shape[0], h.dtype
     K, G, D = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
 
-    def project_(name, x, bias=None):
-        return project(backend, w, name, x, layer, widths[name], dt, lora, bias)
+    def project_(name, x, bias=None, split=None):
+        return project(backend, w, name, x, layer, widths[name], dt, lora, bias, split)
 
     x = rms_norm(h, w["attn_norm"], cfg)
-    qkv = project_("qkv", x, bias=w["qkv_bias"] if cfg.qkv_bias else None).reshape(T, K, G + 2, D)
+    qkv = project_("qkv", x, bias=w["qkv_bias"] if cfg.qkv_bias else None,
+                   split=(1, (G, 1, 1))).reshape(T, K, G + 2, D)
     q, k, v = qkv[:, :, :G].reshape(T, K * G, D), qkv[:, :, G], qkv[:, :, G + 1]
     if cfg.qk_norm:
         q, k = rms_norm(q, w["q_norm"], cfg), rms_norm(k, w["k_norm"], cfg)

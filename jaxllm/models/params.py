@@ -61,15 +61,15 @@ def projection(cfg: ModelConfig, seed: int, name: str, shape, axes, inputs: int,
 def lora_slots(cfg: ModelConfig, name: str, L: int, ins: tuple, in_axes: tuple, outs: tuple,
                out_axes: tuple, parts: int) -> dict[str, nnx.Param]:
     """The LoRA adapter slots of a stacked projection `name` (zeros: empty; the engine writes
-    adapters in): `name`_lora_a [L, in..., S, R] and `name`_lora_b [L, S, R, out...], S =
-    --max-loras, R = --max-lora-rank per fused part (jaxllm/layers/lora.py). The input and
+    adapters in): `name`_lora_a [L, in..., S, parts·R] and `name`_lora_b [L, S, R, out...],
+    S = --max-loras, R = --max-lora-rank (jaxllm/layers/lora.py). The input and
     output axes keep the projection's logical names, so tensor parallelism shards them as it
     shards the projection."""
     lora = cfg.lora
-    S, R = lora.max_loras, lora.max_lora_rank * parts
+    S, R = lora.max_loras, lora.max_lora_rank
     dt = jnp.dtype(cfg.dtype if lora.lora_dtype == "auto" else lora.lora_dtype)
-    return {f"{name}_lora_a": constant(0.0, (L, *ins, S, R), ("layers", *in_axes, None, None),
-                                       dt),
+    return {f"{name}_lora_a": constant(0.0, (L, *ins, S, parts * R),
+                                       ("layers", *in_axes, None, None), dt),
             f"{name}_lora_b": constant(0.0, (L, S, R, *outs), ("layers", None, None, *out_axes),
                                        dt)}
 

@@ -49,9 +49,10 @@ class Backend:
         `layer` picks it); its input axes come first, in x's order, its outputs last."""
         raise NotImplementedError
 
-    def lora(self, x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> jax.Array:
+    def lora(self, x: jax.Array, a: jax.Array, b: jax.Array, batch, split=None) -> jax.Array:
         """The LoRA delta of a projection for each token's adapter: x [T, I] -> float32 [T, N]
-        (jaxllm/layers/lora.py: a [I..., S, R], b [S, R, N...], mask [T, S])."""
+        (jaxllm/layers/lora.py's lora_delta: a [I..., S, P·R], b [S, R, out...], batch a
+        LoraBatch, split the fused parts)."""
         raise NotImplementedError
 
     def gated_activation(self, gate_up: jax.Array, activation: str, dtype) -> jax.Array:

@@ -71,8 +71,8 @@ class ReferenceBackend(Backend):
     def embed(self, table, ids, width):
         return from_bits(jnp.take(table, ids, axis=0))
 
-    def lora(self, x, a, b, mask):
-        return lora_delta(x, from_bits(a), from_bits(b), mask)
+    def lora(self, x, a, b, batch, split=None):
+        return lora_delta(x, from_bits(a), from_bits(b), batch, split)
 
     def project(self, x, w, layer, *, n, out_dtype, bias=None):
         # As 2-D operands: contracting separate axes made XLA:CPU transpose the weight
