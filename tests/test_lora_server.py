@@ -239,16 +239,21 @@ def test_runtime_routes_with_the_variable(monkeypatch):
 
 
 def test_lora_requests_info_gauge():
+    from jaxllm.engine.stats import EngineStats, LoraStats
     from serving.metrics import EngineStatsCollector
 
-    lora = SimpleNamespace(running=("a", "b", "a"), waiting=("b",), max_lora=2)
-    (family,) = EngineStatsCollector._lora_info(lora)
+    def info(lora):
+        engine = SimpleNamespace(stats=lambda: EngineStats(lora=lora))
+        return [f for f in EngineStatsCollector(engine, "m").collect()
+                if f.name.endswith("lora_requests_info")]
+
+    (family,) = [f for f in info(LoraStats(("a", "b", "a"), ("b",), 2))
+                 if f.name.startswith("jaxllm:")]
     (sample,) = family.samples
-    assert family.name == "jaxllm:lora_requests_info"
     assert sample.labels == {"max_lora": "2", "running_lora_adapters": "a,b",
                              "waiting_lora_adapters": "b"}
     assert sample.value > 1.7e9  # a timestamp, as vLLM's
-    assert list(EngineStatsCollector._lora_info(None)) == []
+    assert info(None) == []
 
 
 # --- the async engine passes adapters through its thread -------------------------------------
