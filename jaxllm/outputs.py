@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
+from jaxllm.lora.request import LoRARequest
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -43,6 +45,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    lora_request: Optional[LoRARequest] = None  # the adapter it ran with (vLLM's field)
 
 
 # --- pooling (LLM.encode / LLM.embed) -----------------------------------------------------------

@@ -48,6 +48,7 @@ def test_mixed_batch_equals_peft(tiny_llama, adapters):
                         lora_request=[reqs.get(n) for n in names], use_tqdm=False)
     base_tokens = {}
     for name, p, out in zip(names, prompts, outs):
+        assert out.lora_request == reqs.get(name)
         want, want_lps = oracle(adapters[name][1], p, NEW)
         got = out.outputs[0]
         assert list(got.token_ids) == want, name

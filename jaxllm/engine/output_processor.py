@@ -211,4 +211,4 @@ class OutputProcessor:
             request_id=req.request_id, prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids, prompt_logprobs=prompt_logprobs, outputs=outs,
             finished=finished, num_cached_tokens=state.seqs[0].seq.num_cached_tokens,
-            metrics=dict(state.metrics))
+            metrics=dict(state.metrics), lora_request=req.lora_request)
