@@ -84,6 +84,8 @@ def test_refusals_name_the_problem(tiny_llama, adapters, tmp_path):
         LLM(tiny_llama, max_loras=2)
     with pytest.raises(ConfigError, match="--pipeline-parallel-size.*--enable-lora"):
         LLM(tiny_llama, enable_lora=True, pipeline_parallel_size=2)
+    with pytest.raises(ConfigError, match="--batch-invariant.*LoRA"):
+        lora_llm(tiny_llama, batch_invariant=True, dtype="bfloat16")
     llm = lora_llm(tiny_llama, max_lora_rank=8)
     sp = SamplingParams(max_tokens=2)
     # rank 16 > --max-lora-rank 8
@@ -139,6 +141,9 @@ def test_structured_output_with_an_adapter(tiny_llama, adapters):
                         use_tqdm=False)
     assert all(o.outputs[0].text in ("alpha", "beta") for o in outs), [o.outputs[0].text
                                                                      for o in outs]
+    chat = llm.chat([{"role": "user", "content": "pick"}], sp,
+                    lora_request=requests(adapters)["qv"], use_tqdm=False)[0]
+    assert chat.outputs[0].text in ("alpha", "beta") and chat.lora_request.lora_name == "qv"
 
 
 def test_bfloat16_on_the_default_backend(tiny_llama, adapters):

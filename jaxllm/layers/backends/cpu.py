@@ -191,6 +191,9 @@ class CpuBackend(ReferenceBackend):
         if not native_cpu_attention(self.name, cache_dtype):
             return (f"a {jnp.dtype(cache_dtype).name} KV cache runs the XLA attention (use "
                     "--kv-cache-dtype auto)")
+        if cfg.lora is not None:
+            return ("LoRA adapters' deltas run XLA's dots, in a form chosen by the step's "
+                    "token count (jaxllm/layers/lora.py)")
         return None  # MoE layers too: router and experts run in the native kernels
 
 
