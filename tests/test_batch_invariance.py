@@ -229,8 +229,8 @@ def test_backends_say_why_they_are_not_batch_invariant():
 
     from jaxllm.layers.quantization import QuantSpec
 
-    dense = SimpleNamespace(moe_layers=(), num_experts=0, quant=None)
-    moe = SimpleNamespace(moe_layers=(False, True), num_experts=8, quant=None)
+    dense = SimpleNamespace(moe_layers=(), num_experts=0, quant=None, lora=None)
+    moe = SimpleNamespace(moe_layers=(False, True), num_experts=8, quant=None, lora=None)
     assert CpuBackend().batch_variance(dense, jnp.bfloat16) is None
     assert CpuBackend().batch_variance(dense, jnp.float32) is None
     for backend in (ReferenceBackend(), PallasBackend()):
@@ -249,6 +249,8 @@ def test_backends_say_why_they_are_not_batch_invariant():
         SimpleNamespace(**{**vars(dense), "quant": fp8}), jnp.float32)
     assert "quantized experts" in native.batch_variance(
         SimpleNamespace(**{**vars(moe), "quant": int8}), jnp.float32)
+    assert "LoRA" in CpuBackend().batch_variance(
+        SimpleNamespace(**{**vars(dense), "lora": object()}), jnp.float32)
 
 
 def test_batch_invariant_flag_refuses_the_reference_backend(tiny_llama):
