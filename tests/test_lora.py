@@ -186,3 +186,27 @@ def test_lora_step_exports_for_the_accelerators(platform, tp):
     assert "stablehlo.case" in text or "stablehlo.if" in text  # no adapter: nothing computed
     if tp > 1:
         assert '{"model"}' in text
+
+
+def test_adapters_over_a_quantized_base(tiny_llama, adapters, tmp_path):
+    """A W8A16 compressed-tensors base (kept int8 on the device) with adapters equals
+    transformers' decompressed model with the same peft adapters."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from quant_checkpoints import write_quantized
+
+    path = write_quantized(tiny_llama, str(tmp_path / "w8a16"), "w8a16")
+    llm = lora_llm(path)
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32,
+        quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    prompt = list(range(40, 55))
+    sp = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    for name in ("all", "qv"):
+        out = llm.generate({"prompt_token_ids": prompt}, sp,
+                           lora_request=requests(adapters)[name], use_tqdm=False)[0]
+        model = PeftModel.from_pretrained(hf, adapters[name][0]).eval()
+        assert list(out.outputs[0].token_ids) == oracle(model, prompt, NEW)[0], name
+        hf = model.unload()
