@@ -183,7 +183,9 @@ class EngineArgs:
                                        "own (config.json's quantization_config: "
                                        "compressed-tensors, gptq, awq); 'fp8' quantizes a "
                                        "float checkpoint's layer projections to float8 at "
-                                       "load. GGUF weights are dequantized at load.",
+                                       "load. A GGUF file whose projections are all Q8_0, "
+                                       "Q4_0 or Q4_1 keeps them quantized (gguf); other "
+                                       "GGUF files are dequantized at load.",
                                        default=None)
     enable_lora: bool = _arg("Serve LoRA adapters (peft folders) over the base model: "
                              "requests name one (LoRARequest; the server's `model` field).",

@@ -52,7 +52,7 @@ class LoadConfig:
 
 # --quantization's methods: a checkpoint's (detected from its config.json) and the online ones
 # (jaxllm/models/quant_config.py).
-QUANTIZATION_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
+QUANTIZATION_METHODS = ("compressed-tensors", "gptq", "awq", "gguf", "fp8")
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,7 @@ CT = {"quant_method": "compressed-tensors", "format": "pack-quantized",
 
 @pytest.mark.parametrize("qc, requested, message", [
     ({"quant_method": "bitsandbytes"}, None, "'bitsandbytes' .*not supported; supported: "
-     "compressed-tensors, gptq, awq, fp8"),
+     "compressed-tensors, gptq, awq, gguf, fp8"),
     (None, "bitsandbytes", "--quantization 'bitsandbytes' is not supported"),
     (None, "awq", "no quantization_config of that method"),
     (None, "compressed-tensors", "no quantization_config of that method"),
@@ -138,7 +138,7 @@ def test_unsupported_quantization_is_refused_by_name(qc, requested, message):
 
 def test_unknown_methods_are_refused(tiny_llama, load, tmp_path):
     with pytest.raises(ConfigError, match="--quantization.*'int3'.*supported: "
-                                          "compressed-tensors, gptq, awq, fp8"):
+                                          "compressed-tensors, gptq, awq, gguf, fp8"):
         EngineArgs(model=tiny_llama, quantization="int3")
     bad = _with_quant_config(tiny_llama, str(tmp_path / "bnb"), {"quant_method": "bitsandbytes"})
     with pytest.raises(ConfigError, match="'bitsandbytes'"):

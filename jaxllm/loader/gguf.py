@@ -12,9 +12,11 @@ import functools
 import os
 import re
 import struct
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
+
+from jaxllm.loader.gguf_quant import decode, is_projection, kept_type
 
 _LLAMA = {
     "attn_norm": "input_layernorm",
@@ -163,7 +165,11 @@ def gguf_hf_config(path: str):
     missing = [k for k, v in kwargs.items() if v is None]
     if missing:
         raise GGUFError(f"{path}: metadata lacks what {', '.join(missing)} is read from")
-    return AutoConfig.for_model(_MODEL_TYPES[model_type], **kwargs)
+    config = AutoConfig.for_model(_MODEL_TYPES[model_type], **kwargs)
+    kept = kept_type(reader.tensors)
+    if kept is not None:  # read by ModelConfig as a checkpoint's quantization_config
+        config.quantization_config = {"quant_method": "gguf", "weight_type": kept}
+    return config
 
 
 def _moe_config(arch: str, meta, kwargs: dict) -> str:
@@ -187,8 +193,12 @@ def _moe_config(arch: str, meta, kwargs: dict) -> str:
     return arch
 
 
-def iter_gguf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
+def iter_gguf_tensors(path: str, kept: Optional[str] = None
+                      ) -> Iterator[tuple[str, np.ndarray]]:
     """Yield `(hf_name, float32 array)` in HF's [out, in] layout, one dequantized tensor at a time.
+    kept: the block type of the decoder projections when the model keeps them quantized
+    (`gguf_quant.kept_type`): each is yielded as its values (int8 [out, in]) under its name,
+    its scales and, for Q4_1, its zero points ([out, groups]) as `weight_scale` / `weight_zero`.
 
     A tied checkpoint has no `output.weight`, so no `lm_head.weight` is yielded, as in HF
     safetensors. Every tensor name is checked before the first is yielded, so an unknown tensor
@@ -206,12 +216,24 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
     n_kv_head = gguf_value(reader, f"{arch}.attention.head_count_kv", n_head)
     for tensor, hf_name in named:
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+        part = tensor.name.split(".")[-2]
+        if kept is not None and is_projection(tensor.name):
+            if tensor.tensor_type.name != kept:
+                raise GGUFError(f"{path}: tensor {tensor.name!r} is {tensor.tensor_type.name}, "
+                                f"the other projections {kept}")
+            base = hf_name[:-len(".weight")]
+            arrays = decode(tensor.data, kept, *shape)
+            for suffix, a in zip((".weight", ".weight_scale", ".weight_zero"), arrays):
+                if a is not None:
+                    if arch == "llama" and part in ("attn_q", "attn_k"):
+                        a = _unpermute(a, n_head if part == "attn_q" else n_kv_head)
+                    yield base + suffix, a
+            continue
         try:
             w = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         except NotImplementedError as e:
             raise GGUFError(f"{path}: tensor {tensor.name!r}: {e}") from e
         w = w.astype(np.float32, copy=not w.flags.writeable)  # F32 data is a read-only file view
-        part = tensor.name.split(".")[-2]
         if arch == "llama" and part in ("attn_q", "attn_k"):
             w = _unpermute(w, n_head if part == "attn_q" else n_kv_head)
         if arch == "gemma3" and part.endswith("norm"):

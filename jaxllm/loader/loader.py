@@ -83,7 +83,8 @@ def load_model(load: LoadConfig, options: ModelOptions,
         return init_decoder(cfg, options.seed, backend.result(), shardings), cfg
     if fmt == "gguf":
         from jaxllm.loader.gguf import iter_gguf_tensors
-        tensors, where = iter_gguf_tensors(path), path
+        kept = cfg.quant.checkpoint_format if cfg.quant and cfg.quant.method == "gguf" else None
+        tensors, where = iter_gguf_tensors(path, kept), path
     else:
         fmt, files = hf.weight_files(path, fmt)
         origins: dict[str, str] = {}

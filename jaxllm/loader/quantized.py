@@ -102,6 +102,12 @@ class _Projection:
 
 def _projection_targets(t: Target, spec: QuantSpec, kv_heads_dim) -> dict[str, list[Target]]:
     p = _Projection(t, spec, kv_heads_dim)
+    if spec.method == "gguf":  # blocks decoded to values, scales, zeros (gguf_quant.decode)
+        found = {".weight": p.values(t.shape, lambda x: x),
+                 ".weight_scale": p.scale((p.rows, p.groups))}
+        if not spec.symmetric:
+            found[".weight_zero"] = p.zero((p.rows, p.groups), lambda x: x)
+        return {k: [v] for k, v in found.items()}
     if spec.method in ("gptq", "awq"):
         return {k: [v] for k, v in (_gptq if spec.method == "gptq" else _awq)(p).items()}
     if spec.method != "compressed-tensors":  # online: quantize the float weight here

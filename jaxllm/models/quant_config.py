@@ -15,7 +15,7 @@ from jaxllm.engine_config import QUANTIZATION_METHODS, ConfigError
 from jaxllm.layers.quantization import QuantSpec
 
 ONLINE_METHODS = {"fp8": "float8_e4m3fn"}
-CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq")
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "gguf")
 SUPPORTED = QUANTIZATION_METHODS
 assert set(SUPPORTED) == {*CHECKPOINT_METHODS, *ONLINE_METHODS}
 # compressed-tensors formats whose tensors the loader reads (weight-only dequantization).
@@ -50,7 +50,22 @@ def quant_spec(quant_config, requested: Optional[str]) -> Optional[QuantSpec]:
                           f"quantization_config) is not supported; supported: "
                           f"{', '.join(SUPPORTED)}")
     return {"compressed-tensors": compressed_tensors_spec, "gptq": gptq_spec,
-            "awq": awq_spec}[method](quant_config)
+            "awq": awq_spec, "gguf": gguf_spec}[method](quant_config)
+
+
+# GGUF block types kept quantized (jaxllm/loader/gguf_quant.py): (weight dtype, symmetric)
+GGUF_TYPES = {"Q8_0": ("int8", True), "Q4_0": ("int4", True), "Q4_1": ("int4", False)}
+
+
+def gguf_spec(qc: dict) -> QuantSpec:
+    """A GGUF file whose decoder projections all have one block type (the loader's
+    quantization_config for it): blocks of 32 inputs, a scale each (and Q4_1's zero)."""
+    kind = qc.get("weight_type")
+    if kind not in GGUF_TYPES:
+        raise ConfigError(f"GGUF block type {kind!r} is not kept quantized (kept: "
+                          f"{', '.join(GGUF_TYPES)})")
+    dtype, symmetric = GGUF_TYPES[kind]
+    return QuantSpec("gguf", dtype, group_size=32, symmetric=symmetric, checkpoint_format=kind)
 
 
 def compressed_tensors_spec(qc: dict) -> QuantSpec:
