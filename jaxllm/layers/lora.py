@@ -4,8 +4,9 @@ The adapters live in a fixed number of slots stacked beside each layer projectio
 replaced between steps, so a batch may mix adapters, and the base model, with no recompile).
 A projection's slots are A [I, S, P·R] and B [S, R, N] (I inputs flattened, S slots, R
 --max-lora-rank; a fused projection of P parts, q/k/v or gate/up, holds a rank block per
-part in A, and each part's columns of B), each adapter's scaling folded into its B. punica's BGMV gathers each token's A and B; on XLA a
-gather of weights per token is a copy of T weight matrices, so here every token runs through
+part in A, and each part's columns of B), each adapter's scaling folded into its B.
+punica's BGMV gathers each token's A and B; on XLA a gather of weights per token is a copy
+of T weight matrices, so here every token runs through
 all S slots' A in one dot (T x I x S·P·R), the products of slots other than the token's are
 zeroed, and one dot per part with all B's sums the rest; a step of fewer tokens than slots
 gathers each token's adapter instead.

@@ -18,8 +18,10 @@ from typing import Optional
 
 import numpy as np
 
-# GGUF block type -> (QuantizedWeight dtype, symmetric); blocks of 32 inputs.
-KEPT = {"Q8_0": ("int8", True), "Q4_0": ("int4", True), "Q4_1": ("int4", False)}
+from jaxllm.models.quant_config import GGUF_TYPES
+
+# The block types kept quantized (their spec: models/quant_config.py); blocks of 32 inputs.
+KEPT = GGUF_TYPES
 BLOCK = 32
 _BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 _PROJECTION = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)"
