@@ -17,6 +17,7 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from jaxllm.engine_config import (QUANTIZATION_METHODS, ConfigError, EngineConfig,
                                   check_data_parallel, check_lora, check_pipeline,
+                                  check_sleep_mode,
                                   engine_config_from,
                                   flag_name)
 from jaxllm.json_object import json_object
@@ -197,6 +198,10 @@ class EngineArgs:
                                         "--max-loras; at least that).", default=None)
     lora_dtype: str = _arg("Adapter weights' dtype (auto = the model's).",
                            choices=("auto", "float16", "bfloat16", "float32"), default="auto")
+    enable_sleep_mode: bool = _arg("Allow the engine to sleep (LLM.sleep / POST /sleep): "
+                                   "level 1 moves the weights to host memory and frees the KV "
+                                   "cache; level 2 frees both (wake-up reads the checkpoint "
+                                   "again, or takes new weights).", default=False)
     served_model_name: Optional[list] = _arg("Name(s) the API serves the model under.",
                                              default=None)
     max_logprobs: int = _arg("Most logprobs a request may ask for.", default=20)
@@ -287,6 +292,7 @@ class EngineArgs:
             check_pipeline(self)
         check_data_parallel(self, bad)
         check_lora(self, bad)
+        check_sleep_mode(self, bad)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             bad("quantization", f"{self.quantization!r} is not supported (supported: "
                 f"{', '.join(QUANTIZATION_METHODS)})")

@@ -144,6 +144,7 @@ class EngineConfig:
     structured_outputs: Optional[dict]  # --structured-outputs-config
     disable_log_stats: bool
     lora: Optional[LoRAConfig] = None  # --enable-lora
+    enable_sleep_mode: bool = False
 
 
 def engine_config_from(args: Any) -> EngineConfig:
@@ -169,7 +170,8 @@ def engine_config_from(args: Any) -> EngineConfig:
         speculative=args.speculative_config,
         structured_outputs=args.structured_outputs_config,
         disable_log_stats=args.disable_log_stats,
-        lora=lora)
+        lora=lora,
+        enable_sleep_mode=args.enable_sleep_mode)
 
 
 def check_pipeline(args: Any) -> None:
@@ -211,6 +213,21 @@ def check_lora(args: Any, bad: Callable[[str, str], None]) -> None:
                      ("runner", args.runner == "pooling" or args.convert == "embed")):
         if on:
             bad(name, "with --enable-lora is not implemented yet; drop one of the two")
+
+
+def check_sleep_mode(args: Any, bad: Callable[[str, str], None]) -> None:
+    """--enable-sleep-mode on one engine of one host: what it does not combine with yet (each
+    would need the weights released and restored on other hosts, replicas or stages, or a
+    draft model's too)."""
+    if not args.enable_sleep_mode:
+        return
+    spec = args.speculative_config
+    for name, on in (("pipeline_parallel_size", args.pipeline_parallel_size > 1),
+                     ("data_parallel_size", args.data_parallel_size > 1),
+                     ("nnodes", args.nnodes > 1),
+                     ("speculative_config", spec is not None and spec.method != "ngram")):
+        if on:
+            bad(name, "with --enable-sleep-mode is not implemented yet; drop one of the two")
 
 
 def check_data_parallel(args: Any, bad: Callable[[str, str], None]) -> None:

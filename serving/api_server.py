@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 import jaxllm
+from serving import dev_routes
 from serving.cli_args import chat_output_settings, lora_modules
 from serving.errors import APIError, document_errors, error_response, install_error_handlers
 from serving.generation import EventStreamResponse, until_disconnect
@@ -173,6 +174,8 @@ def build_app(state: ServingState, args: argparse.Namespace) -> FastAPI:
     lora = getattr(state, "lora", None)
     app.include_router(lora_router,
                        include_in_schema=lora is not None and lora.runtime_updating)
+    app.state.dev_mode = dev_routes.dev_mode()
+    app.include_router(dev_routes.router, include_in_schema=app.state.dev_mode)
     document_errors(app)
     # Added last = outermost: CORS answers preflights and decorates 401s too.
     app.add_middleware(HTTPLimitsMiddleware, max_body=args.max_request_body_size,

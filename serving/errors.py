@@ -14,7 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxllm.engine.errors import EngineDeadError, ReplicaLostError, RequestCancelledError
+from jaxllm.engine.errors import (EngineDeadError, EngineSleepingError, ReplicaLostError,
+                                  RequestCancelledError)
 
 logger = logging.getLogger("jaxllm.serving")
 
@@ -36,7 +37,7 @@ def error_type(status: int) -> str:
 
 def stream_error_status(exc: BaseException) -> int:
     """The code of an error reported inside a started stream."""
-    return 503 if isinstance(exc, RequestCancelledError) else 500
+    return 503 if isinstance(exc, (RequestCancelledError, EngineSleepingError)) else 500
 
 
 def error_body(message: str, status: int = 400, param: Optional[str] = None) -> dict:
@@ -92,6 +93,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestCancelledError)
     async def _cancelled(_: Request, exc: RequestCancelledError):
+        return error_response(str(exc), 503)
+
+    @app.exception_handler(EngineSleepingError)
+    async def _sleeping(_: Request, exc: EngineSleepingError):
         return error_response(str(exc), 503)
 
     @app.exception_handler(Exception)

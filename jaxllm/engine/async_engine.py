@@ -30,7 +30,7 @@ import time
 from typing import AsyncIterator, Optional
 
 from jaxllm.engine.engine import LLMEngine, PromptType
-from jaxllm.engine.errors import EngineDeadError, RequestCancelledError
+from jaxllm.engine.errors import EngineDeadError, EngineSleepingError, RequestCancelledError
 from jaxllm.engine.stats import EngineStats
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
@@ -57,6 +57,7 @@ class AsyncLLMEngine:
         self._fail_at_step = int(os.environ.get("JAXLLM_TEST_FAIL_STEP", 0))  # test-only hooks
         self._step_delay = float(os.environ.get("JAXLLM_TEST_STEP_DELAY", 0))
         self._stop = threading.Event()
+        self._draining = False  # sleep or new weights: waiting for the requests in flight
         engine.wait_for_background_compiles()
         if engine.step_leader is not None:  # multi-host rank 0
             add_host_lost_hook(self._host_lost)
@@ -96,6 +97,9 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine loop failed: {self._error!r}")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self._draining:
+            raise EngineSleepingError("the engine is going to sleep or taking new weights; "
+                                      "retry after it wakes up")
         loop = asyncio.get_running_loop()
         out_q: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
@@ -143,6 +147,40 @@ class AsyncLLMEngine:
 
     async def list_loras(self) -> set[int]:
         return await self._call("list_loras")
+
+    # --- sleep mode ---------------------------------------------------------------------------
+    async def sleep(self, level: int = 1, mode: str = "abort") -> dict:
+        """Free the engine's device memory (LLMEngine.sleep) once it holds no request: mode
+        'abort' cancels the requests in flight (their streams end with an error), 'wait'
+        lets them finish first (new ones are refused meanwhile: EngineSleepingError)."""
+        if mode not in ("abort", "wait"):
+            raise ValueError(f"sleep mode {mode!r}: must be 'abort' or 'wait'")
+        self._draining = True
+        try:
+            if mode == "abort":
+                self.cancel_all("the engine was put to sleep")
+            while mode == "wait" and self._streams:
+                await asyncio.sleep(0.05)
+            return await self._call("sleep", level, mode)
+        finally:
+            self._draining = False
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        await self._call("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return self._draining or await self._call("is_sleeping")
+
+    async def update_weights(self, named_tensors) -> None:
+        """New weights (LLMEngine.update_weights), put in place between steps once no request
+        is in the engine (new ones wait while they are read)."""
+        self._draining = True
+        try:
+            while self._streams:
+                await asyncio.sleep(0.05)
+            await self._call("update_weights", named_tensors)
+        finally:
+            self._draining = False
 
     async def _call(self, method: str, *args):
         """`engine.method(*args)` on the engine thread; its result, or what it raised."""

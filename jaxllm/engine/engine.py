@@ -25,8 +25,10 @@ from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.lora_slots import LoRASlots
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.sleep_mode import SleepMode
 from jaxllm.engine.startup import build_engine_parts
 from jaxllm.engine.stats import EngineStats, LoraStats, StatsLogger
+from jaxllm.loader.loader import read_weights
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
@@ -81,6 +83,11 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids, structured_outputs=config.structured_outputs,
             priority_scheduling=sc.policy == "priority", seed=config.model.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.sleep_mode = SleepMode(
+            config.enable_sleep_mode, self.runner, self.kv_cache_manager,
+            lambda tensors: read_weights(config.load, self.model_config, self.runner.mesh,
+                                         config.model.seed, tensors),
+            self.lora_slots.forget_slots if self.lora_slots is not None else lambda: None)
         self.speculator = build_speculator(config, self.model_config, self.runner,
                                            parts.num_blocks)
         # The step policy: steps in flight at most, and whether a step takes its input
@@ -119,6 +126,7 @@ class LLMEngine:
                              "--runner generate to generate text.")
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already running")
+        self.sleep_mode.check_awake()
         if lora_request is not None:
             self.add_lora(lora_request)
         req = self.input_processor.process(request_id, prompt, params, priority, arrival_time,
@@ -149,6 +157,7 @@ class LLMEngine:
             raise ValueError("Embeddings are only supported for pooling models; this one runs "
                              "with --runner generate. Start it with --runner pooling (or "
                              "--convert embed) to embed.")
+        self.sleep_mode.check_awake()
         text, ids = self.process_prompt(prompt)
         data = self.pooler.embed(ids, params or PoolingParams())
         self.total_prompt_tokens += len(ids)
@@ -163,6 +172,35 @@ class LLMEngine:
         if self.speculator is not None:
             for sid in seq_ids:
                 self.speculator.free(sid)
+
+    # --- sleep mode (jaxllm/engine/sleep_mode.py) and new weights -----------------------------
+    def sleep(self, level: int = 1, mode: str = "abort") -> dict:
+        """Free device memory (level 1: weights kept in host memory; 2: weights freed) once
+        the engine holds no request: mode 'abort' aborts those it holds, 'wait' refuses
+        while there are any (the async front waits for them instead)."""
+        self._make_idle("sleep", mode)
+        return self.sleep_mode.sleep(level)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        self.sleep_mode.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_mode.is_sleeping
+
+    def update_weights(self, named_tensors) -> None:
+        """New weights for the model: a whole checkpoint's (HF name, array) pairs."""
+        self._make_idle("update_weights", "wait")
+        self.sleep_mode.update_weights(named_tensors)
+
+    def _make_idle(self, what: str, mode: str) -> None:
+        if mode not in ("abort", "wait"):
+            raise ValueError(f"{what} mode {mode!r}: must be 'abort' or 'wait'")
+        if self.has_unfinished_requests() and mode == "wait":
+            raise ValueError(f"{what}: {len(self.output_processor)} request(s) unfinished; "
+                             "abort them or wait for them first")
+        self.abort_request(self.output_processor.request_ids())
+        while self._inflight:  # steps of aborted requests: read and dropped
+            self._update(self._inflight.popleft())
 
     def wait_for_background_compiles(self, load_cached: bool = False) -> None:
         """Block until the programs warm-up left to the background are compiled (the server

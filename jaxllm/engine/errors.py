@@ -19,3 +19,8 @@ class ReplicaLostError(RuntimeError):
     def __init__(self, message: str, request_id: str | None = None):
         super().__init__(message)
         self.request_id = request_id
+
+
+class EngineSleepingError(RuntimeError):
+    """A request reached an engine put to sleep (sleep mode): it is refused, not queued, until
+    the engine wakes up."""

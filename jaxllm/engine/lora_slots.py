@@ -100,6 +100,13 @@ class LoRASlots:
         if self._users[key] <= 0:
             del self._users[key]
 
+    def forget_slots(self) -> None:
+        """The device slots were emptied (new weights replaced the model's state): adapters are
+        written again as sequences are admitted. Only while no sequence holds a slot."""
+        if self._users:
+            raise RuntimeError("LoRA slots are held by running sequences")
+        self._slots = [None] * self.config.max_loras
+
     def slot(self, req: LoRARequest) -> int:
         """The slot of an adapter its running sequences hold."""
         return self._slots.index(_key(req))

@@ -54,6 +54,10 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._requests)
 
+    def request_ids(self) -> list[str]:
+        """The requests not finished yet."""
+        return list(self._requests)
+
     def add_request(self, req: EngineRequest) -> list[Sequence]:
         """Fan the request out into its n sequences (they share the prompt, and through the
         prefix cache its KV blocks); returns them for the scheduler."""

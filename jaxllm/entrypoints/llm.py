@@ -145,6 +145,24 @@ class LLM:
         return [EmbeddingRequestOutput.from_base(out)
                 for out in self.encode(prompts, pooling_params, use_tqdm, "embed")]
 
+    # --- sleep mode (enable_sleep_mode=True) and new weights ---------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's LLM.sleep: free the device memory the engine holds (level 1: the weights kept
+        in host memory, the KV cache freed; level 2: both freed) until `wake_up`."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Take back what `tags` name ("weights", "kv_cache"; default both)."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def update_weights(self, named_tensors) -> None:
+        """Replace the model's weights (RL loops): (name, array) pairs named and shaped as the
+        model's Hugging Face checkpoint, all of them (NumPy, torch or JAX arrays)."""
+        self.llm_engine.update_weights(named_tensors)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         done: dict[str, RequestOutput] = {}

@@ -15,10 +15,11 @@ gathers each token's adapter instead.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Fused projections and the peft modules of each, in the order of their rank blocks.
 LORA_PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
@@ -99,3 +100,18 @@ def write_slot(stack: jax.Array, value: jax.Array, slot: jax.Array, axis: int) -
     if stack.dtype == jnp.uint16:
         value = jax.lax.bitcast_convert_type(value.astype(jnp.bfloat16), jnp.uint16)
     return jax.lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), slot, axis)
+
+
+def fill_slot(layers, slot: int, weights: dict, write: Callable) -> None:
+    """Write an adapter into slot `slot` of every layer group's stacks (`layers`: the model
+    state's layer groups, updated in place). weights: {(layer group, projection): (A [L,
+    in..., R], B [L, R, out...])}, the slot layout of jaxllm/loader/lora.py; the projections
+    it leaves out get zeros. write: jitted `write_slot` (the stack donated)."""
+    for g, group in layers.items():
+        for name in [k[:-len("_lora_a")] for k in group if str(k).endswith("_lora_a")]:
+            a_stack, b_stack = group[f"{name}_lora_a"], group[f"{name}_lora_b"]
+            a, b = weights.get((g, name)) or (
+                np.zeros(a_stack.shape[:-2] + a_stack.shape[-1:], np.float32),
+                np.zeros(b_stack.shape[:1] + b_stack.shape[2:], np.float32))
+            for stack, value, axis in ((a_stack, a, a_stack.ndim - 2), (b_stack, b, 1)):
+                stack.set_value(write(stack.get_value(), value, np.int32(slot), axis))

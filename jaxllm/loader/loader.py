@@ -7,9 +7,11 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -81,21 +83,41 @@ def load_model(load: LoadConfig, options: ModelOptions,
     if fmt == "dummy":
         shardings = param_shardings(nnx.state(model), mesh)
         return init_decoder(cfg, options.seed, backend.result(), shardings), cfg
-    if fmt == "gguf":
-        from jaxllm.loader.gguf import iter_gguf_tensors
-        kept = cfg.quant.checkpoint_format if cfg.quant and cfg.quant.method == "gguf" else None
-        tensors, where = iter_gguf_tensors(path, kept), path
-    else:
-        fmt, files = hf.weight_files(path, fmt)
-        origins: dict[str, str] = {}
-        tensors = hf.iter_weight_files(files, fmt, origins)
-        where = lambda name: origins.get(name, path)  # noqa: E731
+    tensors, where = _checkpoint(path, fmt, cfg)
     state = load_weights(model, tensors, mesh, where=where, progress=load.use_tqdm_on_load)
     t_weights = time.perf_counter()
     backend = backend.result()
     logger.debug("Load: config %.2f s, weights %.2f s, then %.2f s waiting for the kernels' "
                  "build", t_config - t0, t_weights - t_config, time.perf_counter() - t_weights)
     return nnx.merge(nnx.graphdef(abstract_decoder(cfg, backend)), state), cfg
+
+
+def _checkpoint(path: str, fmt: str, cfg: ModelConfig) -> tuple:
+    """The checkpoint's (HF name, array) pairs, and where each comes from (for errors)."""
+    if fmt == "gguf":
+        from jaxllm.loader.gguf import iter_gguf_tensors
+        kept = cfg.quant.checkpoint_format if cfg.quant and cfg.quant.method == "gguf" else None
+        return iter_gguf_tensors(path, kept), path
+    fmt, files = hf.weight_files(path, fmt)
+    origins: dict[str, str] = {}
+    return (hf.iter_weight_files(files, fmt, origins),
+            lambda name: origins.get(name, path))
+
+
+def read_weights(load: LoadConfig, cfg: ModelConfig, mesh: Mesh, seed: int = 0,
+                 tensors: Optional[Iterable[tuple[str, np.ndarray]]] = None) -> nnx.State:
+    """The weights of a started model (`cfg`, from `load`), in the loader's layout and placed
+    on `mesh`: read again from its checkpoint (load.model, resolved; dummy weights made again
+    from `seed`), or from `tensors`, a whole checkpoint's (HF name, array) pairs (new weights:
+    sleep mode, RL loops)."""
+    model = abstract_decoder(cfg)
+    if tensors is None and load_format(load, load.model) == "dummy":
+        return nnx.state(init_decoder(cfg, seed, shardings=param_shardings(nnx.state(model),
+                                                                            mesh)))
+    if tensors is None:
+        tensors, where = _checkpoint(load.model, load_format(load, load.model), cfg)
+        return load_weights(model, tensors, mesh, where=where, progress=load.use_tqdm_on_load)
+    return load_weights(model, tensors, mesh, where="the new weights")
 
 
 def weight_bytes(model: Decoder) -> dict[str, int]:

@@ -11,25 +11,18 @@ Two compiled functions run every step, each over a small set of shapes known at 
   sample(state, rows, num_rows, sampling tensors) -> sampled tokens (+ logprobs)
       for the first num_rows rows (a dynamic count: the cost follows it, the shape does not);
       the sampler's static variant picks the program (see jaxllm/layers/sampler.py).
-A third serves only steps that compute prompt_logprobs, so it is compiled on first use per T
-(logged, not counted as a recompile) and start-up does not grow:
-  prompt_logprobs(state, hidden[T, E], row_idx[T], target_ids[T], num_rows)
-      -> raw logprob, rank and top max_logprobs of each target prompt token at its hidden row,
-      for the first num_rows entries (dynamic, as the sampler's).
-A fourth runs num_scheduler_steps decode steps (forward and sampler) in one call (`burst`).
-The only device-to-host transfers per step are the sampler's output and, when asked, that one's
-(the expert load, when counted, is read in the same transfer as the sampler's output).
-Speculative drafts need no program of their own: a drafted sequence's positions are rows of
-the same sampler call, and `collect` keeps the prefix matching the drafts (jaxllm/spec_decode/
-acceptance.py says why that is exact).
-`dispatch` launches a step and `collect` reads it, so the engine can schedule and dispatch step
-N+1 (its in-flight input tokens read on the device from step N's sampler output) before reading
-step N (async scheduling).
+A third, compiled on first use per T (steps computing prompt_logprobs only), gives each
+target prompt token's logprob, rank and top max_logprobs at its hidden row; a fourth runs
+num_scheduler_steps decode steps (forward and sampler) in one call (`burst`). The only
+device-to-host transfers per step are the sampler's output (with the expert load, when
+counted) and the prompt logprobs, when asked. Speculative drafts are rows of the same sampler
+call; `collect` keeps the prefix matching the drafts (jaxllm/spec_decode/acceptance.py).
+`dispatch` launches a step and `collect` reads it, so the engine can dispatch step N+1 (its
+in-flight input tokens read on the device from step N's output) before reading step N.
 
-The host inputs come from jaxllm/worker/input_batch.py, the programs from
-jaxllm/worker/compile_manager.py (warm-up, background compiles, the executable cache); every
-call goes through the runner's StepLauncher (jaxllm/worker/step_launcher.py), which decides
-where it runs: here, on the other hosts too (`lead_hosts`), or not here at all.
+Host inputs come from jaxllm/worker/input_batch.py, programs from compile_manager.py (warm-up,
+background compiles, the executable cache); every call goes through the StepLauncher
+(step_launcher.py), which runs it here, on the other hosts too, or not here at all.
 --enforce-eager skips the warm-up and runs unpadded shapes through plain jit.
 """
 
@@ -47,7 +40,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm.layers.attention import empty_kv_caches, kv_cache_shardings
-from jaxllm.layers.lora import write_slot
+from jaxllm.layers.lora import fill_slot, write_slot
 from jaxllm.layers.sampler import LOGIT_ROWS, SamplerOutput, gathered_token_logprobs, sample_rows
 from jaxllm.layers.sampling_tensors import (EXTRA_PENALTY_IDS, SamplingTensors, needs_processing,
                                           warmup_tensors)
@@ -58,7 +51,9 @@ from jaxllm.worker.executable_cache import ExecutableCache
 from jaxllm.worker.input_batch import (InputBatcher, PromptRows, StepInputs, bucket,
                                        prompt_logprob_targets)
 from jaxllm.worker.step_launcher import StepLauncher
-from jaxllm.worker.step_state import BurstStep, Inflight, SampleResult, StepEvent
+from jaxllm.worker import device_memory
+from jaxllm.worker.step_state import (BurstStep, Inflight, SampleResult, StepEvent,
+                                      prompt_results, sample_result)
 
 logger = logging.getLogger("jaxllm")
 
@@ -88,11 +83,14 @@ class ModelRunner:
             num_speculative_tokens=num_speculative_tokens, lora=model_config.lora is not None)
         self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
         self.graphdef, state = nnx.split(model)
+        self._relayout = backend.relayout
         self.state = backend.relayout(state, model_config)  # the weights as its ops read them
+        self._offloaded = None  # sleep mode: the weights' host copy and shardings
         self.logit_rows = backend.logit_rows(model_config, LOGIT_ROWS)  # LM-head chunk sizes
         kv_shapes = model.kv_cache_shapes(num_blocks, block_size)
         kv_sharding = kv_cache_shardings(kv_shapes, mesh)
-        self.kv_cache = empty_kv_caches(kv_shapes, kv_cache_dtype, kv_sharding)  # one per group
+        self._kv_layout = (kv_shapes, kv_cache_dtype, kv_sharding)
+        self.kv_cache = empty_kv_caches(*self._kv_layout)  # one per group
         self.rows_sharding = NamedSharding(mesh, P())  # replicated: the sampler reads all rows
         # --enable-expert-load-metrics: tokens routed per expert, summed on the host as steps
         # are read (rows: model.moe_layer_ids); device counts of steps not read yet wait.
@@ -158,19 +156,48 @@ class ModelRunner:
         self.launcher.lead_hosts(leader)
 
     def write_lora_slot(self, slot: int, weights: dict) -> None:
-        """Put a LoRA adapter in device slot `slot` (between steps: the next step reads it).
-        weights: {(layer group, projection): (A [L, in..., R], B [L, R, out...])}, the slot
-        layout of jaxllm/loader/lora.py; the projections it leaves out get zeros."""
-        layers = self.state["layers"]
-        for g, group in layers.items():
-            for name in [k[:-len("_lora_a")] for k in group if str(k).endswith("_lora_a")]:
-                a_stack, b_stack = group[f"{name}_lora_a"], group[f"{name}_lora_b"]
-                a, b = weights.get((g, name)) or (
-                    np.zeros(a_stack.shape[:-2] + a_stack.shape[-1:], np.float32),
-                    np.zeros(b_stack.shape[:1] + b_stack.shape[2:], np.float32))
-                for stack, value, axis in ((a_stack, a, a_stack.ndim - 2), (b_stack, b, 1)):
-                    stack.set_value(self._write_slot(stack.get_value(), value, np.int32(slot),
-                                                     axis))
+        """Put a LoRA adapter in device slot `slot` (between steps: the next step reads it;
+        `fill_slot` says how)."""
+        fill_slot(self.state["layers"], slot, weights, self._write_slot)
+
+    # --- sleep mode: the weights and the KV cache out of device memory and back -----------
+    def device_bytes(self) -> int:
+        """Device memory the weights and the KV cache hold now (all shards)."""
+        return device_memory.device_bytes((self.state, self.kv_cache))
+
+    @property
+    def weights_at(self) -> str:
+        """Where the weights are: 'device', 'host' (released with a copy kept) or 'none'."""
+        return "device" if self.state is not None else "host" if self._offloaded else "none"
+
+    def release_weights(self, keep: bool) -> None:
+        """Free the weights' device memory (between steps); keep: a host copy to restore.
+        Weights already released lose their host copy unless `keep`."""
+        if self.state is not None and keep:
+            self._offloaded = device_memory.offload(self.state)
+        elif not keep and self._offloaded is not None:
+            device_memory.delete(self._offloaded[0])
+            self._offloaded = None
+        device_memory.delete(self.state)
+        self.state = None
+
+    def restore_weights(self, state=None) -> None:
+        """The weights on the devices again: the host copy, or `state` (a loaded model's
+        state in the loader's layout: new weights, or the checkpoint read again)."""
+        if state is None:
+            self.state = device_memory.restore(*self._offloaded)
+        else:
+            device_memory.delete((self.state, self._offloaded and self._offloaded[0]))
+            self.state = self._relayout(state, self.model_config)
+        self._offloaded = None
+
+    def release_kv_cache(self) -> None:
+        """Free the KV cache (its contents are forgotten: no sequence may hold blocks)."""
+        device_memory.delete(self.kv_cache)
+        self.kv_cache = None
+
+    def restore_kv_cache(self) -> None:
+        self.kv_cache = empty_kv_caches(*self._kv_layout)
 
     def add_step_hook(self, hook: Callable[[StepEvent], None]) -> Callable[[], None]:
         """Call hook(StepEvent) after every launch and every read; returns its remover."""
@@ -334,7 +361,7 @@ class ModelRunner:
         if step.out is not None:
             out, loads = jax.device_get((self.launcher.to_reader(step.out), self._unread_loads))
             for i, seq in enumerate(step.seqs):
-                sampled.setdefault(seq.seq_id, []).append(_result(out, i, seq))
+                sampled.setdefault(seq.seq_id, []).append(sample_result(out, i, seq))
             for s in step.sched.scheduled:
                 rows = sampled.get(s.seq.seq_id)
                 if s.spec_token_ids and rows:
@@ -342,7 +369,7 @@ class ModelRunner:
             if loads:  # one transfer with the tokens: counting adds no wait of its own
                 self.expert_load += np.sum(loads, axis=0)
                 self._unread_loads = []
-        prompt = (_prompt_results(jax.device_get(self.launcher.to_reader(step.prompt)),
+        prompt = (prompt_results(jax.device_get(self.launcher.to_reader(step.prompt)),
                                   step.prompt_rows)
                   if step.prompt_rows else {})
         self._notify(StepEvent("collect", [step], sampled=sampled, prompt_logprobs=prompt))
@@ -421,26 +448,3 @@ class ModelRunner:
         rows = jax.eval_shape(self._forward_fn, *args)[0]
         return jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=self.rows_sharding)
 
-
-def _result(out, i: int, seq: Sequence) -> SampleResult:
-    k = seq.sampling_params.logprobs
-    if k is None:
-        return SampleResult(int(out.token_ids[i]))
-    top = tuple(zip(out.top_token_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()))
-    return SampleResult(int(out.token_ids[i]), float(out.logprobs[i]), int(out.ranks[i]), top)
-
-
-def _prompt_results(out, prompt_rows: list[PromptRows]) -> dict[str, tuple]:
-    """The prompt-logprobs program's host output, split per sequence, top-k cut to its k."""
-    logprobs, ranks, top_logprobs, top_ids = out
-    results, n = {}, 0
-    for pr in prompt_rows:
-        seq, m = pr.seq, len(pr.rows)
-        k = seq.sampling_params.prompt_logprobs
-        targets = seq.prompt_token_ids[pr.first:pr.first + m]
-        rows = zip(targets, logprobs[n:n + m].tolist(), ranks[n:n + m].tolist(),
-                   top_ids[n:n + m, :k].tolist(), top_logprobs[n:n + m, :k].tolist())
-        results[seq.seq_id] = (pr.first, [SampleResult(t, lp, r, tuple(zip(ids, lps)))
-                                              for t, lp, r, ids, lps in rows])
-        n += m
-    return results

@@ -50,3 +50,28 @@ class StepEvent:
     chained: bool = False  # launched before the step it follows was read (async scheduling)
     sampled: Optional[dict] = None          # collect: seq_id -> [SampleResult, ...]
     prompt_logprobs: Optional[dict] = None  # collect: seq_id -> (first, [SampleResult, ...])
+
+
+def sample_result(out, i: int, seq: Sequence) -> SampleResult:
+    """Row i of the sampler's host output, as the sequence asked for it (logprobs or not)."""
+    k = seq.sampling_params.logprobs
+    if k is None:
+        return SampleResult(int(out.token_ids[i]))
+    top = tuple(zip(out.top_token_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()))
+    return SampleResult(int(out.token_ids[i]), float(out.logprobs[i]), int(out.ranks[i]), top)
+
+
+def prompt_results(out, prompt_rows: list[PromptRows]) -> dict[str, tuple]:
+    """The prompt-logprobs program's host output, split per sequence, top-k cut to its k."""
+    logprobs, ranks, top_logprobs, top_ids = out
+    results, n = {}, 0
+    for pr in prompt_rows:
+        seq, m = pr.seq, len(pr.rows)
+        k = seq.sampling_params.prompt_logprobs
+        targets = seq.prompt_token_ids[pr.first:pr.first + m]
+        rows = zip(targets, logprobs[n:n + m].tolist(), ranks[n:n + m].tolist(),
+                   top_ids[n:n + m, :k].tolist(), top_logprobs[n:n + m, :k].tolist())
+        results[seq.seq_id] = (pr.first, [SampleResult(t, lp, r, tuple(zip(ids, lps)))
+                                              for t, lp, r, ids, lps in rows])
+        n += m
+    return results
