@@ -2,19 +2,13 @@
 
 Each stage has its own object: the input processor checks a request once, the output
 processor fans it out into its n sequences and turns their tokens into outputs, the
-scheduler plans each step and owns every sequence's status, and the runner executes a plan
-on the devices (`dispatch`, then `collect` its tokens). Everything here is host-side Python.
-
-How many steps are in flight is the step policy, set once from the config: one (each step
-read before the next is planned); two with --async-scheduling (step N+1 is planned and
-dispatched, taking its input tokens from the device, before step N is read); N with
---pipeline-parallel-size N (the stages work on N steps holding disjoint sequences). With
---num-scheduler-steps K, K decode steps may run as one program (a burst).
+scheduler plans each step and owns every sequence's status, the runner executes a plan on
+the devices (`dispatch`, then `collect` its tokens), and the step policy (step_policy.py)
+decides how many steps are in flight. Everything here is host-side Python.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from typing import Optional, Union
@@ -27,7 +21,8 @@ from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sleep_mode import SleepMode
 from jaxllm.engine.startup import build_engine_parts
-from jaxllm.engine.stats import EngineStats, LoraStats, StatsLogger
+from jaxllm.engine.step_policy import StepPolicy
+from jaxllm.engine.stats import EngineStats, StatsLogger
 from jaxllm.loader.loader import read_weights
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
@@ -39,11 +34,6 @@ from jaxllm.worker.pooler import Pooler
 logger = logging.getLogger("jaxllm")
 
 __all__ = ["LLMEngine", "PromptType"]
-
-
-def _last(inflight):
-    """The last step of what is in flight (a step, a burst's list of steps, or None)."""
-    return inflight[-1] if isinstance(inflight, list) else inflight
 
 
 class LLMEngine:
@@ -90,12 +80,9 @@ class LLMEngine:
             self.lora_slots.forget_slots if self.lora_slots is not None else lambda: None)
         self.speculator = build_speculator(config, self.model_config, self.runner,
                                            parts.num_blocks)
-        # The step policy: steps in flight at most, and whether a step takes its input
-        # tokens from the one before it on the device (async scheduling) or waits for them.
-        self._depth = pp if pp > 1 else 2 if sc.async_scheduling else 1
-        self._chain = pp == 1 and sc.async_scheduling
-        self._burst_steps = sc.num_scheduler_steps
-        self._inflight: collections.deque = collections.deque()  # oldest first
+        self.step_policy = StepPolicy(self.scheduler, self.runner, self.speculator,
+                                      pipeline_depth=pp, async_scheduling=sc.async_scheduling,
+                                      burst_steps=sc.num_scheduler_steps)
         self._stats_log = StatsLogger(not config.disable_log_stats, time.monotonic())
         self.total_prompt_tokens = 0  # of finished requests (and pooled prompts)
         self._prompt_positions = 0  # prompt positions computed (for the stats line)
@@ -175,9 +162,8 @@ class LLMEngine:
 
     # --- sleep mode (jaxllm/engine/sleep_mode.py) and new weights -----------------------------
     def sleep(self, level: int = 1, mode: str = "abort") -> dict:
-        """Free device memory (level 1: weights kept in host memory; 2: weights freed) once
-        the engine holds no request: mode 'abort' aborts those it holds, 'wait' refuses
-        while there are any (the async front waits for them instead)."""
+        """Free device memory (level 1: weights kept in host memory; 2: weights freed); mode:
+        abort the requests held, or 'wait' (refused while there are any here)."""
         self._make_idle("sleep", mode)
         return self.sleep_mode.sleep(level)
 
@@ -193,27 +179,17 @@ class LLMEngine:
         self.sleep_mode.update_weights(named_tensors)
 
     def _make_idle(self, what: str, mode: str) -> None:
-        if mode not in ("abort", "wait"):
-            raise ValueError(f"{what} mode {mode!r}: must be 'abort' or 'wait'")
-        if self.has_unfinished_requests() and mode == "wait":
-            raise ValueError(f"{what}: {len(self.output_processor)} request(s) unfinished; "
-                             "abort them or wait for them first")
+        self.sleep_mode.check_idle(what, mode, len(self.output_processor))
         self.abort_request(self.output_processor.request_ids())
-        while self._inflight:  # steps of aborted requests: read and dropped
-            self._update(self._inflight.popleft())
+        self.step_policy.drain(self._update)  # steps of aborted requests: read and dropped
 
     def wait_for_background_compiles(self, load_cached: bool = False) -> None:
         """Block until the programs warm-up left to the background are compiled (the server
         waits for them before it listens: see async_engine); the wait is in startup_times.
         load_cached: also load the programs the executable cache holds (benchmarks)."""
-        t, pending = time.perf_counter(), self.runner.num_pending_compiles()
-        if pending:
-            logger.info("Waiting for the %d programs compiling in the background before "
-                        "serving", pending)
-        self.runner.wait_for_background_compiles(load_cached)
-        if pending:
-            self.startup_times["background_compile"] = time.perf_counter() - t
-            logger.info("Compiled them in %.1f s", self.startup_times["background_compile"])
+        waited = self.runner.wait_for_background_compiles(load_cached)
+        if waited is not None:
+            self.startup_times["background_compile"] = waited
 
     def has_unfinished_requests(self) -> bool:
         return len(self.output_processor) > 0
@@ -223,56 +199,14 @@ class LLMEngine:
 
     # --- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Plan and dispatch one step (or a burst), then read the oldest step in flight once
-        the policy's depth is reached or nothing new was dispatched; returns the outputs of
-        the requests that progressed."""
-        outputs: list[RequestOutput] = []
-        if self._inflight and self._chain and not self._can_overlap():
-            outputs += self._update(self._inflight.popleft())  # sampling needs its tokens
-        prev = _last(self._inflight[-1]) if self._chain and self._inflight else None
-        if self.scheduler.can_burst(self._burst_steps) and self.runner.burst_ready(
-                self.scheduler.running, self._burst_steps):
-            cur = self._dispatch_burst(prev)
-        else:
-            drafts = (self.speculator.propose(self.scheduler.running)
-                      if self.speculator is not None else None)
-            sched = self.scheduler.schedule(drafts)
-            cur = self.runner.dispatch(sched, prev) if sched.scheduled else None
-            if cur is not None:
-                self.scheduler.advance(sched)
-        if cur is not None:
-            self._inflight.append(cur)
-        if self._inflight and (len(self._inflight) >= self._depth or cur is None):
-            outputs += self._update(self._inflight.popleft())
+        """Plan and dispatch one step (or a burst) and read what the step policy says is due;
+        returns the outputs of the requests that progressed."""
+        outputs = self.step_policy.step(self._update)
         now = time.monotonic()
         if now >= self._stats_log.next_at:
             self._stats_log.log(now, self.stats(), self._prompt_positions,
                                 self.output_processor.num_generation_tokens)
         return outputs
-
-    def _dispatch_burst(self, prev) -> list:
-        """num_scheduler_steps decode steps in one program: each is planned and advanced on
-        the host as usual (its input token is the step before's, still on the device; step
-        0's is prev's), then all are dispatched. Their tokens are resolved in order when read
-        (tokens after a stop are dropped)."""
-        steps = []
-        for _ in range(self._burst_steps):
-            sched = self.scheduler.schedule()
-            steps.append(self.runner.prepare_burst_step(
-                sched, steps[-1].inflight if steps else prev))
-            self.scheduler.advance(sched)
-        return self.runner.dispatch_burst(steps, prev)
-
-    def _can_overlap(self) -> bool:
-        """The next step's sampling may not read output tokens still in flight, nor may its
-        drafts be proposed without them (a step that may speculate reads them first), nor
-        may a step follow one with drafts before it is known how many were accepted."""
-        running = self.scheduler.running
-        if self.speculator is not None and (
-                any(s.spec_token_ids for s in _last(self._inflight[-1]).sched.scheduled)
-                or self.speculator.wants_tokens(running)):
-            return False
-        return not any(r.sampling_params.needs_output_history for r in running)
 
     def _update(self, step) -> list[RequestOutput]:
         """Read a dispatched step's (or a burst's steps') tokens: the scheduler places them
@@ -311,8 +245,5 @@ class LLMEngine:
             spec_decode=self.speculator.stats() if self.speculator is not None else None,
             expert_load=(None if load is None  # --enable-expert-load-metrics
                          else dict(zip(self.runner.moe_layer_ids, load.copy()))),
-            lora=None if self.lora_slots is None else LoraStats(
-                self.lora_slots.running(),
-                tuple(sorted({s.lora_request.lora_name for s in self.scheduler.waiting_seqs()
-                              if s.lora_request is not None})),
-                self.lora_config.max_loras))
+            lora=None if self.lora_slots is None else self.lora_slots.stats(
+                self.scheduler.waiting_seqs()))

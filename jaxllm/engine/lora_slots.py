@@ -15,6 +15,7 @@ import collections
 import logging
 from typing import Callable, Optional
 
+from jaxllm.engine.stats import LoraStats
 from jaxllm.engine_config import LoRAConfig
 from jaxllm.loader.lora import Adapter, read_adapter
 from jaxllm.lora.request import LoRARequest
@@ -114,6 +115,12 @@ class LoRASlots:
     def running(self) -> tuple[str, ...]:
         """Adapters of running sequences, by name."""
         return tuple(sorted({name for name, _, _ in self._users}))
+
+    def stats(self, waiting) -> LoraStats:
+        """The adapters of running sequences and of the `waiting` ones, by name."""
+        return LoraStats(self.running(), tuple(sorted(
+            {s.lora_request.lora_name for s in waiting if s.lora_request is not None})),
+            self.config.max_loras)
 
     def _read(self, req: LoRARequest) -> Adapter:
         """The adapter from the host cache, or read from its folder (evicting the least

@@ -50,6 +50,16 @@ class SleepMode:
             raise EngineSleepingError(f"the engine is sleeping (level {self.level}); wake it "
                                       "up first (LLM.wake_up(), POST /wake_up)")
 
+    @staticmethod
+    def check_idle(what: str, mode: str, unfinished: int) -> None:
+        """Whether `what` may go on with `unfinished` requests in the engine: mode 'abort'
+        (they are aborted), or 'wait' (refused while there are any)."""
+        if mode not in ("abort", "wait"):
+            raise ValueError(f"{what} mode {mode!r}: must be 'abort' or 'wait'")
+        if unfinished and mode == "wait":
+            raise ValueError(f"{what}: {unfinished} request(s) unfinished; abort them or wait "
+                             "for them first")
+
     def _check_enabled(self, what: str) -> None:
         if not self.enabled:
             raise ValueError(f"{what}: sleep mode is off; start the engine with "

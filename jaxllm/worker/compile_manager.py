@@ -74,16 +74,25 @@ class CompileManager:
         """Programs being compiled (or queued) in the background, not finished yet."""
         return [k for k, f in list(self._futures.items()) if not f.done()]
 
-    def wait_for_background_compiles(self, load_cached: bool = False) -> None:
+    def wait_for_background_compiles(self, load_cached: bool = False) -> Optional[float]:
         """Block until the deferred programs and those asked for on demand so far are compiled
         (a server is ready, and benchmarks time the steady state, only then); a failure is
         raised where the program is used. load_cached: also load now the programs left to
-        their first use in the executable cache (a benchmark's steps then load nothing)."""
+        their first use in the executable cache (a benchmark's steps then load nothing).
+        The seconds waited for compiles, or None when none was pending."""
+        t, pending = time.perf_counter(), len(self.pending())
+        if pending:
+            logger.info("Waiting for the %d programs compiling in the background before "
+                        "serving", pending)
         for future in list(self._futures.values()):
             future.exception()
+        waited = time.perf_counter() - t if pending else None
+        if pending:
+            logger.info("Compiled them in %.1f s", waited)
         if load_cached:
             for key in list(self._on_disk):
                 self._load(key)
+        return waited
 
     # --- running ----------------------------------------------------------------------------
     def run(self, key: ProgramKey, fn, *args, first_use: bool = False):

@@ -127,10 +127,10 @@ class ModelRunner:
         """Programs warm-up left to the background that are not compiled yet."""
         return len(self.compile_manager.pending())
 
-    def wait_for_background_compiles(self, load_cached: bool = False) -> None:
+    def wait_for_background_compiles(self, load_cached: bool = False) -> Optional[float]:
         """Block until the programs left to the background are compiled (and, with
-        load_cached, those left in the executable cache are loaded)."""
-        self.compile_manager.wait_for_background_compiles(load_cached)
+        load_cached, those left in the executable cache are loaded); seconds waited or None."""
+        return self.compile_manager.wait_for_background_compiles(load_cached)
 
     def startup_arrays(self) -> tuple:
         """The device arrays made at start-up that steps take (the KV cache, the no-previous-
