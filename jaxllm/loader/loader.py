@@ -19,7 +19,7 @@ from jaxllm.config import ConfigError
 from jaxllm.engine_config import LoadConfig, ModelOptions
 from jaxllm.layers.backends import make_backend
 from jaxllm.layers.backends.cpu import build_projection_kernels
-from jaxllm.loader import hf
+from jaxllm.loader import hf, sharded_state
 from jaxllm.loader.weights import load_weights, param_shardings
 from jaxllm.models.decoder import Decoder, abstract_decoder, init_decoder
 from jaxllm.models.model_config import ModelConfig
@@ -42,8 +42,11 @@ def load_format(load: LoadConfig, path: str) -> str:
     """--load-format, with auto resolved: gguf for a .gguf file, else the folder's weight files
     decide (safetensors, else pt)."""
     fmt = load.load_format
+    if fmt in ("auto", "sharded_state") and sharded_state.is_sharded_state(path):
+        return "sharded_state"
     if fmt == "sharded_state":
-        raise ConfigError("--load-format=sharded_state is not implemented yet")
+        raise ConfigError(f"--load-format=sharded_state: {path} is not a sharded_state folder "
+                          f"(no {sharded_state.MARKER}; `jaxllm convert` writes one)")
     if fmt == "auto" and path.endswith(".gguf"):
         return "gguf"
     if fmt not in ("auto", "dummy") and (fmt == "gguf") != path.endswith(".gguf"):
@@ -70,6 +73,8 @@ def load_model(load: LoadConfig, options: ModelOptions,
     t0 = time.perf_counter()
     path = model_path(load)
     fmt = load_format(load, path)
+    if fmt == "sharded_state":
+        options = sharded_state.options_for(path, options)
     kernels = _kernel_builder(mesh)
     try:
         cfg = ModelConfig.from_hf(hf_config(path), options)
@@ -83,13 +88,21 @@ def load_model(load: LoadConfig, options: ModelOptions,
     if fmt == "dummy":
         shardings = param_shardings(nnx.state(model), mesh)
         return init_decoder(cfg, options.seed, backend.result(), shardings), cfg
-    tensors, where = _checkpoint(path, fmt, cfg)
-    state = load_weights(model, tensors, mesh, where=where, progress=load.use_tqdm_on_load)
+    state = _read(load, path, fmt, cfg, mesh)
     t_weights = time.perf_counter()
     backend = backend.result()
     logger.debug("Load: config %.2f s, weights %.2f s, then %.2f s waiting for the kernels' "
                  "build", t_config - t0, t_weights - t_config, time.perf_counter() - t_weights)
     return nnx.merge(nnx.graphdef(abstract_decoder(cfg, backend)), state), cfg
+
+
+def _read(load: LoadConfig, path: str, fmt: str, cfg: ModelConfig, mesh: Mesh) -> nnx.State:
+    """The weights of the checkpoint at `path` (not dummy ones), placed on `mesh`."""
+    if fmt == "sharded_state":
+        return sharded_state.restore(path, cfg, mesh)
+    tensors, where = _checkpoint(path, fmt, cfg)
+    return load_weights(abstract_decoder(cfg), tensors, mesh, where=where,
+                        progress=load.use_tqdm_on_load)
 
 
 def _checkpoint(path: str, fmt: str, cfg: ModelConfig) -> tuple:
@@ -115,8 +128,7 @@ def read_weights(load: LoadConfig, cfg: ModelConfig, mesh: Mesh, seed: int = 0,
         return nnx.state(init_decoder(cfg, seed, shardings=param_shardings(nnx.state(model),
                                                                             mesh)))
     if tensors is None:
-        tensors, where = _checkpoint(load.model, load_format(load, load.model), cfg)
-        return load_weights(model, tensors, mesh, where=where, progress=load.use_tqdm_on_load)
+        return _read(load, load.model, load_format(load, load.model), cfg, mesh)
     return load_weights(model, tensors, mesh, where="the new weights")
 
 

@@ -1,4 +1,5 @@
-"""The `jaxllm` command: serve, chat, complete, bench, collect-env, run-batch, generate.
+"""The `jaxllm` command: serve, chat, complete, bench, collect-env, run-batch, generate,
+convert.
 
 Sub-command modules import only argparse-level code at start; JAX, FastAPI and the engine are
 imported inside the command that needs them, so `jaxllm --help` stays fast.
@@ -62,7 +63,7 @@ def _register_bench(subparsers, load: bool) -> None:
 
 
 def make_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:
-    from serving.cli import collect_env, generate, openai_client, serve
+    from serving.cli import collect_env, convert, generate, openai_client, serve
 
     parser = argparse.ArgumentParser(prog="jaxllm",
                                      description="jaxllm: LLM inference and serving on JAX/XLA, "
@@ -76,6 +77,7 @@ def make_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:
     collect_env.register(subparsers)
     _register_run_batch(subparsers)
     generate.register(subparsers)
+    convert.register(subparsers)
     return parser, {"serve": serve_parser}
 
 
