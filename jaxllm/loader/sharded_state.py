@@ -1,6 +1,6 @@
 """`--load-format sharded_state`: a model's loaded weights saved with orbax-checkpoint, in the
-layout the engine computes with (packed, quantized, dequantized from GGUF: all the load-time
-work done once), and restored straight into their placement on the device mesh: each host
+loader's layout (fused, quantized, decoded from GGUF: the checkpoint-reading work done once;
+the backend's re-layout still runs at start-up), and restored straight into their placement on the device mesh: each host
 reads only the shards its devices hold (orbax restores to the target shardings). vLLM's
 format of the same name saves per-rank files for one tensor-parallel size; this one restores
 to any mesh.
