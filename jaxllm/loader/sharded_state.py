@@ -1,9 +1,9 @@
 """`--load-format sharded_state`: a model's loaded weights saved with orbax-checkpoint, in the
 loader's layout (fused, quantized, decoded from GGUF: the checkpoint-reading work done once;
-the backend's re-layout still runs at start-up), and restored straight into their placement on the device mesh: each host
-reads only the shards its devices hold (orbax restores to the target shardings). vLLM's
-format of the same name saves per-rank files for one tensor-parallel size; this one restores
-to any mesh.
+the backend's re-layout still runs at start-up), and restored straight into their placement on
+the device mesh: each host reads only the shards its devices hold (orbax restores to the
+target shardings). vLLM's format of the same name saves per-rank files for one tensor-parallel
+size; this one restores to any mesh.
 
 A folder written by `jaxllm convert MODEL OUT` (`save`) holds:
   state/                  the orbax checkpoint of the model's weights (`Decoder`'s state)
