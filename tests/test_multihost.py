@@ -128,6 +128,24 @@ def test_hosts_tp8_match_one_process(checkpoint, one_process, hosts):
 
 
 @pytest.mark.slow
+def test_two_hosts_restore_a_sharded_state(checkpoint, one_process, tmp_path):
+    """`jaxllm convert` on one device, then 2 processes x 4 devices restore it (each host
+    reading the shards of its own devices): the same tokens as the original checkpoint."""
+    out = str(tmp_path / "sharded")
+    proc = subprocess.run([sys.executable, "-m", "serving.cli.main", "convert", checkpoint, out,
+                           "--dtype", "float32"], env=_env(1), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    port = _free_port()
+    results = _finish([_start("leader", out, 4, nnodes=2, node_rank=0, master_port=port),
+                       _start("follower", out, 4, nnodes=2, node_rank=1, master_port=port,
+                              headless=True)])
+    assert [r[0] for r in results] == [0, 0], "\n".join(r[2][-1500:] for r in results)
+    many = _report(results[0])
+    assert many["processes"] == 2 and many["tokens"] == one_process[1]["tokens"]
+
+
+@pytest.mark.slow
 def test_two_hosts_pipeline_match_one_process(checkpoint):
     """Pipeline parallelism across hosts: 2 processes x 4 devices, one stage (TP 4) on each,
     the hidden states and sampled tokens crossing between them; its greedy tokens equal one
