@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -33,6 +33,19 @@ MARKER = "jaxllm_sharded_state.json"
 STATE = "state"
 
 
+def _orbax():
+    """orbax.checkpoint, imported when first needed: importing it adds a stderr handler to the
+    root logger, which would print jaxllm's log lines again in Python's default format; that
+    handler is taken out."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    import orbax.checkpoint as ocp
+    for handler in root.handlers[:]:
+        if handler not in before:
+            root.removeHandler(handler)
+    return ocp
+
+
 def is_sharded_state(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MARKER))
 
@@ -41,6 +54,7 @@ def save(model: Decoder, cfg: ModelConfig, options: ModelOptions, hf_config, out
          tokenizer=None, source: str = "") -> None:
     """Write the loaded `model` (its weights as placed now, sharded or not) and what loading
     it again needs into the folder `out` (created; it must not hold a checkpoint already)."""
+    ocp = _orbax()
     if os.path.exists(os.path.join(out, STATE)):
         raise ConfigError(f"{out}: already holds a sharded_state checkpoint")
     os.makedirs(out, exist_ok=True)
@@ -76,6 +90,7 @@ def options_for(path: str, options: ModelOptions) -> ModelOptions:
 def restore(path: str, cfg: ModelConfig, mesh: Mesh) -> nnx.State:
     """The weights of a sharded_state folder, each array restored into its sharding on
     `mesh` (of any size: not the one it was saved from)."""
+    ocp = _orbax()
     state = nnx.state(abstract_decoder(cfg))
     shardings = nnx.to_pure_dict(param_shardings(state, mesh))
     target = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
