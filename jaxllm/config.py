@@ -17,7 +17,7 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from jaxllm.engine_config import (QUANTIZATION_METHODS, ConfigError, EngineConfig,
                                   check_data_parallel, check_lora, check_pipeline,
-                                  check_sleep_mode,
+                                  check_kv_offloading, check_sleep_mode,
                                   engine_config_from,
                                   flag_name)
 from jaxllm.json_object import json_object
@@ -152,6 +152,13 @@ class EngineArgs:
                                                  "(default on).", default=None)
     prefix_caching_hash_algo: str = _arg("Hash of prefix-cache blocks.",
                                          choices=("builtin", "sha256"), default="builtin")
+    kv_offloading_size: Optional[float] = _arg(
+        "GiB of host memory (summed over tensor-parallel devices) that keeps KV blocks evicted "
+        "from the prefix cache; a later prefix hit copies them back instead of computing "
+        "them again.", default=None)
+    kv_offloading_backend: str = _arg("Where --kv-offloading-size keeps blocks: native (host "
+                                      "memory of this process).", choices=("native",),
+                                      default="native")
     enable_chunked_prefill: Optional[bool] = _arg("Split long prompts over steps (default on).",
                                                   default=None)
     scheduling_policy: str = _arg("fcfs, or priority (lower value first, then arrival).",
@@ -293,6 +300,7 @@ class EngineArgs:
         check_data_parallel(self, bad)
         check_lora(self, bad)
         check_sleep_mode(self, bad)
+        check_kv_offloading(self, bad)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             bad("quantization", f"{self.quantization!r} is not supported (supported: "
                 f"{', '.join(QUANTIZATION_METHODS)})")

@@ -89,6 +89,7 @@ class CacheConfig:
     num_gpu_blocks_override: Optional[int]
     enable_prefix_caching: bool
     prefix_caching_hash_algo: str
+    kv_offloading_size: Optional[float]  # GiB of host memory for evicted blocks (None: off)
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,24 @@ def check_sleep_mode(args: Any, bad: Callable[[str, str], None]) -> None:
                      ("speculative_config", spec is not None and spec.method != "ngram")):
         if on:
             bad(name, "with --enable-sleep-mode is not implemented yet; drop one of the two")
+
+
+def check_kv_offloading(args: Any, bad: Callable[[str, str], None]) -> None:
+    """--kv-offloading-size: a positive size, with prefix caching (it offloads the prefix
+    cache's evicted blocks) on one host without pipeline stages (each would need its own
+    share of the tier) yet."""
+    if args.kv_offloading_size is None:
+        return
+    if args.kv_offloading_size <= 0:
+        bad("kv_offloading_size", "must be positive (GiB)")
+    for name, on, why in (
+            ("enable_prefix_caching", args.enable_prefix_caching is False,
+             "offloads the prefix cache's evicted blocks: there are none without it"),
+            ("pipeline_parallel_size", args.pipeline_parallel_size > 1, "is not implemented "
+             "with pipeline stages yet"),
+            ("nnodes", args.nnodes > 1, "is not implemented across hosts yet")):
+        if on:
+            bad(name, f"with --kv-offloading-size: the host tier {why}; drop one of the two")
 
 
 def check_data_parallel(args: Any, bad: Callable[[str, str], None]) -> None:

@@ -120,11 +120,26 @@ class ScheduledSequence:
     lora_slot: int = -1  # the device slot of its LoRA adapter (-1: none)
 
 
+@dataclass(frozen=True)
+class KVTransfers:
+    """KV blocks moving between the device cache and its host tier (--kv-offloading-size),
+    done before the step's program runs, in this order: `saves` copy device blocks out (to
+    host memory) before the step reuses them, `drops` forget saved copies, `loads` copy saved
+    blocks into device blocks (and forget those copies). Saved copies are named by keys."""
+    saves: tuple[tuple[int, int], ...] = ()  # (device block id, key)
+    drops: tuple[int, ...] = ()              # keys
+    loads: tuple[tuple[int, int], ...] = ()  # (key, device block id)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.drops or self.loads)
+
+
 @dataclass
 class SchedulerOutput:
     """One step's plan: what the runner computes, in this order."""
     scheduled: list[ScheduledSequence]
     preempted_ids: list[str] = field(default_factory=list)
+    kv_transfers: KVTransfers = KVTransfers()
 
     @property
     def total_num_tokens(self) -> int:

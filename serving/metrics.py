@@ -62,6 +62,11 @@ class EngineStatsCollector:
                     s.prefix_cache_hit_rate)
         yield counter("jaxllm:num_preemptions", "Requests preempted (KV cache ran out).",
                       s.num_preemptions)
+        yield counter("jaxllm:kv_offload_saved_blocks", "KV blocks evicted from the prefix "
+                      "cache and kept in host memory (--kv-offloading-size).",
+                      s.kv_offload_saved_blocks)
+        yield counter("jaxllm:kv_offload_hit_blocks", "KV blocks copied back from host memory "
+                      "for a prefix hit instead of computed again.", s.kv_offload_hit_blocks)
         yield from self._spec_decode_counters(s.spec_decode, counter)
         yield from self._replica_gauges(s.replicas)
         yield from self._lora_info(s.lora)

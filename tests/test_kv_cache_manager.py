@@ -7,6 +7,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule)
 
 from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.engine.kv_offload import HostBlock, HostTier
 from jaxllm.sequence import Sequence, SequenceStatus
 from jaxllm.sampling_params import SamplingParams
 
@@ -222,15 +223,30 @@ WEAK = {"parentless": lambda parent, tokens: hash(tokens),
 
 class KVMachine(RuleBasedStateMachine):
     """Random add/admit/step/finish/preempt/reset. A fake KV cache stores, for each written
-    slot, the token prefix it was computed from, so a wrong prefix hit is caught at once."""
+    slot, the token prefix it was computed from, so a wrong prefix hit is caught at once.
+    With a host tier (--kv-offloading-size), the fake cache also moves slots to and from
+    saved copies as each plan's transfers say."""
 
-    @initialize(num_blocks=st.integers(6, 16), algo=st.sampled_from(ALGOS + list(WEAK)))
-    def setup(self, num_blocks, algo):
+    @initialize(num_blocks=st.integers(6, 16), algo=st.sampled_from(ALGOS + list(WEAK)),
+                host=st.sampled_from([0, 2, 8]))
+    def setup(self, num_blocks, algo, host):
+        num_blocks = 6 if host else num_blocks  # a small cache evicts, so the tier is used
         self.kv = KVCacheManager(num_blocks, BS, hash_algo="builtin" if algo in WEAK else algo,
-                                 hash_fn=WEAK.get(algo))
+                                 hash_fn=WEAK.get(algo), host_tier=HostTier(host) if host else None)
         self.waiting, self.running = {}, {}
         self.slots = {}  # (block, offset) -> token prefix whose KV the slot holds
+        self.saved = {}  # host tier: key -> the slots of a saved block
         self.count = 0
+
+    def transfer(self):
+        t = self.kv.take_transfers()
+        for bid, key in t.saves:
+            self.saved[key] = [self.slots.get((bid, o)) for o in range(BS)]
+        for key in t.drops:
+            self.saved.pop(key, None)
+        for key, bid in t.loads:
+            for o, held in enumerate(self.saved.pop(key)):
+                self.slots[bid, o] = held
 
     @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 1), max_size=6))
     def add(self, prefix, tail):
@@ -247,9 +263,14 @@ class KVMachine(RuleBasedStateMachine):
         assert cached == len(blocks) * BS < r.num_tokens
         toks = r.all_token_ids
         for p in range(cached):  # the hit holds exactly this request's prefix
-            assert self.slots[blocks[p // BS], p % BS] == tuple(toks[:p + 1])
+            b = blocks[p // BS]
+            held = (self.saved[b.uid][p % BS] if isinstance(b, HostBlock)
+                    else self.slots[b, p % BS])
+            assert held == tuple(toks[:p + 1])
         n = data.draw(st.integers(1, r.num_tokens - cached))
-        if self.kv.allocate_slots(r, n, blocks):
+        ok = self.kv.allocate_slots(r, n, blocks)
+        self.transfer()
+        if ok:
             del self.waiting[r.seq_id]
             self.running[r.seq_id] = r
             r.num_computed_tokens = cached
@@ -264,7 +285,9 @@ class KVMachine(RuleBasedStateMachine):
         r = self.running[data.draw(st.sampled_from(sorted(self.running)))]
         n = data.draw(st.integers(1, r.num_tokens - r.num_computed_tokens))
         free_before = self.kv.num_free_blocks
-        if self.kv.allocate_slots(r, n):
+        ok = self.kv.allocate_slots(r, n)
+        self.transfer()
+        if ok:
             self.compute(r, n)
         else:
             assert self.kv.num_free_blocks == free_before
@@ -307,6 +330,7 @@ class KVMachine(RuleBasedStateMachine):
     @rule()
     def reset(self):
         assert self.kv.reset_prefix_cache() == (not self.running)
+        self.transfer()
 
     @invariant()
     def blocks_accounted(self):
@@ -335,6 +359,8 @@ class KVMachine(RuleBasedStateMachine):
         assert kv.tracked_seq_ids <= set(self.waiting) | set(self.running)  # no per-sequence leak
         if not self.running:
             assert kv.num_free_blocks == kv.num_blocks and kv.usage == 0.0
+        if kv.host_tier is not None:  # every saved copy is the tier's, and no other
+            assert len(self.saved) == len(kv.host_tier) <= kv.host_tier.capacity_blocks
 
 
 TestKVMachine = KVMachine.TestCase

@@ -16,6 +16,7 @@ from typing import Optional, Union
 from jaxllm.config import EngineArgs
 from jaxllm.engine.input_processor import InputProcessor, PromptType
 from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.engine.kv_offload import host_tier
 from jaxllm.engine.lora_slots import LoRASlots
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.scheduler import Scheduler
@@ -61,7 +62,8 @@ class LLMEngine:
                            LoRASlots(config.lora, self.model_config, self.runner.write_lora_slot))
         self.kv_cache_manager = KVCacheManager(
             parts.num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching,
-            hash_algo=config.cache.prefix_caching_hash_algo)
+            hash_algo=config.cache.prefix_caching_hash_algo,
+            host_tier=host_tier(config.cache, self.runner, parts.num_blocks))
         self.scheduler = Scheduler(
             self.kv_cache_manager, max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=self.runner.max_num_batched_tokens,
@@ -234,13 +236,12 @@ class LLMEngine:
         return outputs
 
     def stats(self) -> EngineStats:
-        kv, load = self.kv_cache_manager, self.runner.expert_load
+        load = self.runner.expert_load
         return EngineStats(
+            **self.kv_cache_manager.counters(),
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=self.scheduler.num_preemptions, num_free_blocks=kv.num_free_blocks,
-            num_total_blocks=kv.num_blocks, prompt_tokens_total=self.total_prompt_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.total_prompt_tokens,
             generation_tokens_total=self.output_processor.num_generation_tokens,
             spec_decode=self.speculator.stats() if self.speculator is not None else None,
             expert_load=(None if load is None  # --enable-expert-load-metrics

@@ -9,6 +9,11 @@ A full block is keyed by the chain hash h_i = H(h_{i-1}, tokens_i), so equal has
 prefixes, unless the hash collides. Hits are therefore verified exactly: each cached block keeps
 its tokens and the `uid` of the cached block it extends (uids are never reused), and a lookup
 follows a chain only through those very blocks. A collision costs a miss, never wrong KV.
+
+With a host tier (--kv-offloading-size: jaxllm/engine/kv_offload.py), an evicted cached block
+is saved there instead of lost, and a lookup follows the chain through device and host blocks
+alike; a host hit takes a device block and the step's plan copies the KV back
+(`take_transfers`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from itertools import count
 from types import MappingProxyType
 from typing import Optional
 
-from jaxllm.sequence import Sequence
+from jaxllm.engine.kv_offload import HostBlock, HostTier
+from jaxllm.sequence import KVTransfers, Sequence
 
 _ROOT = 0  # the parent uid of a first block (of a sequence without a LoRA adapter)
 
@@ -71,7 +77,8 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  hash_algo: str = "builtin",
-                 hash_fn: Optional[Callable[[Hashable, tuple], Hashable]] = None):
+                 hash_fn: Optional[Callable[[Hashable, tuple], Hashable]] = None,
+                 host_tier: Optional[HostTier] = None):
         if hash_algo not in ("builtin", "sha256"):
             raise ValueError(f"unknown prefix caching hash algorithm {hash_algo!r}")
         self.num_blocks = num_blocks
@@ -88,7 +95,11 @@ class KVCacheManager:
         self._seq_uids: dict[str, list] = {}  # uid chain of each sequence's registered blocks
         self._seq_hashes: dict[str, list] = {}  # memo: each block is hashed once per sequence
         self.prefix_cache_queries = 0  # tokens looked up, once per admission
-        self.prefix_cache_hits = 0     # of those, tokens found cached
+        self.prefix_cache_hits = 0     # of those, tokens found cached (device or host)
+        self.host_tier = host_tier
+        self._saves: list = []  # this step's KV transfers so far (`take_transfers`)
+        self._drops: list = []
+        self._loads: list = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -98,6 +109,15 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def counters(self) -> dict:
+        """The cache's fields of EngineStats."""
+        host = self.host_tier
+        return dict(kv_cache_usage=self.usage, prefix_cache_queries=self.prefix_cache_queries,
+                    prefix_cache_hits=self.prefix_cache_hits,
+                    num_free_blocks=self.num_free_blocks, num_total_blocks=self.num_blocks,
+                    kv_offload_saved_blocks=host.saved_blocks if host else 0,
+                    kv_offload_hit_blocks=host.hit_blocks if host else 0)
 
     # Read-only views of the block states, for checks of the accounting (tests, debugging):
     # every block is in use (ref_cnt > 0), in free_block_ids, or in evictable_block_ids.
@@ -138,9 +158,11 @@ class KVCacheManager:
         ids, parent = [], _root_uid(seq)
         for i, h in enumerate(hashes):
             b = self._cached.get(h)
+            if b is None and self.host_tier is not None:
+                b = self.host_tier.get(h)  # a HostBlock: allocate_slots loads it
             if b is None or b.parent_uid != parent or b.token_ids != self._block_tokens(seq, i):
                 break
-            ids.append(b.block_id)
+            ids.append(b if isinstance(b, HostBlock) else b.block_id)
             parent = b.uid
         return ids, len(ids) * self.block_size
 
@@ -148,11 +170,13 @@ class KVCacheManager:
                        computed_blocks: list[int] | None = None) -> bool:
         """Make room for num_new_tokens after seq.num_computed_tokens plus the computed_blocks
         (a prefix hit, given at admission). All or nothing: False changes nothing."""
-        computed = [self.blocks[i] for i in computed_blocks or ()]
+        computed = [b if isinstance(b, HostBlock) else self.blocks[b]
+                    for b in computed_blocks or ()]
+        device = [b for b in computed if isinstance(b, Block)]
         owned = self._seq_blocks.get(seq.seq_id)
         total = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        need = -(-total // self.block_size) - len(computed) - len(owned or ())
-        revived = sum(b.ref_cnt == 0 for b in computed)  # hits leave the evictable pool
+        need = -(-total // self.block_size) - len(device) - len(owned or ())
+        revived = sum(b.ref_cnt == 0 for b in device)  # hits leave the evictable pool
         if need > self.num_free_blocks - revived:
             return False
         if owned is None:
@@ -161,12 +185,13 @@ class KVCacheManager:
             if self.enable_prefix_caching and not seq.needs_prompt_logprobs:
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += len(computed) * self.block_size
-        for b in computed:
+        for b in device:  # first, so that no block taken below evicts one of them
             if b.ref_cnt == 0:
                 del self._evictable[b.block_id]
             b.ref_cnt += 1
-            owned.append(b.block_id)
-        for _ in range(need):
+        for b in computed:
+            owned.append(b.block_id if isinstance(b, Block) else self._load(b))
+        for _ in range(need - len(computed) + len(device)):
             owned.append(self._take())
         return True
 
@@ -220,15 +245,25 @@ class KVCacheManager:
                     self._evictable[bid] = None
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (e.g. after new weights). As in vLLM, refused (False) while
-        any sequence holds blocks. The hit counters are cumulative and not reset."""
+        """Forget every cached block (e.g. after new weights), the host tier's too. As in
+        vLLM, refused (False) while any sequence holds blocks. The hit counters are cumulative
+        and not reset."""
         if self._seq_blocks:
             return False
         for b in list(self._cached.values()):
             self._uncache(b)
         self._free.extend(self._evictable)
         self._evictable.clear()
+        if self.host_tier is not None:
+            self._drops += self.host_tier.clear()
         return True
+
+    def take_transfers(self) -> KVTransfers:
+        """The KV copies between the device and the host tier that the allocations since the
+        last call need, before the next step runs (the step's plan carries them)."""
+        out = KVTransfers(tuple(self._saves), tuple(self._drops), tuple(self._loads))
+        self._saves, self._drops, self._loads = [], [], []
+        return out
 
     # --- helpers -------------------------------------------------------------------------------
     def _take(self) -> int:
@@ -236,8 +271,24 @@ class KVCacheManager:
             bid = self._free.popleft()
         else:
             bid, _ = self._evictable.popitem(last=False)
-            self._uncache(self.blocks[bid])
+            b = self.blocks[bid]
+            if self.host_tier is not None:  # its KV goes to the host tier before the reuse
+                self._saves.append((bid, b.uid))
+                self._drops += self.host_tier.add(HostBlock(b.hash, b.uid, b.parent_uid,
+                                                            b.token_ids))
+            self._uncache(b)
         self.blocks[bid].ref_cnt = 1
+        return bid
+
+    def _load(self, saved: HostBlock) -> int:
+        """A device block for a host hit, cached again under the saved block's identity; its
+        KV is copied back before the step."""
+        self.host_tier.take(saved.hash)  # first: the eviction below may make room there
+        bid = self._take()
+        b = self.blocks[bid]
+        b.hash, b.uid, b.parent_uid, b.token_ids = saved
+        self._cached[b.hash] = b
+        self._loads.append((saved.uid, bid))
         return bid
 
     def _uncache(self, b: Block) -> None:

@@ -188,7 +188,7 @@ class Scheduler:
             budget -= n
         for item in no_slot:
             heapq.heappush(self.waiting, item)
-        return SchedulerOutput(list(scheduled.values()), preempted)
+        return SchedulerOutput(list(scheduled.values()), preempted, self.kv.take_transfers())
 
     def advance(self, sched: SchedulerOutput) -> None:
         """Move every scheduled sequence past its dispatched step, before its sampled tokens

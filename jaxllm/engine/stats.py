@@ -49,6 +49,9 @@ class EngineStats:
     replicas: tuple["EngineStats", ...] = ()
     prefix_affinity_hits: Optional[int] = None
     lora: Optional[LoraStats] = None
+    # --kv-offloading-size: blocks saved to the host tier, and copied back for prefix hits
+    kv_offload_saved_blocks: int = 0
+    kv_offload_hit_blocks: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -77,7 +80,7 @@ class EngineStats:
 
 _SUMMED = ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits",
            "num_preemptions", "num_free_blocks", "num_total_blocks", "prompt_tokens_total",
-           "generation_tokens_total")
+           "generation_tokens_total", "kv_offload_saved_blocks", "kv_offload_hit_blocks")
 
 
 def sum_stats(per: list[EngineStats], **extra) -> EngineStats:

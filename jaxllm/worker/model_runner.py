@@ -48,6 +48,7 @@ from jaxllm.sequence import SchedulerOutput, Sequence
 from jaxllm.spec_decode.acceptance import num_accepted
 from jaxllm.worker.compile_manager import CompileManager, ProgramKey
 from jaxllm.worker.executable_cache import ExecutableCache
+from jaxllm.worker.kv_transfer import HostKVStore
 from jaxllm.worker.input_batch import (InputBatcher, PromptRows, StepInputs, bucket,
                                        prompt_logprob_targets)
 from jaxllm.worker.step_launcher import StepLauncher
@@ -91,6 +92,7 @@ class ModelRunner:
         kv_sharding = kv_cache_shardings(kv_shapes, mesh)
         self._kv_layout = (kv_shapes, kv_cache_dtype, kv_sharding)
         self.kv_cache = empty_kv_caches(*self._kv_layout)  # one per group
+        self.kv_store = HostKVStore()  # --kv-offloading-size: the host tier's saved blocks
         self.rows_sharding = NamedSharding(mesh, P())  # replicated: the sampler reads all rows
         # --enable-expert-load-metrics: tokens routed per expert, summed on the host as steps
         # are read (rows: model.moe_layer_ids); device counts of steps not read yet wait.
@@ -128,8 +130,7 @@ class ModelRunner:
         return len(self.compile_manager.pending())
 
     def wait_for_background_compiles(self, load_cached: bool = False) -> Optional[float]:
-        """Block until the programs left to the background are compiled (and, with
-        load_cached, those left in the executable cache are loaded); seconds waited or None."""
+        """Block until background compiles (and with load_cached, cached loads) are done."""
         return self.compile_manager.wait_for_background_compiles(load_cached)
 
     def startup_arrays(self) -> tuple:
@@ -156,8 +157,7 @@ class ModelRunner:
         self.launcher.lead_hosts(leader)
 
     def write_lora_slot(self, slot: int, weights: dict) -> None:
-        """Put a LoRA adapter in device slot `slot` (between steps: the next step reads it;
-        `fill_slot` says how)."""
+        """Put a LoRA adapter in device slot `slot` (between steps; `fill_slot`)."""
         fill_slot(self.state["layers"], slot, weights, self._write_slot)
 
     # --- sleep mode: the weights and the KV cache out of device memory and back -----------
@@ -171,8 +171,7 @@ class ModelRunner:
         return "device" if self.state is not None else "host" if self._offloaded else "none"
 
     def release_weights(self, keep: bool) -> None:
-        """Free the weights' device memory (between steps); keep: a host copy to restore.
-        Weights already released lose their host copy unless `keep`."""
+        """Free the weights' device memory (between steps), keeping a host copy or not."""
         if self.state is not None and keep:
             self._offloaded = device_memory.offload(self.state)
         elif not keep and self._offloaded is not None:
@@ -182,8 +181,7 @@ class ModelRunner:
         self.state = None
 
     def restore_weights(self, state=None) -> None:
-        """The weights on the devices again: the host copy, or `state` (a loaded model's
-        state in the loader's layout: new weights, or the checkpoint read again)."""
+        """The weights on the devices again: the host copy, or `state` (the loader's layout)."""
         if state is None:
             self.state = device_memory.restore(*self._offloaded)
         else:
@@ -257,6 +255,8 @@ class ModelRunner:
             else self._no_prev_tokens
 
     def _prepare(self, sched: SchedulerOutput, prev: Optional[Inflight]):
+        if sched.kv_transfers:  # KV to and from the host tier, before the step writes
+            self.kv_cache = self.kv_store.apply(self.kv_cache, sched.kv_transfers)
         return self.input_batch.prepare(sched, prev.seqs if prev is not None else [],
                                         self._prev_tokens(prev))
 
