@@ -104,6 +104,12 @@ class DenseLayers(nnx.Module):
         LoRA slots."""
         return gated_mlp(backend, self.widths(), w, x, layer, self.cfg.activation, lora), None
 
+    def layer(self, backend: Backend, w: dict, h: jax.Array, cache: KVCache, layer,
+              md: AttentionMetadata, cos, sin, window, lora
+              ) -> tuple[jax.Array, KVCache, Optional[jax.Array]]:
+        """One layer (its weights w) over hidden states h [T, E]: (h, cache, routes)."""
+        return _layer(self, backend, w, h, cache, layer, md, cos, sin, window, lora)
+
     def __call__(self, backend: Backend, h: jax.Array, cache: KVCache, md: AttentionMetadata,
                  rope: tuple, start: int, end: int, lora: Optional[LoraBatch] = None
                  ) -> tuple[jax.Array, KVCache]:
@@ -127,8 +133,8 @@ class DenseLayers(nnx.Module):
             w, layer, rope_id, window = xs
             w = {**{k: v if isinstance(v, QuantizedWeight) else backend.weight(v)
                     for k, v in w.items()}, **resident}
-            h, cache, routes = _layer(self, backend, w, h, cache, layer, md, cos[rope_id],
-                                      sin[rope_id], window, lora)
+            h, cache, routes = self.layer(backend, w, h, cache, layer, md, cos[rope_id],
+                                          sin[rope_id], window, lora)
             return (h, cache), routes
 
         layers = jnp.arange(start, end, dtype=jnp.int32)
