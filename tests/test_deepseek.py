@@ -10,10 +10,12 @@ buffer transformers leaves at zero) is randomized so that it changes the choice 
 """
 
 import json
+import math
 
 import pytest
 import torch
 
+from jaxllm.config import ConfigError
 from test_models import _prompts, assert_greedy_matches_transformers
 
 _COMMON = dict(vocab_size=512, hidden_size=48, intermediate_size=64, moe_intermediate_size=16,
@@ -89,3 +91,70 @@ def test_deepseek_matches_transformers(version, kw, make_deepseek, load, greedy)
     assert k_shape == (1, 10, 1, 4, 16 + 8) and v_shape[-1] == 0
     assert cfg.kv_values_per_token == 24
     assert_greedy_matches_transformers(path, model, _prompts((5, 17, 30, 2)), greedy)
+
+
+# Kimi-K2-Instruct's config.json (its fp8 quantization_config left out): DeepSeek-V3's
+# architecture under model_type kimi_k2, with DeepSeek's own configuration code in auto_map.
+KIMI_K2 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+    "bos_token_id": 163584, "eos_token_id": 163585, "first_k_dense_replace": 1,
+    "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 131072, "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 384, "n_shared_experts": 1,
+    "norm_topk_prob": True, "num_attention_heads": 64, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 64, "num_nextn_predict_layers": 0,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06, "rope_theta": 50000.0, "routed_scaling_factor": 2.827,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "scoring_func": "sigmoid", "topk_group": 1, "topk_method": "noaux_tc",
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "v_head_dim": 128,
+    "vocab_size": 163840}
+
+
+def _config(tmp_path, raw: dict):
+    from jaxllm.loader.loader import hf_config
+    from jaxllm.models.model_config import ModelConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return ModelConfig.from_hf(hf_config(str(tmp_path)))
+
+
+def test_kimi_k2_config_loads(tmp_path):
+    """Read with transformers' DeepseekV3Config (no remote code), as a V3."""
+    from jaxllm.models.decoder import layer_groups
+    from jaxllm.models.mla import mla_sm_scale
+
+    cfg = _config(tmp_path, KIMI_K2)
+    assert cfg.architecture == "DeepseekV3ForCausalLM" and cfg.dtype == "bfloat16"
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group) == (384, 8, 1, 1)
+    assert (cfg.scoring_func, cfg.topk_method, cfg.router_bias) == ("sigmoid", "noaux_tc", True)
+    assert cfg.routed_scaling_factor == 2.827 and cfg.norm_topk_prob
+    assert cfg.shared_expert_intermediate_size == 2048 and not cfg.shared_expert_gated
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.head_dim) == (512, 1536, 64)
+    assert cfg.kv_values_per_token == 576  # against 2 * 64 heads * 192 for plain MHA
+    assert [(g.kind, g.count) for g in layer_groups(cfg)] == [("mla", 1), ("mla_moe", 60)]
+    assert cfg.rope[0].rope_type == "yarn" and cfg.max_model_len == 4096 * 32
+    m = 0.1 * math.log(32.0) + 1.0  # mscale_all_dim 1: transformers' yarn_get_mscale
+    assert mla_sm_scale(cfg) == pytest.approx(192 ** -0.5 * m * m)
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"model_type": "deepseek_v2", "norm_topk_prob": True}, "norm_topk_prob"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"topk_method": "greedy"}, "topk_method"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"n_group": 5}, "n_group"),
+])
+def test_unsupported_deepseek_settings_are_refused(tmp_path, change, named):
+    raw = dict(KIMI_K2, **change)
+    if raw["model_type"] == "deepseek_v2":
+        raw["architectures"] = ["DeepseekV2ForCausalLM"]
+        for key in ("scoring_func", "topk_method"):
+            raw.pop(key)
+    with pytest.raises(ConfigError, match=named):
+        _config(tmp_path, raw)
