@@ -72,9 +72,10 @@ def make_deepseek(make_tiny_checkpoint, tmp_path_factory):
 CASES = [
     pytest.param(3, V3, id="v3-qlora-grouped-sigmoid-bias"),
     pytest.param(3, dict(V3, rope_interleave=False, norm_topk_prob=False, n_group=1,
-                         topk_group=1, n_shared_experts=2), id="v3-nointerleave-unnormed"),
-    pytest.param(3, dict(V3, rope_parameters=YARN), id="v3-yarn-mscale"),
-    pytest.param(2, V2, id="v2-group-limited-greedy"),
+                         topk_group=1, n_shared_experts=2), id="v3-nointerleave-unnormed",
+                 marks=pytest.mark.slow),
+    pytest.param(3, dict(V3, rope_parameters=YARN), id="v3-yarn-mscale", marks=pytest.mark.slow),
+    pytest.param(2, V2, id="v2-group-limited-greedy", marks=pytest.mark.slow),
     pytest.param(2, V2_LITE, id="v2lite-plain-q-greedy"),
 ]
 
@@ -158,3 +159,68 @@ def test_unsupported_deepseek_settings_are_refused(tmp_path, change, named):
             raw.pop(key)
     with pytest.raises(ConfigError, match=named):
         _config(tmp_path, raw)
+
+
+@pytest.mark.slow  # ~60 s: the engine's programs
+def test_deepseek_engine_equals_transformers_and_one_by_one(make_deepseek, monkeypatch):
+    """A V3 model through the engine: continuous batching with chunked prefill (64-token
+    steps) and prefix caching give transformers' greedy tokens, and the same tokens as one
+    request at a time; the KV cache is the latent layout, sized by it."""
+    from test_engine import GREEDY, NEW, hf_greedy, mixed_prompts, small_llm, token_ids
+
+    monkeypatch.setenv("JAXLLM_FAIL_ON_RECOMPILE", "1")
+    path = make_deepseek(3, **V3)
+    prompts = mixed_prompts(10, seed=5)
+    prompts += [prompts[0] + p for p in mixed_prompts(3, seed=6)]  # shared prefixes
+    expected = hf_greedy(path, prompts, NEW)
+    llm = small_llm(path)
+    batch = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                   use_tqdm=False))
+    assert batch == expected
+    singles = [token_ids(llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False))[0]
+               for p in prompts[:2]]
+    assert singles == expected[:2]
+    eng = llm.llm_engine
+    assert eng.kv_cache_manager.prefix_cache_hits > 0
+    caches = eng.runner.kv_cache
+    assert [c.k.shape[2:] for c in caches] == [(1, 4, 24)] * 2 and caches[0].v.size == 0
+
+
+@pytest.mark.parametrize("engine_args", [
+    pytest.param(dict(attention_backend="reference"), id="reference-backend",
+                 marks=pytest.mark.slow),
+    pytest.param(dict(dtype="bfloat16"), id="bfloat16"),
+])
+def test_deepseek_other_backend_and_dtype(engine_args, make_deepseek, load, greedy):
+    """The XLA reference backend matches transformers as the CPU backend does; in bfloat16
+    (the router still float32) the logits stray from float32 transformers no more than
+    transformers' own bfloat16 model does."""
+    import numpy as np
+    from test_models import ATOL, _hf_model
+
+    path = make_deepseek(3, **V3)
+    model, cfg, _ = load(path, **engine_args)
+    prompts = _prompts((7, 19))
+    prefill, _, _ = greedy(model, prompts, 1)
+    if cfg.dtype == "float32":
+        assert model.backend.name == "reference"
+        assert_greedy_matches_transformers(path, model, prompts, greedy)
+        return
+    state = dict(nnx_state_leaves(model))
+    assert state["router"] == np.float32 and state["q_b"] == np.dtype("bfloat16")
+    hf = _hf_model(path)
+    hf_bf16 = _hf_model(path).to(torch.bfloat16)
+    for ours, prompt in zip(prefill, prompts):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0].numpy()
+            theirs = hf_bf16(torch.tensor([prompt])).logits[0].float().numpy()
+        err, their_err = np.abs(ours - want).max(), np.abs(theirs - want).max()
+        assert their_err > ATOL and err <= 1.5 * their_err + 0.02
+
+
+def nnx_state_leaves(model):
+    """(parameter name, dtype) of the MoE layer group's parameters."""
+    from flax import nnx
+
+    return [(name, v.get_value().dtype) for name, v in vars(model.layers[1]).items()
+            if isinstance(v, nnx.Param)]
