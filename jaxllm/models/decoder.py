@@ -4,7 +4,7 @@ flags of `ModelConfig`, not copies.
 The forward is three stages, so that a pipeline stage can run a range of layers and hand its
 hidden states on: `embed_tokens` -> `run_layers` over layers [start, end) -> `apply_final_norm`
 (then `compute_logits`). The layers are a sequence of homogeneous groups (`layer_groups`:
-dense, or mixture-of-experts), each with its own stacked weights, its own `lax.scan` and its own
+dense, mixture-of-experts, or DeepSeek's latent-attention ones), each with its own stacked weights, its own `lax.scan` and its own
 KVCache. Every op runs through the model's backend (`jaxllm.layers.backends`), a static part
 of the module chosen at start-up.
 """
