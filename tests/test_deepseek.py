@@ -35,7 +35,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 
 @pytest.fixture(scope="session")
 def make_deepseek(make_tiny_checkpoint, tmp_path_factory):
-    """make_deepseek(version, **config) -> a float32 checkpoint folder (weights as conftest's
+    """make_deepseek(version: 2, 3 or 'glm4_moe', **config) -> a float32 checkpoint folder (weights as conftest's
     `_randomize`; V3's correction bias random too) with the tests' tokenizer."""
     import transformers as tr
     from conftest import _randomize
@@ -44,14 +44,16 @@ def make_deepseek(make_tiny_checkpoint, tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(make_tiny_checkpoint("llama"))
     cache = {}
 
-    def make(version: int, **kw) -> str:
+    def make(version, **kw) -> str:
         key = json.dumps([version, kw], sort_keys=True)
         if key in cache:
             return cache[key]
-        cls = tr.DeepseekV3Config if version == 3 else tr.DeepseekV2Config
+        cls, arch = {3: (tr.DeepseekV3Config, "DeepseekV3ForCausalLM"),
+                     2: (tr.DeepseekV2Config, "DeepseekV2ForCausalLM"),
+                     "glm4_moe": (tr.Glm4MoeConfig, "Glm4MoeForCausalLM")}[version]
         cfg = cls(**kw, bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                   pad_token_id=tok.pad_token_id)
-        cfg.architectures = [f"DeepseekV{version}ForCausalLM"]
+        cfg.architectures = [arch]
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         _randomize(model, False, seed=len(cache))
@@ -60,7 +62,7 @@ def make_deepseek(make_tiny_checkpoint, tmp_path_factory):
             for name, buf in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buf.copy_(0.3 * torch.randn(buf.shape, generator=g))
-        path = str(tmp_path_factory.mktemp(f"tiny_deepseek_v{version}"))
+        path = str(tmp_path_factory.mktemp(f"tiny_{arch}"))
         model.save_pretrained(path)
         tok.save_pretrained(path)
         cache[key] = path
@@ -224,3 +226,21 @@ def nnx_state_leaves(model):
 
     return [(name, v.get_value().dtype) for name, v in vars(model.layers[1]).items()
             if isinstance(v, nnx.Param)]
+
+
+GLM4_MOE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+                topk_group=2, routed_scaling_factor=1.8, first_k_dense_replace=1,
+                attention_bias=True, use_qk_norm=True, max_position_embeddings=256,
+                rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def test_glm4_moe_matches_transformers(make_deepseek, load, greedy):
+    """GLM-4.5: partial rotary (half of head_dim 16), q/k norms, q/k/v biases, V3's routing."""
+    path = make_deepseek("glm4_moe", **GLM4_MOE)
+    model, cfg, _ = load(path)
+    assert (cfg.rotary_dim, cfg.qkv_bias, cfg.o_bias, cfg.qk_norm) == (8, True, False, True)
+    assert (cfg.topk_method, cfg.router_bias, cfg.shared_expert_gated) == ("noaux_tc", True,
+                                                                           False)
+    assert_greedy_matches_transformers(path, model, _prompts((5, 17, 30, 2)), greedy)

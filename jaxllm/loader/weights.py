@@ -160,12 +160,17 @@ def _mla_layer(cfg: ModelConfig) -> list:
     return out
 
 
+# Architectures whose checkpoints carry multi-token-prediction layers past the last one.
+MTP_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+
+
 def _past_last_layer(cfg: ModelConfig, name: str) -> bool:
-    """A DeepSeek checkpoint's multi-token-prediction layers (model.layers.N and above, N =
-    num_hidden_layers): not run (no MTP speculation yet), skipped as transformers skips them."""
+    """A DeepSeek or GLM-4.5 checkpoint's multi-token-prediction layers (model.layers.N and
+    above, N = num_hidden_layers): not run (no MTP speculation yet), skipped as transformers
+    skips them."""
     parts = name.split(".")
-    return (bool(cfg.kv_lora_rank) and len(parts) > 2 and parts[:2] == ["model", "layers"]
-            and parts[2].isdigit() and int(parts[2]) >= cfg.num_layers)
+    return (cfg.architecture in MTP_ARCHITECTURES and len(parts) > 2
+            and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= cfg.num_layers)
 
 
 def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:

@@ -4,9 +4,9 @@ flags of `ModelConfig`, not copies.
 The forward is three stages, so that a pipeline stage can run a range of layers and hand its
 hidden states on: `embed_tokens` -> `run_layers` over layers [start, end) -> `apply_final_norm`
 (then `compute_logits`). The layers are a sequence of homogeneous groups (`layer_groups`:
-dense, mixture-of-experts, or DeepSeek's latent-attention ones), each with its own stacked weights, its own `lax.scan` and its own
-KVCache. Every op runs through the model's backend (`jaxllm.layers.backends`), a static part
-of the module chosen at start-up.
+dense, mixture-of-experts, or DeepSeek's latent-attention ones), each with its own stacked
+weights, its own `lax.scan` and its own KVCache. Every op runs through the model's backend
+(`jaxllm.layers.backends`), a static part of the module chosen at start-up.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class Decoder(nnx.Module):
         lora = None if lora_slots is None else lora_batch(lora_slots, cfg.lora.max_loras)
         end = cfg.num_layers if end is None else end
         specs = tuple(dict.fromkeys(cfg.rope))  # distinct RoPE settings (Gemma 3: local/global)
-        cos, sin = rope_tables(specs, cfg.head_dim, positions, h.dtype)
+        cos, sin = rope_tables(specs, cfg.rotary_dim or cfg.head_dim, positions, h.dtype)
         windowed = any(cfg.sliding_window)
         caches = list(kv_caches)
         for i, (g, layers) in enumerate(zip(self.groups, self.layers)):

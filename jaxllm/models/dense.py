@@ -188,7 +188,12 @@ def _layer(group: DenseLayers, backend: Backend, w: dict, h: jax.Array, cache: K
     q, k, v = qkv[:, :, :G].reshape(T, K * G, D), qkv[:, :, G], qkv[:, :, G + 1]
     if cfg.qk_norm:
         q, k = rms_norm(q, w["q_norm"], cfg), rms_norm(k, w["k_norm"], cfg)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cfg.rotary_dim:  # partial rotary: the first rotary_dim values rotate, the rest pass
+        r = cfg.rotary_dim
+        q = jnp.concatenate([apply_rope(q[..., :r], cos, sin), q[..., r:]], axis=-1)
+        k = jnp.concatenate([apply_rope(k[..., :r], cos, sin), k[..., r:]], axis=-1)
+    else:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, cache = backend.attention(q, k, v, cache, layer, md, sm_scale=cfg.sm_scale,
                                  sliding_window=window, soft_cap=cfg.attn_logit_softcap)
     a = project_("o", o.reshape(T, K * G * D), bias=w["o_bias"] if cfg.o_bias else None)

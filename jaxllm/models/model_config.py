@@ -91,6 +91,9 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False       # the rotary dims come in (even, odd) pairs
+    # Partial rotary embeddings (GLM-4.5): the first rotary_dim of head_dim rotate, the rest
+    # pass (0 = all of them).
+    rotary_dim: int = 0
 
     @property
     def kv_values_per_token(self) -> int:
@@ -137,7 +140,8 @@ class ModelConfig:
             raise ConfigError("MLP biases (mlp_bias=True) are not supported")
         bias = bool(getattr(c, "attention_bias", False))
         layer_types = getattr(c, "layer_types", None) or [None] * n_layers
-        rope = tuple(_layer_rope(c, t, rope_scaling, rope_theta) for t in layer_types)
+        rope = tuple(_layer_rope(c, t, rope_scaling, rope_theta, bool(features.get("rotary_dim")))
+                     for t in layer_types)
         window = _windows(c, layer_types)
         max_len = _max_model_len(c, rope, window, options)
         if options.disable_sliding_window:
@@ -177,7 +181,7 @@ class ModelConfig:
         return cls(**fields)
 
 
-def _layer_rope(c, layer_type, rope_scaling, rope_theta) -> RopeSpec:
+def _layer_rope(c, layer_type, rope_scaling, rope_theta, partial: bool = False) -> RopeSpec:
     """One layer's RoPE from either spelling. Gemma 3's sliding layers have their own (local)
     RoPE; the engine's overrides apply to the other, global, layers."""
     params = getattr(c, "rope_parameters", None) or {}
@@ -192,6 +196,8 @@ def _layer_rope(c, layer_type, rope_scaling, rope_theta) -> RopeSpec:
         params = {"rope_theta": params["rope_theta"], **rope_scaling}
     if not local and rope_theta:
         params["rope_theta"] = rope_theta
+    if partial:  # the architecture's adapter read it into ModelConfig.rotary_dim
+        params.pop("partial_rotary_factor", None)
     return RopeSpec.from_hf(params, c.max_position_embeddings)
 
 

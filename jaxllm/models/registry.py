@@ -109,6 +109,35 @@ def _deepseek(c, v3: bool) -> dict:
         rope_interleave=bool(getattr(c, "rope_interleave", True)) if v3 else True)
 
 
+def _glm4_moe(c) -> dict:
+    """GLM-4.5 (Glm4MoeForCausalLM): grouped-query attention with q/k/v biases, optional q/k
+    norms and partial rotary embeddings; DeepSeek-V3's routing (sigmoid, correction bias,
+    groups) with ungated shared experts after `first_k_dense_replace` dense layers."""
+    X, k = c.n_routed_experts, c.num_experts_per_tok
+    n_group, topk_group = c.n_group or 1, c.topk_group or 1
+    if X % n_group or not 1 <= topk_group <= n_group or k > topk_group * (X // n_group) \
+            or X // n_group < 2:
+        raise ConfigError(f"GLM-4.5: {X} experts in n_group={n_group} groups, topk_group="
+                          f"{topk_group}, num_experts_per_tok={k} do not fit")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    factor = (getattr(c, "rope_parameters", None) or {}).get(
+        "partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
+    rotary = int(head_dim * factor)
+    if rotary % 2 or not 0 < rotary <= head_dim:
+        raise ConfigError(f"GLM-4.5 partial_rotary_factor={factor} gives {rotary} rotary "
+                          f"dims of head_dim {head_dim}")
+    dense = c.first_k_dense_replace or 0
+    return dict(
+        qkv_bias=bool(c.attention_bias), o_bias=False, qk_norm=bool(c.use_qk_norm),
+        rotary_dim=rotary if rotary < head_dim else 0,
+        moe_layers=tuple(i >= dense for i in range(c.num_hidden_layers)),
+        num_experts=X, num_experts_per_tok=k, moe_intermediate_size=c.moe_intermediate_size,
+        shared_expert_intermediate_size=c.moe_intermediate_size * (c.n_shared_experts or 0),
+        shared_expert_gated=False, norm_topk_prob=bool(c.norm_topk_prob),
+        scoring_func="sigmoid", topk_method="noaux_tc", n_group=n_group, topk_group=topk_group,
+        router_bias=True, router_f32=True, routed_scaling_factor=float(c.routed_scaling_factor))
+
+
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -121,6 +150,7 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "DeepseekV2ForCausalLM": lambda c: _deepseek(c, v3=False),
     "DeepseekV3ForCausalLM": lambda c: _deepseek(c, v3=True),
+    "Glm4MoeForCausalLM": _glm4_moe,
 }
 
 
