@@ -244,3 +244,45 @@ def test_glm4_moe_matches_transformers(make_deepseek, load, greedy):
     assert (cfg.topk_method, cfg.router_bias, cfg.shared_expert_gated) == ("noaux_tc", True,
                                                                            False)
     assert_greedy_matches_transformers(path, model, _prompts((5, 17, 30, 2)), greedy)
+
+
+@pytest.mark.slow  # a subprocess on 4 virtual devices, 4 loads
+def test_deepseek_tensor_and_expert_parallel_match_one_device(make_deepseek):
+    """tp=2 and tp=4 (heads split over `model`, the one-head latent cache replicated) and
+    expert parallelism at tp=2 give one device's logits (atol 1e-4) and greedy tokens."""
+    import numpy as np
+    from conftest import run_with_host_devices
+
+    proc = run_with_host_devices(4, [__file__, make_deepseek(3, **V3)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    base = runs.pop("tp1")
+    assert not base["sharded"]
+    for name, run in runs.items():
+        assert any("kv_b" in p for p in run["sharded"]), name  # the heads are split
+        for key in ("prefill", "steps"):
+            np.testing.assert_allclose(np.array(run[key]), np.array(base[key]), atol=1e-4,
+                                       rtol=0, err_msg=f"{name} {key}")
+        assert run["tokens"] == base["tokens"], name
+
+
+def _parallel_child(path: str) -> dict:
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from conftest import greedy_record, load_tiny, sharded_params
+
+    prompts = _prompts((7, 19), seed=1)
+    report = {}
+    for name, tp, ep in (("tp1", 1, False), ("tp2", 2, False), ("tp4", 4, False),
+                         ("tp2-ep", 2, True)):
+        model, _, _ = load_tiny(path, tp=tp, enable_expert_parallel=ep)
+        report[name] = {"sharded": sharded_params(model), **greedy_record(model, prompts, 8)}
+    return report
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(json.dumps(_parallel_child(sys.argv[1])))
