@@ -175,7 +175,8 @@ def test_deepseek_engine_equals_transformers_and_one_by_one(make_deepseek, monke
     prompts = mixed_prompts(10, seed=5)
     prompts += [prompts[0] + p for p in mixed_prompts(3, seed=6)]  # shared prefixes
     expected = hf_greedy(path, prompts, NEW)
-    llm = small_llm(path)
+    # The budget buys blocks of the latent layout: 3 layers x 4 tokens x 24 float32 values.
+    llm = small_llm(path, kv_cache_memory_bytes=200 * 3 * 4 * 24 * 4)
     batch = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                                    use_tqdm=False))
     assert batch == expected
@@ -185,18 +186,20 @@ def test_deepseek_engine_equals_transformers_and_one_by_one(make_deepseek, monke
     eng = llm.llm_engine
     assert eng.kv_cache_manager.prefix_cache_hits > 0
     caches = eng.runner.kv_cache
-    assert [c.k.shape[2:] for c in caches] == [(1, 4, 24)] * 2 and caches[0].v.size == 0
+    assert [c.k.shape[1:] for c in caches] == [(200, 1, 4, 24)] * 2 and caches[0].v.size == 0
 
 
 @pytest.mark.parametrize("engine_args", [
     pytest.param(dict(attention_backend="reference"), id="reference-backend",
                  marks=pytest.mark.slow),
+    # The Pallas backend's attention kernel (GPU variant, interpreted on CPU) over the latent.
+    pytest.param(dict(attention_backend="pallas"), id="pallas-backend", marks=pytest.mark.slow),
     pytest.param(dict(dtype="bfloat16"), id="bfloat16"),
 ])
 def test_deepseek_other_backend_and_dtype(engine_args, make_deepseek, load, greedy):
-    """The XLA reference backend matches transformers as the CPU backend does; in bfloat16
-    (the router still float32) the logits stray from float32 transformers no more than
-    transformers' own bfloat16 model does."""
+    """The XLA reference and Pallas backends match transformers as the CPU backend does; in
+    bfloat16 (the router still float32) the logits stray from float32 transformers no more
+    than transformers' own bfloat16 model does."""
     import numpy as np
     from test_models import ATOL, _hf_model
 
@@ -205,7 +208,7 @@ def test_deepseek_other_backend_and_dtype(engine_args, make_deepseek, load, gree
     prompts = _prompts((7, 19))
     prefill, _, _ = greedy(model, prompts, 1)
     if cfg.dtype == "float32":
-        assert model.backend.name == "reference"
+        assert model.backend.name == engine_args["attention_backend"]
         assert_greedy_matches_transformers(path, model, prompts, greedy)
         return
     state = dict(nnx_state_leaves(model))

@@ -166,8 +166,8 @@ class ReferenceBackend(Backend):
 
     def mla_attention(self, q, latent, cache: KVCache, layer, md: AttentionMetadata, *,
                       sm_scale, kv_lora_rank):
-        # Every backend runs this XLA reference for now (the CPU backend included: no native
-        # MLA kernel yet, so MLA models are not batch-invariant there).
+        # The CPU backend runs this XLA reference too (no native MLA kernel yet, so MLA models
+        # are not batch-invariant there); the Pallas backend runs its attention kernel.
         kc = write_latent(cache.k, layer, latent, md.slot_mapping)
         q_tile, groups, keys = REFERENCE_TILING[md.decode_only]
         out = ragged_paged_mla(q, kc, layer, md.kv_lens, md.block_tables, md.cu_q_lens,
