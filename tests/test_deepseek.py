@@ -89,6 +89,7 @@ def test_deepseek_matches_transformers(version, kw, make_deepseek, load, greedy)
     path = make_deepseek(version, **kw)
     model, cfg, _ = load(path)
     assert [g.kind for g in layer_groups(cfg)] == ["mla", "mla_moe"]
+    assert model.moe_layer_ids == (1, 2)  # the rows of --enable-expert-load-metrics
     # The latent cache: one "head" of kv_lora_rank + qk_rope_head_dim, no V array.
     k_shape, v_shape = model.kv_cache_shapes(10, 4)[0]
     assert k_shape == (1, 10, 1, 4, 16 + 8) and v_shape[-1] == 0
@@ -162,6 +163,18 @@ def test_unsupported_deepseek_settings_are_refused(tmp_path, change, named):
     with pytest.raises(ConfigError, match=named):
         _config(tmp_path, raw)
 
+
+
+def test_deepseek_refusals_at_start_up(make_deepseek, load, tmp_path):
+    """What MLA layers do not support yet is refused by name; --batch-invariant is refused on
+    the CPU backend (the MLA attention runs the XLA reference there)."""
+    from jaxllm.layers.backends.cpu import CpuBackend
+
+    path = make_deepseek(3, **V3)
+    with pytest.raises(ConfigError, match="LoRA"):
+        load(path, enable_lora=True)
+    why = CpuBackend(native_matmul=True).batch_variance(_config(tmp_path, KIMI_K2), "float32")
+    assert why is not None and "latent" in why
 
 @pytest.mark.slow  # ~60 s: the engine's programs
 def test_deepseek_engine_equals_transformers_and_one_by_one(make_deepseek, monkeypatch):
