@@ -176,6 +176,30 @@ def test_deepseek_refusals_at_start_up(make_deepseek, load, tmp_path):
     why = CpuBackend(native_matmul=True).batch_variance(_config(tmp_path, KIMI_K2), "float32")
     assert why is not None and "latent" in why
 
+
+def test_mtp_layers_are_skipped_other_tensors_refused(make_deepseek, load, tmp_path):
+    """A checkpoint's multi-token-prediction layer (model.layers.N, N = num_hidden_layers) is
+    read past, as transformers does; an unknown tensor of a real layer is still an error."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxllm.loader.weights import CheckpointError
+
+    src = make_deepseek(3, **V3)
+    for extra, ok in (("model.layers.3.eh_proj.weight", True),
+                      ("model.layers.2.eh_proj.weight", False)):
+        dst = tmp_path / extra
+        shutil.copytree(src, dst)
+        tensors = load_file(str(dst / "model.safetensors"))
+        tensors[extra] = tensors["model.layers.2.self_attn.o_proj.weight"]
+        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        if ok:
+            load(str(dst))
+        else:
+            with pytest.raises(CheckpointError, match="eh_proj"):
+                load(str(dst))
+
 @pytest.mark.slow  # ~60 s: the engine's programs
 def test_deepseek_engine_equals_transformers_and_one_by_one(make_deepseek, monkeypatch):
     """A V3 model through the engine: continuous batching with chunked prefill (64-token
