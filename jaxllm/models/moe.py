@@ -1,13 +1,13 @@
-"""A group of mixture-of-experts decoder layers (Mixtral, Qwen2-MoE, Qwen3-MoE): the dense
-layers' attention, with the MLP replaced by a router over stacked experts.
+"""A group of mixture-of-experts decoder layers (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5): the
+dense layers' attention, with the MLP replaced by a router over stacked experts.
 
-Routing is transformers' for each (`route`): for these three a softmax over every expert's
+Routing is transformers' for each (`route`): for the first three a softmax over every expert's
 router logit (in float32), the top k, renormalized to sum to one when `norm_topk_prob` (always
-for Mixtral); DeepSeek-V2/V3's group-limited top-k and scaling are `route`'s other branches
-(their layers: jaxllm/models/mla.py). The routed
-experts run in the backend's `moe` op (no token dropped); Qwen2-MoE adds a shared expert, a
-dense gated MLP scaled by sigmoid(shared_gate . x). The routing weights and the sum stay in
-float32 until the layer's output (transformers rounds Qwen's weights to the model dtype first;
+for Mixtral); GLM-4.5's and DeepSeek-V2/V3's group-limited top-k and scaling are `route`'s
+other branches (DeepSeek's layers: jaxllm/models/mla.py). The routed experts run in the
+backend's `moe` op (no token dropped); Qwen2-MoE adds a shared expert, a dense gated MLP scaled
+by sigmoid(shared_gate . x), GLM-4.5 and DeepSeek an ungated one. The routing weights and the
+sum stay in float32 until the layer's output (transformers rounds Qwen's weights to the model dtype first;
 vLLM, like this, does not).
 
 Expert weights are laid out [layers, experts, ...]. Without expert parallelism each expert's
