@@ -7,8 +7,8 @@ for Mixtral); GLM-4.5's and DeepSeek-V2/V3's group-limited top-k and scaling are
 other branches (DeepSeek's layers: jaxllm/models/mla.py). The routed experts run in the
 backend's `moe` op (no token dropped); Qwen2-MoE adds a shared expert, a dense gated MLP scaled
 by sigmoid(shared_gate . x), GLM-4.5 and DeepSeek an ungated one. The routing weights and the
-sum stay in float32 until the layer's output (transformers rounds Qwen's weights to the model dtype first;
-vLLM, like this, does not).
+sum stay in float32 until the layer's output (transformers rounds Qwen's weights to the model
+dtype first; vLLM, like this, does not).
 
 Expert weights are laid out [layers, experts, ...]. Without expert parallelism each expert's
 FFN axis is tensor-parallel (`mlp`, as the dense MLP's); with it the experts axis is sharded
