@@ -188,7 +188,7 @@ class CpuBackend(ReferenceBackend):
                     f"{' and '.join(NATIVE_QUANT)} ones)")
         if cfg.quant is not None and cfg.num_experts:
             return "quantized experts run XLA's dots (the native grouped matmul reads float ones)"
-        if cfg.kv_lora_rank:
+        if getattr(cfg, "kv_lora_rank", 0):
             return "multi-head latent attention runs the XLA reference (no native MLA kernel)"
         if not native_cpu_attention(self.name, cache_dtype):
             return (f"a {jnp.dtype(cache_dtype).name} KV cache runs the XLA attention (use "
