@@ -89,8 +89,7 @@ def num_kv_blocks(config: EngineConfig, mc, dtype, layers: Optional[int] = None,
     an accelerator's free memory is the stage's own."""
     cache, block_size = config.cache, config.cache.block_size
     layers = mc.num_layers if layers is None else layers
-    per_block = (2 * layers * mc.num_kv_heads * block_size * mc.head_dim
-                 * jnp.dtype(dtype).itemsize)
+    per_block = layers * block_size * mc.kv_values_per_token * jnp.dtype(dtype).itemsize
     if cache.num_gpu_blocks_override is not None:
         num, source = cache.num_gpu_blocks_override, "--num-gpu-blocks-override"
     else:

@@ -165,8 +165,10 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
         follower, leader = _connect_hosts(topo, runner,
                                           config.parallel.distributed_timeout_seconds)
         times["hosts"] = time.perf_counter() - t
-    logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d", num_blocks,
-                block_size, jnp.dtype(dtype).name, mc.max_model_len)
+    logger.info("KV cache: %d blocks x %d tokens (%s, %d bytes per token), max_model_len %d",
+                num_blocks, block_size, jnp.dtype(dtype).name,
+                mc.num_layers * mc.kv_values_per_token * jnp.dtype(dtype).itemsize,
+                mc.max_model_len)
     t = time.perf_counter()
     if pooler_config is None:
         runner.warmup(background=not headless)

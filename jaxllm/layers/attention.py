@@ -53,8 +53,15 @@ def native_cpu_attention(backend: str, cache_dtype) -> bool:
 
 
 def kv_cache_shardings(shapes: Sequence[tuple], mesh: Mesh) -> tuple[KVCache, ...]:
-    """The sharding of each group's cache (of `Decoder.kv_cache_shapes`), from its axes."""
-    return tuple(KVCache(*[named_sharding(mesh, KV_CACHE_AXES, s)] * 2) for s in shapes)
+    """The sharding of each group's cache (of `Decoder.kv_cache_shapes`: one shape for K and
+    V, or a KVCache of their two shapes), from its axes."""
+    return tuple(KVCache(*[named_sharding(mesh, KV_CACHE_AXES, s) for s in _pair(s)])
+                 for s in shapes)
+
+
+def _pair(shape) -> KVCache:
+    """A group's cache shapes as KVCache(k shape, v shape)."""
+    return shape if isinstance(shape, KVCache) else KVCache(shape, shape)
 
 
 def empty_kv_caches(shapes: Sequence[tuple], dtype, shardings: Sequence[KVCache]
@@ -63,4 +70,5 @@ def empty_kv_caches(shapes: Sequence[tuple], dtype, shardings: Sequence[KVCache]
     def make(shape, sharding):
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
-    return tuple(KVCache(make(s, sh.k), make(s, sh.v)) for s, sh in zip(shapes, shardings))
+    return tuple(KVCache(make(_pair(s).k, sh.k), make(_pair(s).v, sh.v))
+                 for s, sh in zip(shapes, shardings))

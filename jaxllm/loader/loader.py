@@ -3,6 +3,7 @@ ModelConfig)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -54,13 +55,31 @@ def load_format(load: LoadConfig, path: str) -> str:
     return fmt
 
 
+# config.json model types transformers does not know, whose architecture is one it does:
+# Kimi-K2 ships DeepSeek-V3's configuration code (auto_map) under model_type kimi_k2, which
+# AutoConfig would only read by running that code; transformers' own class reads it instead.
+CONFIG_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
+def _model_type(path: str):
+    """The model_type of a folder's config.json (None: no such file, or none given)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
 def hf_config(path: str):
     """The transformers config of a model folder or GGUF file."""
     if path.endswith(".gguf"):
         from jaxllm.loader.gguf import gguf_hf_config
         return gguf_hf_config(path)
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING, AutoConfig
     try:
+        alias = CONFIG_ALIASES.get(_model_type(path))
+        if alias is not None:
+            return CONFIG_MAPPING[alias].from_pretrained(path)
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--model {path}: cannot read its config.json: {e}") from e

@@ -18,12 +18,14 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxllm.loader.quantized import Target, quantized_targets, storage_cast
-from jaxllm.models.decoder import Decoder, layer_groups
+from jaxllm.models.decoder import MOE_KINDS, Decoder, layer_groups
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.parallel.mesh import named_sharding
 
 # Tensors some checkpoints carry that the model recomputes or never needs.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Parameters kept in float32 whatever the model's dtype when `router_f32` (DeepSeek's gate).
+F32_PARAMS = ("router", "router_bias")
 
 
 class CheckpointError(ValueError):
@@ -83,13 +85,15 @@ def _float_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
         per_layer.append(("post_attention_layernorm.weight", "mlp_norm", (0,), (E,), same))
 
     for g, group in enumerate(layer_groups(cfg)):
-        mlp = (_moe_mlp(cfg, gate_up) if group.kind == "moe"
+        mlp = (_moe_mlp(cfg, gate_up) if group.kind in MOE_KINDS
                else _gated_mlp("mlp.", F, E, gate_up))
+        attention = _mla_layer(cfg) if group.kind.startswith("mla") else per_layer
         for i in range(group.first, group.first + group.count):
-            for name, param, start, shape, fn in per_layer + mlp:
+            for name, param, start, shape, fn in attention + mlp:
                 out[f"model.layers.{i}.{name}"] = [Target(
                     ("layers", g, param), (i - group.first, *start), shape,
-                    lambda x, fn=fn: fn(x)[None])]
+                    lambda x, fn=fn: fn(x)[None],
+                    jnp.float32 if param in F32_PARAMS and cfg.router_f32 else None)]
     return out
 
 
@@ -110,6 +114,9 @@ def _moe_mlp(cfg: ModelConfig, gate_up: Callable) -> list:
     prefix = "block_sparse_moe." if mixtral else "mlp."
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     out = [(f"{prefix}gate.weight", "router", (0, 0), (X, E), lambda x: x.T)]
+    if cfg.router_bias:  # DeepSeek-V3
+        out.append((f"{prefix}gate.e_score_correction_bias", "router_bias", (0,), (X,),
+                    lambda x: x))
     for j in range(X):
         expert = lambda x: gate_up(x)[None]  # noqa: E731  [F, E] -> [1, E, 1, F]
         out += [(f"{prefix}experts.{j}.{names[0]}.weight", "experts_gate_up", (j, 0, 0, 0),
@@ -118,11 +125,52 @@ def _moe_mlp(cfg: ModelConfig, gate_up: Callable) -> list:
                  (F, E), expert),
                 (f"{prefix}experts.{j}.{names[2]}.weight", "experts_down", (j, 0, 0), (E, F),
                  lambda x: x.T[None])]
-    if cfg.shared_expert_intermediate_size:
+    if cfg.shared_expert_intermediate_size and not cfg.shared_expert_gated:  # DeepSeek
+        out += _gated_mlp("mlp.shared_experts.", cfg.shared_expert_intermediate_size, E, gate_up)
+    elif cfg.shared_expert_intermediate_size:
         out += _gated_mlp("mlp.shared_expert.", cfg.shared_expert_intermediate_size, E, gate_up)
         out.append(("mlp.shared_expert_gate.weight", "shared_gate", (0, 0), (1, E),
                     lambda x: x.T))
     return out
+
+
+def _mla_layer(cfg: ModelConfig) -> list:
+    """A DeepSeek layer's attention tensors and norms -> jaxllm/models/mla.py's layouts."""
+    E, H, R, Rq, Dr = (cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.q_lora_rank,
+                       cfg.head_dim)
+    Dq, Dkv, Dv = cfg.qk_nope_head_dim + Dr, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.v_head_dim
+    same, t = (lambda x: x), (lambda x: x.T)  # noqa: E731
+
+    def heads_out(n, k):  # [H*n, k] -> [k, H, n]
+        return lambda x: x.reshape(H, n, k).transpose(2, 0, 1)
+
+    out = [("input_layernorm.weight", "attn_norm", (0,), (E,), same),
+           ("post_attention_layernorm.weight", "mlp_norm", (0,), (E,), same),
+           ("self_attn.kv_a_proj_with_mqa.weight", "kv_a", (0, 0), (R + Dr, E), t),
+           ("self_attn.kv_a_layernorm.weight", "kv_a_norm", (0,), (R,), same),
+           ("self_attn.kv_b_proj.weight", "kv_b", (0, 0, 0), (H * Dkv, R), heads_out(Dkv, R)),
+           ("self_attn.o_proj.weight", "o", (0, 0, 0), (E, H * Dv),
+            lambda x: x.reshape(E, H, Dv).transpose(1, 2, 0))]
+    if Rq:
+        out += [("self_attn.q_a_proj.weight", "q_a", (0, 0), (Rq, E), t),
+                ("self_attn.q_a_layernorm.weight", "q_a_norm", (0,), (Rq,), same),
+                ("self_attn.q_b_proj.weight", "q_b", (0, 0, 0), (H * Dq, Rq), heads_out(Dq, Rq))]
+    else:
+        out.append(("self_attn.q_proj.weight", "q", (0, 0, 0), (H * Dq, E), heads_out(Dq, E)))
+    return out
+
+
+# Architectures whose checkpoints carry multi-token-prediction layers past the last one.
+MTP_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+
+
+def _past_last_layer(cfg: ModelConfig, name: str) -> bool:
+    """A DeepSeek or GLM-4.5 checkpoint's multi-token-prediction layers (model.layers.N and
+    above, N = num_hidden_layers): not run (no MTP speculation yet), skipped as transformers
+    skips them."""
+    parts = name.split(".")
+    return (cfg.architecture in MTP_ARCHITECTURES and len(parts) > 2
+            and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= cfg.num_layers)
 
 
 def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
@@ -160,7 +208,8 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
         ts = targets.get(name)
         if ts is None:
             if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight"
-                                                   and cfg.tie_word_embeddings):
+                                                   and cfg.tie_word_embeddings) \
+                    or _past_last_layer(cfg, name):
                 continue
             raise CheckpointError(f"{origin(name)}: unexpected tensor {name!r} (shape "
                                   f"{tuple(array.shape)}) for {cfg.architecture}")

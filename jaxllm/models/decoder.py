@@ -4,9 +4,9 @@ flags of `ModelConfig`, not copies.
 The forward is three stages, so that a pipeline stage can run a range of layers and hand its
 hidden states on: `embed_tokens` -> `run_layers` over layers [start, end) -> `apply_final_norm`
 (then `compute_logits`). The layers are a sequence of homogeneous groups (`layer_groups`:
-dense, or mixture-of-experts), each with its own stacked weights, its own `lax.scan` and its own
-KVCache. Every op runs through the model's backend (`jaxllm.layers.backends`), a static part
-of the module chosen at start-up.
+dense, mixture-of-experts, or DeepSeek's latent-attention ones), each with its own stacked
+weights, its own `lax.scan` and its own KVCache. Every op runs through the model's backend
+(`jaxllm.layers.backends`), a static part of the module chosen at start-up.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from jaxllm.layers.backends.reference import ACTIVATIONS, ReferenceBackend
 from jaxllm.layers.lora import lora_batch
 from jaxllm.models.dense import DenseLayers
 from jaxllm.models.model_config import ModelConfig
+from jaxllm.models.mla import MlaLayers, MlaMoeLayers
 from jaxllm.models.moe import MoeLayers
 from jaxllm.models.params import constant, dummy_weight, rms_norm
 from jaxllm.models.rope import rope_tables
 
-GROUP_KINDS = {"dense": DenseLayers, "moe": MoeLayers}
+GROUP_KINDS = {"dense": DenseLayers, "moe": MoeLayers, "mla": MlaLayers, "mla_moe": MlaMoeLayers}
+MOE_KINDS = ("moe", "mla_moe")
 
 
 class LayerGroup(NamedTuple):
@@ -42,6 +44,8 @@ def layer_groups(cfg: ModelConfig) -> tuple[LayerGroup, ...]:
     (`cfg.moe_layers`; Qwen MoE models may mix both)."""
     kinds = ["moe" if cfg.moe_layers and cfg.moe_layers[i] else "dense"
              for i in range(cfg.num_layers)]
+    if cfg.kv_lora_rank:  # DeepSeek: multi-head latent attention (jaxllm/models/mla.py)
+        kinds = ["mla_moe" if k == "moe" else "mla" for k in kinds]
     groups, first = [], 0
     for i in range(1, cfg.num_layers + 1):
         if i == cfg.num_layers or kinds[i] != kinds[first]:
@@ -95,13 +99,13 @@ class Decoder(nnx.Module):
         (h, caches), sown = nnx.capture(Decoder.__call__, nnx.Intermediate)(
             self, kv_caches, token_ids, positions, md, lora_slots)
         loads = [sown["layers"][i]["expert_load"][...]
-                 for i, g in enumerate(self.groups) if g.kind == "moe"]
+                 for i, g in enumerate(self.groups) if g.kind in MOE_KINDS]
         return h, caches, jnp.concatenate(loads)
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
         """The model's MoE layers, in the order of `forward_counting_experts`' rows."""
-        return tuple(i for g in self.groups if g.kind == "moe"
+        return tuple(i for g in self.groups if g.kind in MOE_KINDS
                      for i in range(g.first, g.first + g.count))
 
     @property
@@ -110,8 +114,13 @@ class Decoder(nnx.Module):
         return self.backend.name
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple, ...]:
-        """[layers, num_blocks, kv heads, block_size, head_dim] of each group's cache."""
+        """[layers, num_blocks, kv heads, block_size, head_dim] of each group's cache; for
+        multi-head latent attention KVCache(latent shape, empty V shape): one latent "head"
+        of kv_lora_rank + qk_rope_head_dim values, which serves as K and V."""
         c = self.cfg
+        if c.kv_lora_rank:
+            return tuple(KVCache((g.count, num_blocks, 1, block_size, c.kv_values_per_token),
+                                 (g.count, num_blocks, 1, block_size, 0)) for g in self.groups)
         return tuple((g.count, num_blocks, c.num_kv_heads, block_size, c.head_dim)
                      for g in self.groups)
 
@@ -136,7 +145,7 @@ class Decoder(nnx.Module):
         lora = None if lora_slots is None else lora_batch(lora_slots, cfg.lora.max_loras)
         end = cfg.num_layers if end is None else end
         specs = tuple(dict.fromkeys(cfg.rope))  # distinct RoPE settings (Gemma 3: local/global)
-        cos, sin = rope_tables(specs, cfg.head_dim, positions, h.dtype)
+        cos, sin = rope_tables(specs, cfg.rotary_dim or cfg.head_dim, positions, h.dtype)
         windowed = any(cfg.sliding_window)
         caches = list(kv_caches)
         for i, (g, layers) in enumerate(zip(self.groups, self.layers)):

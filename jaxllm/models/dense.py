@@ -104,6 +104,12 @@ class DenseLayers(nnx.Module):
         LoRA slots."""
         return gated_mlp(backend, self.widths(), w, x, layer, self.cfg.activation, lora), None
 
+    def layer(self, backend: Backend, w: dict, h: jax.Array, cache: KVCache, layer,
+              md: AttentionMetadata, cos, sin, window, lora
+              ) -> tuple[jax.Array, KVCache, Optional[jax.Array]]:
+        """One layer (its weights w) over hidden states h [T, E]: (h, cache, routes)."""
+        return _layer(self, backend, w, h, cache, layer, md, cos, sin, window, lora)
+
     def __call__(self, backend: Backend, h: jax.Array, cache: KVCache, md: AttentionMetadata,
                  rope: tuple, start: int, end: int, lora: Optional[LoraBatch] = None
                  ) -> tuple[jax.Array, KVCache]:
@@ -127,8 +133,8 @@ class DenseLayers(nnx.Module):
             w, layer, rope_id, window = xs
             w = {**{k: v if isinstance(v, QuantizedWeight) else backend.weight(v)
                     for k, v in w.items()}, **resident}
-            h, cache, routes = _layer(self, backend, w, h, cache, layer, md, cos[rope_id],
-                                      sin[rope_id], window, lora)
+            h, cache, routes = self.layer(backend, w, h, cache, layer, md, cos[rope_id],
+                                          sin[rope_id], window, lora)
             return (h, cache), routes
 
         layers = jnp.arange(start, end, dtype=jnp.int32)
@@ -182,7 +188,12 @@ def _layer(group: DenseLayers, backend: Backend, w: dict, h: jax.Array, cache: K
     q, k, v = qkv[:, :, :G].reshape(T, K * G, D), qkv[:, :, G], qkv[:, :, G + 1]
     if cfg.qk_norm:
         q, k = rms_norm(q, w["q_norm"], cfg), rms_norm(k, w["k_norm"], cfg)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cfg.rotary_dim:  # partial rotary: the first rotary_dim values rotate, the rest pass
+        r = cfg.rotary_dim
+        q = jnp.concatenate([apply_rope(q[..., :r], cos, sin), q[..., r:]], axis=-1)
+        k = jnp.concatenate([apply_rope(k[..., :r], cos, sin), k[..., r:]], axis=-1)
+    else:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, cache = backend.attention(q, k, v, cache, layer, md, sm_scale=cfg.sm_scale,
                                  sliding_window=window, soft_cap=cfg.attn_logit_softcap)
     a = project_("o", o.reshape(T, K * G * D), bias=w["o_bias"] if cfg.o_bias else None)

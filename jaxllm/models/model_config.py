@@ -69,6 +69,39 @@ class ModelConfig:
     count_expert_load: bool = False     # --enable-expert-load-metrics: the step counts routes
     quant: Optional[QuantSpec] = None   # quantized layer projections (None: float weights)
     lora: Optional[LoRAConfig] = None   # --enable-lora: adapter slots beside the projections
+    # DeepSeek-V2/V3 routing (jaxllm/models/moe.py's `route`): the score function over the
+    # router logits ('softmax' | 'sigmoid'), the top-k selection ('greedy',
+    # 'group_limited_greedy': V2's groups by their best expert, 'noaux_tc': V3's groups by the
+    # sum of their best two biased scores), n_group expert groups of which topk_group are kept,
+    # a bias (e_score_correction_bias) added to the scores for selection only, and the weights'
+    # final scale. Router weights and input in float32 (`router_f32`, as transformers keeps
+    # DeepSeek's gate in float32); the shared experts without a gate (`shared_expert_gated`).
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    router_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    router_f32: bool = False
+    shared_expert_gated: bool = True
+    # Multi-head latent attention (DeepSeek-V2/V3; jaxllm/models/mla.py); kv_lora_rank 0 = none.
+    # head_dim is then qk_rope_head_dim (the RoPE tables' width), q_lora_rank 0 = a plain q_proj.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False       # the rotary dims come in (even, odd) pairs
+    # Partial rotary embeddings (GLM-4.5): the first rotary_dim of head_dim rotate, the rest
+    # pass (0 = all of them).
+    rotary_dim: int = 0
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Cache values one token holds per layer: K and V of every KV head, or the MLA
+        latent (kv_lora_rank + qk_rope_head_dim, one array: it serves as K and V)."""
+        if self.kv_lora_rank:
+            return self.kv_lora_rank + self.head_dim
+        return 2 * self.num_kv_heads * self.head_dim
 
     @property
     def q_per_kv(self) -> int:
@@ -107,7 +140,8 @@ class ModelConfig:
             raise ConfigError("MLP biases (mlp_bias=True) are not supported")
         bias = bool(getattr(c, "attention_bias", False))
         layer_types = getattr(c, "layer_types", None) or [None] * n_layers
-        rope = tuple(_layer_rope(c, t, rope_scaling, rope_theta) for t in layer_types)
+        rope = tuple(_layer_rope(c, t, rope_scaling, rope_theta, bool(features.get("rotary_dim")))
+                     for t in layer_types)
         window = _windows(c, layer_types)
         max_len = _max_model_len(c, rope, window, options)
         if options.disable_sliding_window:
@@ -147,7 +181,7 @@ class ModelConfig:
         return cls(**fields)
 
 
-def _layer_rope(c, layer_type, rope_scaling, rope_theta) -> RopeSpec:
+def _layer_rope(c, layer_type, rope_scaling, rope_theta, partial: bool = False) -> RopeSpec:
     """One layer's RoPE from either spelling. Gemma 3's sliding layers have their own (local)
     RoPE; the engine's overrides apply to the other, global, layers."""
     params = getattr(c, "rope_parameters", None) or {}
@@ -162,6 +196,8 @@ def _layer_rope(c, layer_type, rope_scaling, rope_theta) -> RopeSpec:
         params = {"rope_theta": params["rope_theta"], **rope_scaling}
     if not local and rope_theta:
         params["rope_theta"] = rope_theta
+    if partial:  # the architecture's adapter read it into ModelConfig.rotary_dim
+        params.pop("partial_rotary_factor", None)
     return RopeSpec.from_hf(params, c.max_position_embeddings)
 
 

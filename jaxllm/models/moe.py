@@ -1,12 +1,14 @@
-"""A group of mixture-of-experts decoder layers (Mixtral, Qwen2-MoE, Qwen3-MoE): the dense
-layers' attention, with the MLP replaced by a router over stacked experts.
+"""A group of mixture-of-experts decoder layers (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5): the
+dense layers' attention, with the MLP replaced by a router over stacked experts.
 
-Routing is transformers' for all three: a softmax over every expert's router logit (in float32),
-the top k, renormalized to sum to one when `norm_topk_prob` (always for Mixtral). The routed
-experts run in the backend's `moe` op (no token dropped); Qwen2-MoE adds a shared expert, a
-dense gated MLP scaled by sigmoid(shared_gate . x). The routing weights and the sum stay in
-float32 until the layer's output (transformers rounds Qwen's weights to the model dtype first;
-vLLM, like this, does not).
+Routing is transformers' for each (`route`): for the first three a softmax over every expert's
+router logit (in float32), the top k, renormalized to sum to one when `norm_topk_prob` (always
+for Mixtral); GLM-4.5's and DeepSeek-V2/V3's group-limited top-k and scaling are `route`'s
+other branches (DeepSeek's layers: jaxllm/models/mla.py). The routed experts run in the
+backend's `moe` op (no token dropped); Qwen2-MoE adds a shared expert, a dense gated MLP scaled
+by sigmoid(shared_gate . x), GLM-4.5 and DeepSeek an ungated one. The routing weights and the
+sum stay in float32 until the layer's output (transformers rounds Qwen's weights to the model
+dtype first; vLLM, like this, does not).
 
 Expert weights are laid out [layers, experts, ...]. Without expert parallelism each expert's
 FFN axis is tensor-parallel (`mlp`, as the dense MLP's); with it the experts axis is sharded
@@ -24,7 +26,7 @@ from flax import nnx
 from jaxllm.layers.backends.base import Backend
 from jaxllm.models.dense import DenseLayers, gated_mlp
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models.params import dummy_weight
+from jaxllm.models.params import constant, dummy_weight
 
 
 class MoeLayers(DenseLayers):
@@ -34,7 +36,10 @@ class MoeLayers(DenseLayers):
         E, X, F, dt = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.jnp_dtype
         weight = lambda name, *a: dummy_weight(seed, prefix + name, *a)  # noqa: E731
         expert, mlp = ("expert", None) if cfg.expert_parallel else (None, "mlp")
-        self.router = weight("router", (L, E, X), ("layers", "embed", None), dt)
+        self.router = weight("router", (L, E, X), ("layers", "embed", None),
+                             jnp.float32 if cfg.router_f32 else dt)
+        if cfg.router_bias:  # DeepSeek-V3's e_score_correction_bias (selection only)
+            self.router_bias = constant(0.0, (L, X), ("layers", None), jnp.float32)
         self._projection(seed, prefix, "experts_gate_up", (L, X, E, 2, F),
                          ("layers", expert, "embed", None, mlp), 1, first=2)
         self._projection(seed, prefix, "experts_down", (L, X, F, E),
@@ -42,7 +47,9 @@ class MoeLayers(DenseLayers):
         shared = cfg.shared_expert_intermediate_size
         if shared:  # named as the dense MLP's: the backends treat them alike
             self._gated_mlp(seed, L, prefix, shared)
-            self.shared_gate = weight("shared_gate", (L, E, 1), ("layers", "embed", None), dt)
+            if cfg.shared_expert_gated:
+                self.shared_gate = weight("shared_gate", (L, E, 1), ("layers", "embed", None),
+                                          dt)
 
     def widths(self) -> dict[str, int]:
         cfg = self.cfg
@@ -59,19 +66,21 @@ class MoeLayers(DenseLayers):
         # matmul, whose rows do not depend on the batch (XLA's dot may sum them by shape).
         project = lambda name: backend.project(  # noqa: E731
             x, w[name], layer, n=self.widths()[name], out_dtype=f32)
-        logits = project("router")
-        probs = jax.nn.softmax(logits, axis=-1)
-        weights, ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)
-        if cfg.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdims=True)
+        if cfg.router_f32:  # DeepSeek: the router's input and weights in float32
+            logits = backend.project(x.astype(f32), w["router"], layer, n=cfg.num_experts,
+                                     out_dtype=f32)
+        else:
+            logits = project("router")
+        weights, ids = route(cfg, logits, w.get("router_bias"))
         out = backend.moe(x, ids.astype(jnp.int32), weights, w["experts_gate_up"],
                           w["experts_down"], layer, experts=cfg.num_experts,
                           ffn=cfg.moe_intermediate_size, activation=cfg.activation,
                           dtype=x.dtype, expert_parallel=cfg.expert_parallel)
         if cfg.shared_expert_intermediate_size:
-            gate = jax.nn.sigmoid(project("shared_gate"))
-            out = out + gate * gated_mlp(backend, self.widths(), w, x, layer,
-                                         cfg.activation).astype(f32)
+            shared = gated_mlp(backend, self.widths(), w, x, layer, cfg.activation).astype(f32)
+            if cfg.shared_expert_gated:
+                shared = jax.nn.sigmoid(project("shared_gate")) * shared
+            out = out + shared
         return out.astype(x.dtype), ids if cfg.count_expert_load else None
 
     def record_routes(self, routes: jax.Array, valid: jax.Array, start: int) -> None:
@@ -86,3 +95,47 @@ class MoeLayers(DenseLayers):
         load = jnp.zeros((self.count, X), jnp.int32).at[start:start + L].set(counts)
         self.sow(nnx.Intermediate, "expert_load", load,
                  init_fn=lambda: jnp.zeros_like(load), reduce_fn=jnp.add)
+
+
+def route(cfg: ModelConfig, logits: jax.Array, bias: Optional[jax.Array] = None
+          ) -> tuple[jax.Array, jax.Array]:
+    """float32 router logits [T, X] -> each token's routing weights [T, k] (float32) and
+    experts [T, k], in transformers' order of operations for each family:
+
+      Mixtral/Qwen  softmax over all experts, top k (renormalized with `norm_topk_prob`)
+      DeepSeek-V2   softmax; 'greedy' top k, or 'group_limited_greedy': the topk_group groups
+                    with the highest single score kept, the others' scores zeroed, top k
+      DeepSeek-V3   sigmoid; the bias added for the choice only: the topk_group groups with
+                    the highest sum of their two best biased scores kept (others -inf), top k
+                    of the biased scores, weighted by the unbiased ones, renormalized (+1e-20)
+    then times routed_scaling_factor. bias: [X] (V3's e_score_correction_bias)."""
+    k = cfg.num_experts_per_tok
+    if cfg.scoring_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    if cfg.topk_method == "greedy":
+        weights, ids = jax.lax.top_k(scores, k)
+    else:
+        T, X = scores.shape
+        G = cfg.n_group
+        choice = scores if bias is None else scores + bias.astype(jnp.float32)
+        grouped = choice.reshape(T, G, X // G)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        else:  # group_limited_greedy
+            group_scores = grouped.max(-1)
+        kept = jax.lax.top_k(group_scores, cfg.topk_group)[1]
+        keep = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], kept].set(True)
+        keep = jnp.repeat(keep, X // G, axis=1)
+        if cfg.topk_method == "noaux_tc":
+            ids = jax.lax.top_k(jnp.where(keep, choice, -jnp.inf), k)[1]
+            weights = jnp.take_along_axis(scores, ids, axis=1)
+        else:
+            weights, ids = jax.lax.top_k(jnp.where(keep, choice, 0.0), k)
+    if cfg.norm_topk_prob:
+        total = weights.sum(-1, keepdims=True)
+        weights = weights / (total + 1e-20 if cfg.scoring_func == "sigmoid" else total)
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    return weights, ids

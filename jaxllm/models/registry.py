@@ -69,6 +69,75 @@ def _qwen3_moe(c) -> dict:
     return dict(_qwen_moe(c), qk_norm=True)
 
 
+def _deepseek(c, v3: bool) -> dict:
+    """DeepSeek-V2/V3 (and Kimi-K2, a V3): multi-head latent attention, the first
+    `first_k_dense_replace` layers dense, the others routed experts plus ungated shared
+    experts; routing as transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter."""
+    name = "DeepSeek-V3" if v3 else "DeepSeek-V2"
+    if getattr(c, "attention_bias", False):
+        raise ConfigError(f"{name} with attention_bias=True is not supported")
+    if (getattr(c, "moe_layer_freq", 1) or 1) != 1:
+        raise ConfigError(f"{name} moe_layer_freq={c.moe_layer_freq} is not supported "
+                          "(transformers ignores it; only 1 is)")
+    method = "noaux_tc" if v3 else (c.topk_method or "greedy")
+    for key, want in (("topk_method", method), ("scoring_func", "sigmoid" if v3 else "softmax")):
+        have = getattr(c, key, None)
+        if have is not None and have != want:
+            raise ConfigError(f"{name} {key}={have!r} is not supported ({want!r} only)")
+    if not v3 and c.norm_topk_prob:
+        raise ConfigError("DeepSeek-V2 norm_topk_prob=True is refused: transformers' "
+                          "DeepseekV2 router ignores it, DeepSeek's own code applies it")
+    X, k = c.n_routed_experts, c.num_experts_per_tok
+    n_group = (c.n_group or 1) if method != "greedy" else 1
+    topk_group = (c.topk_group or n_group) if method != "greedy" else 1
+    if X % n_group or not 1 <= topk_group <= n_group or k > topk_group * (X // n_group) \
+            or (method == "noaux_tc" and X // n_group < 2):
+        raise ConfigError(f"{name}: {X} experts in n_group={n_group} groups, topk_group="
+                          f"{topk_group}, num_experts_per_tok={k} do not fit")
+    dense = c.first_k_dense_replace or 0
+    return dict(
+        num_kv_heads=c.num_attention_heads, head_dim=c.qk_rope_head_dim, qkv_bias=False,
+        o_bias=False, moe_layers=tuple(i >= dense for i in range(c.num_hidden_layers)),
+        num_experts=X, num_experts_per_tok=k, moe_intermediate_size=c.moe_intermediate_size,
+        shared_expert_intermediate_size=c.moe_intermediate_size * (c.n_shared_experts or 0),
+        shared_expert_gated=False, norm_topk_prob=bool(v3 and c.norm_topk_prob),
+        scoring_func="sigmoid" if v3 else "softmax", topk_method=method, n_group=n_group,
+        topk_group=topk_group, router_bias=v3, router_f32=True,
+        routed_scaling_factor=float(c.routed_scaling_factor),
+        kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank or 0,
+        qk_nope_head_dim=c.qk_nope_head_dim, v_head_dim=c.v_head_dim,
+        rope_interleave=bool(getattr(c, "rope_interleave", True)) if v3 else True)
+
+
+def _glm4_moe(c) -> dict:
+    """GLM-4.5 (Glm4MoeForCausalLM): grouped-query attention with q/k/v biases, optional q/k
+    norms and partial rotary embeddings; DeepSeek-V3's routing (sigmoid, correction bias,
+    groups) with ungated shared experts after `first_k_dense_replace` dense layers."""
+    X, k = c.n_routed_experts, c.num_experts_per_tok
+    n_group, topk_group = c.n_group or 1, c.topk_group or 1
+    if X % n_group or not 1 <= topk_group <= n_group or k > topk_group * (X // n_group) \
+            or X // n_group < 2:
+        raise ConfigError(f"GLM-4.5: {X} experts in n_group={n_group} groups, topk_group="
+                          f"{topk_group}, num_experts_per_tok={k} do not fit")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    factor = (getattr(c, "rope_parameters", None) or {}).get(
+        "partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
+    rotary = int(head_dim * factor)
+    if rotary % 2 or not 0 < rotary <= head_dim:
+        raise ConfigError(f"GLM-4.5 partial_rotary_factor={factor} gives {rotary} rotary "
+                          f"dims of head_dim {head_dim}")
+    dense = c.first_k_dense_replace or 0
+    return dict(
+        qkv_bias=bool(c.attention_bias), o_bias=False, qk_norm=bool(c.use_qk_norm),
+        rotary_dim=rotary if rotary < head_dim else 0,
+        moe_layers=tuple(i >= dense for i in range(c.num_hidden_layers)),
+        num_experts=X, num_experts_per_tok=k, moe_intermediate_size=c.moe_intermediate_size,
+        shared_expert_intermediate_size=c.moe_intermediate_size * (c.n_shared_experts or 0),
+        shared_expert_gated=False, norm_topk_prob=bool(c.norm_topk_prob),
+        scoring_func="sigmoid", topk_method="noaux_tc", n_group=n_group, topk_group=topk_group,
+        router_bias=True, router_f32=True, routed_scaling_factor=float(c.routed_scaling_factor))
+
+
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -79,6 +148,9 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "MixtralForCausalLM": _mixtral,
     "Qwen2MoeForCausalLM": _qwen2_moe,
     "Qwen3MoeForCausalLM": _qwen3_moe,
+    "DeepseekV2ForCausalLM": lambda c: _deepseek(c, v3=False),
+    "DeepseekV3ForCausalLM": lambda c: _deepseek(c, v3=True),
+    "Glm4MoeForCausalLM": _glm4_moe,
 }
 
 

@@ -87,6 +87,15 @@ class Backend:
         pallas_kernels/ragged_paged_attention/reference.py."""
         raise NotImplementedError
 
+    def mla_attention(self, q: jax.Array, latent: jax.Array, cache: KVCache, layer,
+                      md: AttentionMetadata, *, sm_scale: float, kv_lora_rank: int
+                      ) -> tuple[jax.Array, KVCache]:
+        """Multi-head latent attention (absorbed form) over a paged latent cache: write this
+        step's latents [T, R + Dr] into layer `layer` of cache.k ([L, NB, 1, BS, R + Dr];
+        cache.v is empty, the latent serves as K and V), then attend with q [T, H, R + Dr]
+        -> (out [T, H, R], updated cache). See pallas_kernels/ragged_paged_mla/reference.py."""
+        raise NotImplementedError
+
     def logits(self, hidden: jax.Array, w: jax.Array, vocab: int) -> jax.Array:
         """hidden [N, E] against the stored LM head -> float32 logits [N, vocab]."""
         raise NotImplementedError

@@ -33,7 +33,7 @@ from pallas_kernels.sampling import kernel_cpu as sampling_cpu
 # The layer projections the native matmul reads packed: whether the hidden size is their input
 # (else their output), which fixes the row-major [L, in, out] view `pack` takes.
 PROJECTIONS = {"qkv": True, "o": False, "gate_up": True, "down": False, "router": True,
-               "shared_gate": True}
+               "shared_gate": True, "q_a": True, "q": True, "kv_a": True}
 # Quantized weights the native matmul reads (`matmul_cpu.pack_quantized`): float8 ones run
 # XLA's dot on their widened values.
 NATIVE_QUANT = ("int8", "int4")
@@ -188,6 +188,8 @@ class CpuBackend(ReferenceBackend):
                     f"{' and '.join(NATIVE_QUANT)} ones)")
         if cfg.quant is not None and cfg.num_experts:
             return "quantized experts run XLA's dots (the native grouped matmul reads float ones)"
+        if getattr(cfg, "kv_lora_rank", 0):
+            return "multi-head latent attention runs the XLA reference (no native MLA kernel)"
         if not native_cpu_attention(self.name, cache_dtype):
             return (f"a {jnp.dtype(cache_dtype).name} KV cache runs the XLA attention (use "
                     "--kv-cache-dtype auto)")

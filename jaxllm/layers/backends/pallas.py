@@ -20,10 +20,11 @@ from jax import lax
 from jax.experimental.pallas.ops.tpu.megablox import gmm
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.layers.attention import AttentionMetadata
+from jaxllm.layers.attention import AttentionMetadata, KVCache
 from jaxllm.layers.backends.reference import ReferenceBackend
 from jaxllm.layers.experts import ragged_dot
 from pallas_kernels.ragged_paged_attention import kernel
+from pallas_kernels.ragged_paged_mla.reference import write_latent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,17 @@ class PallasBackend(ReferenceBackend):
         rest = [P()] * (len(args) - 3)
         return jax.shard_map(attend, mesh=self.mesh, in_specs=(heads, kv_heads, kv_heads, *rest),
                              out_specs=heads, check_vma=False)(*args)
+
+
+    def mla_attention(self, q, latent, cache: KVCache, layer, md: AttentionMetadata, *,
+                      sm_scale, kv_lora_rank):
+        """The platform's ragged paged attention kernel over the latent cache as multi-query
+        attention, K and V both the latent (as pallas_kernels/ragged_paged_mla/reference.py
+        does with the reference): no MLA kernel of its own yet, so it reads each latent page
+        for K and again for V, and sums the Dr rotary values of V it drops."""
+        kc = write_latent(cache.k, layer, latent, md.slot_mapping)
+        out = self.attend(q, kc, kc, layer, md, sm_scale=sm_scale)
+        return out[..., :kv_lora_rank], KVCache(kc, cache.v)
 
 
 def megablox_gmm(lhs, rhs, group_sizes, interpret: bool = False):

@@ -22,6 +22,7 @@ from jaxllm.layers.lora import lora_delta
 from jaxllm.layers.quantization import QuantizedWeight, dequantize, dequantize_experts
 from pallas_kernels.activation import reference as activation_ref
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
+from pallas_kernels.ragged_paged_mla.reference import ragged_paged_mla, write_latent
 
 ACTIVATIONS = {  # silu: activation_ref.silu_and_mul
     "silu": jax.nn.silu,
@@ -162,6 +163,18 @@ class ReferenceBackend(Backend):
         return ragged_paged_attention(
             q, kc, vc, layer, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
             q_tile=q_tile, tiles_per_group=groups, chunk_blocks=max(1, keys // kc.shape[3]), **kw)
+
+    def mla_attention(self, q, latent, cache: KVCache, layer, md: AttentionMetadata, *,
+                      sm_scale, kv_lora_rank):
+        # The CPU backend runs this XLA reference too (no native MLA kernel yet, so MLA models
+        # are not batch-invariant there); the Pallas backend runs its attention kernel.
+        kc = write_latent(cache.k, layer, latent, md.slot_mapping)
+        q_tile, groups, keys = REFERENCE_TILING[md.decode_only]
+        out = ragged_paged_mla(q, kc, layer, md.kv_lens, md.block_tables, md.cu_q_lens,
+                               md.num_seqs, kv_lora_rank=kv_lora_rank, sm_scale=sm_scale,
+                               q_tile=q_tile, tiles_per_group=groups,
+                               chunk_blocks=max(1, keys // kc.shape[3]))
+        return out, KVCache(kc, cache.v)
 
     def logits(self, hidden, w, vocab):
         return jnp.einsum("ne,ve->nv", hidden, from_bits(w), preferred_element_type=jnp.float32)

@@ -1,0 +1,1 @@
+"""Multi-head latent attention (DeepSeek's MLA) over a paged latent cache."""
