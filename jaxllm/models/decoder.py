@@ -158,6 +158,8 @@ class Decoder(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, E] -> float32 logits [N, V], final soft-capping applied."""
         logits = self.backend.logits(hidden, self._head(), self.cfg.vocab_size)
+        if self.cfg.logits_scaling != 1.0:  # Granite; positive, so greedy_head's argmax holds
+            logits = logits / self.cfg.logits_scaling
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

@@ -188,9 +188,13 @@ def _layer(group: DenseLayers, backend: Backend, w: dict, h: jax.Array, cache: K
     a = project_("o", o.reshape(T, K * G * D), bias=w["o_bias"] if cfg.o_bias else None)
     if cfg.sandwich_norms:
         a = rms_norm(a, w["post_attn_norm"], cfg)
+    if cfg.residual_multiplier != 1.0:
+        a = a * jnp.asarray(cfg.residual_multiplier, a.dtype)
     h = h + a
 
     m, routes = group.mlp(backend, w, rms_norm(h, w["mlp_norm"], cfg), layer, lora)
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_mlp_norm"], cfg)
+    if cfg.residual_multiplier != 1.0:
+        m = m * jnp.asarray(cfg.residual_multiplier, m.dtype)
     return h + m, cache, routes

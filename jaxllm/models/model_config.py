@@ -69,6 +69,9 @@ class ModelConfig:
     count_expert_load: bool = False     # --enable-expert-load-metrics: the step counts routes
     quant: Optional[QuantSpec] = None   # quantized layer projections (None: float weights)
     lora: Optional[LoRAConfig] = None   # --enable-lora: adapter slots beside the projections
+    residual_multiplier: float = 1.0    # Granite: each block's output scaled before the residual
+    attention_multiplier: Optional[float] = None  # Granite: the softmax scale itself
+    logits_scaling: float = 1.0         # Granite: logits divided by it
 
     @property
     def q_per_kv(self) -> int:
@@ -76,6 +79,8 @@ class ModelConfig:
 
     @property
     def sm_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property

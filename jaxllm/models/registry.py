@@ -69,6 +69,15 @@ def _qwen3_moe(c) -> dict:
     return dict(_qwen_moe(c), qk_norm=True)
 
 
+def _granite(c) -> dict:
+    if not c.logits_scaling > 0:  # a non-positive divisor would flip or break the argmax
+        raise ConfigError(f"Granite logits_scaling={c.logits_scaling} must be positive")
+    return dict(embed_scale=float(c.embedding_multiplier),
+                residual_multiplier=float(c.residual_multiplier),
+                attention_multiplier=float(c.attention_multiplier),
+                logits_scaling=float(c.logits_scaling))
+
+
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -79,6 +88,7 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "MixtralForCausalLM": _mixtral,
     "Qwen2MoeForCausalLM": _qwen2_moe,
     "Qwen3MoeForCausalLM": _qwen3_moe,
+    "GraniteForCausalLM": _granite,
 }
 
 

@@ -1,0 +1,45 @@
+"""Issue 48's simpler architectures against transformers, with test_models.py's harness
+(ragged prefill of three prompts through the paged cache, then 32 greedy steps; f32 logits
+within its ATOL = 1e-4, tokens identical).
+
+Granite: the tiny configs set every multiplier away from one (embedding 6, residual 0.3,
+softmax scale 0.2, logits divided by 4), so dropping any of them changes the logits.
+"""
+
+import pytest
+
+from test_models import _prompts, assert_greedy_matches_transformers
+
+CASES = [
+    pytest.param("granite", {}, id="granite-multipliers"),
+]
+
+
+@pytest.mark.parametrize("arch,overrides", CASES)
+def test_matches_transformers(arch, overrides, make_tiny_checkpoint, load, greedy):
+    path = make_tiny_checkpoint(arch, **overrides)
+    model, cfg, _ = load(path)
+    assert_greedy_matches_transformers(path, model, _prompts(), greedy)
+
+
+def test_granite_reference_backend_matches_transformers(make_tiny_checkpoint, load, greedy):
+    """The multipliers live outside the backends' kernels, but the reference path runs them
+    too (the default above is the CPU backend)."""
+    path = make_tiny_checkpoint("granite")
+    model, cfg, _ = load(path, attention_backend="reference")
+    assert model.attention_backend == "reference"
+    assert (cfg.embed_scale, cfg.residual_multiplier, cfg.sm_scale, cfg.logits_scaling) == (
+        6.0, 0.3, 0.2, 4.0)
+    assert_greedy_matches_transformers(path, model, _prompts(), greedy)
+
+
+def test_granite_nonpositive_logits_scaling_refused(make_tiny_checkpoint):
+    from transformers import AutoConfig
+
+    from jaxllm.config import ConfigError
+    from jaxllm.models.model_config import ModelConfig
+
+    c = AutoConfig.from_pretrained(make_tiny_checkpoint("granite"))
+    c.logits_scaling = 0.0
+    with pytest.raises(ConfigError, match="logits_scaling"):
+        ModelConfig.from_hf(c)
