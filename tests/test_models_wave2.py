@@ -12,6 +12,7 @@ from test_models import _prompts, assert_greedy_matches_transformers
 
 CASES = [
     pytest.param("granite", {}, id="granite-multipliers"),
+    pytest.param("granitemoe", {}, id="granitemoe-8experts-top2"),
 ]
 
 

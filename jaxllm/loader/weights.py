@@ -83,8 +83,8 @@ def _float_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
         per_layer.append(("post_attention_layernorm.weight", "mlp_norm", (0,), (E,), same))
 
     for g, group in enumerate(layer_groups(cfg)):
-        mlp = (_moe_mlp(cfg, gate_up) if group.kind == "moe"
-               else _gated_mlp("mlp.", F, E, gate_up))
+        mlp = (MOE_LAYOUTS.get(cfg.architecture, _moe_mlp)(cfg, gate_up)
+               if group.kind == "moe" else _gated_mlp("mlp.", F, E, gate_up))
         for i in range(group.first, group.first + group.count):
             for name, param, start, shape, fn in per_layer + mlp:
                 out[f"model.layers.{i}.{name}"] = [Target(
@@ -123,6 +123,22 @@ def _moe_mlp(cfg: ModelConfig, gate_up: Callable) -> list:
         out.append(("mlp.shared_expert_gate.weight", "shared_gate", (0, 0), (1, E),
                     lambda x: x.T))
     return out
+
+
+def _granite_moe_mlp(cfg: ModelConfig, gate_up: Callable) -> list:
+    """GraniteMoE stores each layer's experts stacked: block_sparse_moe.input_linear [X, 2F, E]
+    (gate rows, then up rows), output_linear [X, E, F], and the router as router.layer."""
+    E, X, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    prefix = "block_sparse_moe."
+    return [(f"{prefix}router.layer.weight", "router", (0, 0), (X, E), lambda x: x.T),
+            (f"{prefix}input_linear.weight", "experts_gate_up", (0, 0, 0, 0), (X, 2 * F, E),
+             lambda x: x.reshape(X, 2, F, E).transpose(0, 3, 1, 2)),
+            (f"{prefix}output_linear.weight", "experts_down", (0, 0, 0), (X, E, F),
+             lambda x: x.transpose(0, 2, 1))]
+
+
+# Architectures whose MoE tensors are not named and shaped as Mixtral's or Qwen's.
+MOE_LAYOUTS = {"GraniteMoeForCausalLM": _granite_moe_mlp}
 
 
 def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:

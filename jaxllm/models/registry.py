@@ -78,6 +78,12 @@ def _granite(c) -> dict:
                 logits_scaling=float(c.logits_scaling))
 
 
+def _granite_moe(c) -> dict:  # softmax over the top-k logits = renormalized top-k
+    return dict(_granite(c), moe_layers=(True,) * c.num_hidden_layers,
+                num_experts=c.num_local_experts, num_experts_per_tok=c.num_experts_per_tok,
+                moe_intermediate_size=c.intermediate_size, norm_topk_prob=True)
+
+
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -89,6 +95,7 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "Qwen2MoeForCausalLM": _qwen2_moe,
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "GraniteForCausalLM": _granite,
+    "GraniteMoeForCausalLM": _granite_moe,
 }
 
 
