@@ -22,13 +22,13 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe",
-         "qwen3_moe", "granite", "granitemoe")
+         "qwen3_moe", "granite", "granitemoe", "olmoe")
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
            "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
            "qwen3_moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM",
-           "granitemoe": "GraniteMoeForCausalLM"}
+           "granitemoe": "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 # Granite's multipliers, none of them one (transformers' defaults are all one).
 _GRANITE = dict(embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.2,
                 logits_scaling=4.0)
@@ -91,6 +91,9 @@ def _hf_config(arch: str, overrides: dict):
         cfg = tr.GraniteMoeConfig(**{**common, **_GRANITE, "intermediate_size": 32,
                                      "num_local_experts": 8, "num_experts_per_tok": 2,
                                      **overrides})
+    elif arch == "olmoe":
+        cfg = tr.OlmoeConfig(**{**common, "intermediate_size": 32, "num_experts": 8,
+                                "num_experts_per_tok": 2, **overrides})
     else:
         raise ValueError(f"unknown test architecture {arch!r}; one of {ARCHS}")
     cfg.architectures = [CLASSES[arch]]

@@ -13,6 +13,8 @@ from test_models import _prompts, assert_greedy_matches_transformers
 CASES = [
     pytest.param("granite", {}, id="granite-multipliers"),
     pytest.param("granitemoe", {}, id="granitemoe-8experts-top2"),
+    pytest.param("olmoe", {}, id="olmoe-wholewidth-qknorm-unnormalized-topk"),
+    pytest.param("olmoe", {"norm_topk_prob": True}, id="olmoe-normalized-topk"),
 ]
 
 
@@ -43,4 +45,17 @@ def test_granite_nonpositive_logits_scaling_refused(make_tiny_checkpoint):
     c = AutoConfig.from_pretrained(make_tiny_checkpoint("granite"))
     c.logits_scaling = 0.0
     with pytest.raises(ConfigError, match="logits_scaling"):
+        ModelConfig.from_hf(c)
+
+
+def test_olmoe_clip_qkv_refused(make_tiny_checkpoint):
+    from transformers import AutoConfig
+
+    from jaxllm.config import ConfigError
+    from jaxllm.models.model_config import ModelConfig
+
+    c = AutoConfig.from_pretrained(make_tiny_checkpoint("olmoe"))
+    assert ModelConfig.from_hf(c).qk_norm_whole
+    c.clip_qkv = 8.0
+    with pytest.raises(ConfigError, match="clip_qkv"):
         ModelConfig.from_hf(c)

@@ -75,6 +75,11 @@ def _float_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
     if cfg.qk_norm:
         per_layer += [("self_attn.q_norm.weight", "q_norm", (0,), (D,), same),
                       ("self_attn.k_norm.weight", "k_norm", (0,), (D,), same)]
+    if cfg.qk_norm_whole:  # OLMoE: [H*D] and [K*D], laid out as the heads
+        per_layer += [("self_attn.q_norm.weight", "q_norm", (0, 0, 0), (K * G * D,),
+                       lambda x: x.reshape(K, G, D)),
+                      ("self_attn.k_norm.weight", "k_norm", (0, 0), (K * D,),
+                       lambda x: x.reshape(K, D))]
     if cfg.sandwich_norms:  # Gemma 3: post_attention_layernorm really follows attention
         per_layer += [("post_attention_layernorm.weight", "post_attn_norm", (0,), (E,), same),
                       ("pre_feedforward_layernorm.weight", "mlp_norm", (0,), (E,), same),

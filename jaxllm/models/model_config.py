@@ -72,6 +72,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0    # Granite: each block's output scaled before the residual
     attention_multiplier: Optional[float] = None  # Granite: the softmax scale itself
     logits_scaling: float = 1.0         # Granite: logits divided by it
+    qk_norm_whole: bool = False         # OLMoE: q/k RMSNorm over all heads' width at once
 
     @property
     def q_per_kv(self) -> int:

@@ -84,6 +84,15 @@ def _granite_moe(c) -> dict:  # softmax over the top-k logits = renormalized top
                 moe_intermediate_size=c.intermediate_size, norm_topk_prob=True)
 
 
+def _olmoe(c) -> dict:  # softmax over all experts, top-k, renormalized if norm_topk_prob
+    if getattr(c, "clip_qkv", None) is not None:
+        raise ConfigError(f"OLMoE with clip_qkv={c.clip_qkv} is not supported")
+    return dict(qk_norm_whole=True, moe_layers=(True,) * c.num_hidden_layers,
+                num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                moe_intermediate_size=c.intermediate_size,
+                norm_topk_prob=bool(c.norm_topk_prob))
+
+
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -96,6 +105,7 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "GraniteForCausalLM": _granite,
     "GraniteMoeForCausalLM": _granite_moe,
+    "OlmoeForCausalLM": _olmoe,
 }
 
 
