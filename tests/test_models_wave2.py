@@ -59,3 +59,20 @@ def test_olmoe_clip_qkv_refused(make_tiny_checkpoint):
     c.clip_qkv = 8.0
     with pytest.raises(ConfigError, match="clip_qkv"):
         ModelConfig.from_hf(c)
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.5], ids=["full-rotary", "partial-rotary-half"])
+@pytest.mark.parametrize("max_len,lens", [(64, (5, 17, 30)), (None, (65, 70, 80))],
+                         ids=["short-factors", "long-factors"])
+def test_phi3_longrope_matches_transformers(partial, max_len, lens, make_tiny_checkpoint, load,
+                                            greedy):
+    """Fused qkv_proj/gate_up_proj tensors and LongRoPE. jaxllm picks the factors once per
+    model (long when max_model_len exceeds original_max_position_embeddings = 64, as vLLM);
+    transformers picks by each call's length. They agree for a model capped at 64 positions
+    (short factors throughout) and for prompts already past 64 (long factors throughout)."""
+    path = make_tiny_checkpoint("phi3", partial_rotary_factor=partial)
+    model, cfg, _ = load(path, **({} if max_len is None else {"max_model_len": max_len}))
+    spec = cfg.rope[0]
+    assert spec.rope_type == "longrope" and spec.partial_rotary_factor == partial
+    assert spec.use_long == (max_len is None) and cfg.max_model_len == (max_len or 128)
+    assert_greedy_matches_transformers(path, model, _prompts(lens), greedy)

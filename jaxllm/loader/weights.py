@@ -34,6 +34,11 @@ def hf_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
     """Every tensor name a checkpoint of this model must provide, and where it goes (a
     quantized model's projection tensors: `quantized_targets`)."""
     targets = _float_targets(cfg)
+    if cfg.architecture in FUSED_LAYOUTS:
+        if cfg.quant is not None:
+            raise CheckpointError(f"quantized {cfg.architecture} checkpoints (fused projections) "
+                                  "are not supported")
+        targets = _fused(targets, cfg, FUSED_LAYOUTS[cfg.architecture])
     if cfg.quant is None:
         return targets
     return quantized_targets(targets, cfg.quant, (cfg.num_kv_heads, cfg.head_dim))
@@ -144,6 +149,39 @@ def _granite_moe_mlp(cfg: ModelConfig, gate_up: Callable) -> list:
 
 # Architectures whose MoE tensors are not named and shaped as Mixtral's or Qwen's.
 MOE_LAYOUTS = {"GraniteMoeForCausalLM": _granite_moe_mlp}
+
+
+def _phi3_fused(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+    """Phi-3's fused tensors: qkv_proj rows are q, k, v; gate_up_proj rows are gate, up."""
+    qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    F = cfg.intermediate_size
+    return {"self_attn.qkv_proj.weight": [("self_attn.q_proj.weight", qd),
+                                          ("self_attn.k_proj.weight", kd),
+                                          ("self_attn.v_proj.weight", kd)],
+            "mlp.gate_up_proj.weight": [("mlp.gate_proj.weight", F), ("mlp.up_proj.weight", F)]}
+
+
+# Architectures whose checkpoints fuse projections the model's targets name one by one.
+FUSED_LAYOUTS = {"Phi3ForCausalLM": _phi3_fused}
+
+
+def _fused(targets: dict, cfg: ModelConfig, layout: Callable) -> dict[str, list[Target]]:
+    """`targets` with each layer's parts replaced by the fused tensor, each part's targets
+    reading its rows."""
+    out = dict(targets)
+    for i in range(cfg.num_layers):
+        for fused, parts in layout(cfg).items():
+            row, new = 0, []
+            for part, rows in parts:
+                for t in out.pop(f"model.layers.{i}.{part}"):
+                    new.append(Target(t.param, t.start, None,
+                                      lambda x, t=t, a=row, b=row + rows: t.to_block(x[a:b]),
+                                      t.dtype))
+                row += rows
+            new[0] = Target(new[0].param, new[0].start, (row, cfg.hidden_size),
+                            new[0].to_block, new[0].dtype)
+            out[f"model.layers.{i}.{fused}"] = new
+    return out
 
 
 def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:

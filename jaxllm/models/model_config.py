@@ -116,6 +116,7 @@ class ModelConfig:
         rope = tuple(_layer_rope(c, t, rope_scaling, rope_theta) for t in layer_types)
         window = _windows(c, layer_types)
         max_len = _max_model_len(c, rope, window, options)
+        rope = tuple(r.for_max_model_len(max_len) for r in rope)  # LongRoPE's short/long
         if options.disable_sliding_window:
             window = (0,) * n_layers
         eos = getattr(c, "eos_token_id", None)

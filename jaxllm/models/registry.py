@@ -93,6 +93,10 @@ def _olmoe(c) -> dict:  # softmax over all experts, top-k, renormalized if norm_
                 norm_topk_prob=bool(c.norm_topk_prob))
 
 
+def _phi3(c) -> dict:  # Llama's math; fused checkpoint tensors and LongRoPE live elsewhere
+    return {}
+
+
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -106,6 +110,7 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "GraniteForCausalLM": _granite,
     "GraniteMoeForCausalLM": _granite_moe,
     "OlmoeForCausalLM": _olmoe,
+    "Phi3ForCausalLM": _phi3,
 }
 
 
