@@ -22,14 +22,14 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe",
-         "qwen3_moe", "granite", "granitemoe", "olmoe", "phi3")
+         "qwen3_moe", "granite", "granitemoe", "olmoe", "phi3", "gemma3_mm")
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
            "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
            "qwen3_moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM",
            "granitemoe": "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-           "phi3": "Phi3ForCausalLM"}
+           "phi3": "Phi3ForCausalLM", "gemma3_mm": "Gemma3ForConditionalGeneration"}
 # Granite's multipliers, none of them one (transformers' defaults are all one).
 _GRANITE = dict(embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.2,
                 logits_scaling=4.0)
@@ -105,6 +105,11 @@ def _hf_config(arch: str, overrides: dict):
         cfg = tr.Phi3Config(**{**common, "max_position_embeddings": 128,
                                "original_max_position_embeddings": 64,
                                "rope_parameters": rope, **overrides})
+    elif arch == "gemma3_mm":  # the gemma3 text model inside a tiny vision-language model
+        text = {**_hf_config("gemma3", overrides).to_dict(), "architectures": None}
+        cfg = tr.Gemma3Config(text_config=text, mm_tokens_per_image=4, vision_config=dict(
+            hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+            image_size=28, patch_size=14))
     else:
         raise ValueError(f"unknown test architecture {arch!r}; one of {ARCHS}")
     cfg.architectures = [CLASSES[arch]]

@@ -76,3 +76,23 @@ def test_phi3_longrope_matches_transformers(partial, max_len, lens, make_tiny_ch
     assert spec.rope_type == "longrope" and spec.partial_rotary_factor == partial
     assert spec.use_long == (max_len is None) and cfg.max_model_len == (max_len or 128)
     assert_greedy_matches_transformers(path, model, _prompts(lens), greedy)
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(make_tiny_checkpoint, load,
+                                                              greedy):
+    """A Gemma3ForConditionalGeneration checkpoint: its language model's tensors load under
+    their multimodal names, the vision tower's and projector's are skipped, and text prompts
+    match transformers' multimodal model given the same token ids."""
+    import glob
+
+    from safetensors import safe_open
+
+    path = make_tiny_checkpoint("gemma3_mm")
+    with safe_open(glob.glob(f"{path}/*.safetensors")[0], "np") as f:
+        names = list(f.keys())
+    assert any(n.startswith("vision_tower.") for n in names)
+    assert not any(n.startswith("model.layers.") for n in names)
+    model, cfg, _ = load(path)
+    assert cfg.architecture == "Gemma3ForConditionalGeneration"
+    assert cfg.qk_norm and cfg.sandwich_norms and max(cfg.sliding_window) == 8
+    assert_greedy_matches_transformers(path, model, _prompts(), greedy)

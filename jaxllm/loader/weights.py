@@ -184,6 +184,40 @@ def _fused(targets: dict, cfg: ModelConfig, layout: Callable) -> dict[str, list[
     return out
 
 
+def _language_model_name(name: str):
+    """A Gemma 3 multimodal checkpoint's tensor name -> the text model's (None: a vision tower
+    or projector tensor, skipped). Published checkpoints say language_model.model.*,
+    transformers 4.5x saved model.language_model.*."""
+    for prefix in ("language_model.model.", "model.language_model."):
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    if name.startswith("language_model.lm_head."):
+        return name[len("language_model."):]
+    if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")):
+        return None
+    return name  # anything else is checked against the targets as it is
+
+
+# Multimodal architectures loaded text-only: checkpoint name -> text model name (or None).
+TEXT_NAMES = {"Gemma3ForConditionalGeneration": _language_model_name}
+
+
+def _renamed(tensors: Iterable, origin: Callable, rename: Callable) -> tuple[Iterable, Callable]:
+    """The tensors under their text-model names (the skipped ones dropped), and `origin`
+    answering for the new names with the checkpoint's files."""
+    back: dict[str, str] = {}
+
+    def gen():
+        for name, array in tensors:
+            new = rename(name)
+            if new is not None:
+                back[new] = name
+                yield new, array
+
+    return gen(), lambda name: origin(back.get(name, name))
+
+
 def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
     """The state with each parameter replaced by its NamedSharding (from its logical axes)."""
     return jax.tree.map(
@@ -204,6 +238,8 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
     """
     cfg = model.cfg
     origin = (lambda name: where) if isinstance(where, str) else where
+    if cfg.architecture in TEXT_NAMES:  # a multimodal checkpoint loaded for text only
+        tensors, origin = _renamed(tensors, origin, TEXT_NAMES[cfg.architecture])
     targets = hf_targets(cfg)
     state = nnx.state(model)
     shardings = param_shardings(state, mesh)

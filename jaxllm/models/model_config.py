@@ -101,7 +101,10 @@ class ModelConfig:
             setattr(c, key, value)
         checkpoint_quant = getattr(c, "quantization_config", None)
         if hasattr(c, "get_text_config"):
+            top, archs = c, getattr(c, "architectures", None)
             c = c.get_text_config()
+            if archs and c is not top:  # a multimodal model's text part: its adapter decides
+                c.architectures = archs
         arch, features = arch_features(c)
 
         n_layers = c.num_hidden_layers

@@ -111,6 +111,7 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "GraniteMoeForCausalLM": _granite_moe,
     "OlmoeForCausalLM": _olmoe,
     "Phi3ForCausalLM": _phi3,
+    "Gemma3ForConditionalGeneration": _gemma3,  # its language model only (loader/weights.py)
 }
 
 
