@@ -6,8 +6,14 @@ Granite: the tiny configs set every multiplier away from one (embedding 6, resid
 softmax scale 0.2, logits divided by 4), so dropping any of them changes the logits.
 """
 
+import json
+import os
+import sys
+
+import numpy as np
 import pytest
 
+from conftest import run_with_host_devices
 from test_models import _prompts, assert_greedy_matches_transformers
 
 CASES = [
@@ -96,3 +102,41 @@ def test_gemma3_multimodal_checkpoint_runs_its_language_model(make_tiny_checkpoi
     assert cfg.architecture == "Gemma3ForConditionalGeneration"
     assert cfg.qk_norm and cfg.sandwich_norms and max(cfg.sliding_window) == 8
     assert_greedy_matches_transformers(path, model, _prompts(), greedy)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_matches_one_device(make_tiny_checkpoint):
+    """tp=2 on virtual CPU devices (a subprocess, as tests/test_tensor_parallel.py) equals
+    tp=1: OLMoE (its whole-width q/k norms reduce across the sharded heads; experts' FFNs
+    sharded) and Phi-3 with half rotary (fused tensors loaded into sharded projections)."""
+    paths = {"olmoe": make_tiny_checkpoint("olmoe"),
+             "phi3": make_tiny_checkpoint("phi3", partial_rotary_factor=0.5)}
+    proc = run_with_host_devices(2, [__file__, json.dumps(paths)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, runs in report.items():
+        base, two = runs["1"], runs["2"]
+        assert two["devices"] == 2 and "layers/0/qkv" in two["sharded"]
+        for key in ("prefill", "steps"):
+            np.testing.assert_allclose(np.array(two[key]), np.array(base[key]), atol=1e-4,
+                                       rtol=0, err_msg=f"{name} tp=2 {key}")
+        assert two["tokens"] == base["tokens"], name
+
+
+def _child(paths: dict) -> dict:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from conftest import greedy_record, load_tiny, sharded_params
+
+    prompts = _prompts((7, 19))
+    report = {}
+    for name, path in paths.items():
+        report[name] = {}
+        for tp in (1, 2):
+            model, _, _ = load_tiny(path, tp=tp)
+            report[name][str(tp)] = {"sharded": sharded_params(model),
+                                     **greedy_record(model, prompts, 8)}
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(json.loads(sys.argv[1]))))
