@@ -140,3 +140,20 @@ def _child(paths: dict) -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(_child(json.loads(sys.argv[1]))))
+
+
+@pytest.mark.parametrize("arch", ["phi3", "granitemoe"])
+def test_quantized_fused_or_stacked_checkpoints_refused(arch, make_tiny_checkpoint):
+    """Their fused (Phi-3) or stacked (GraniteMoE) tensors have no quantized layout here."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from jaxllm.layers.quantization import QuantSpec
+    from jaxllm.loader.weights import CheckpointError, hf_targets
+    from jaxllm.models.model_config import ModelConfig
+
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(make_tiny_checkpoint(arch)))
+    assert hf_targets(cfg)  # the float checkpoint's targets exist
+    with pytest.raises(CheckpointError, match=f"quantized {cfg.architecture}"):
+        hf_targets(dataclasses.replace(cfg, quant=QuantSpec("compressed-tensors", "int8")))

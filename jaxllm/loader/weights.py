@@ -34,10 +34,11 @@ def hf_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
     """Every tensor name a checkpoint of this model must provide, and where it goes (a
     quantized model's projection tensors: `quantized_targets`)."""
     targets = _float_targets(cfg)
-    if cfg.architecture in FUSED_LAYOUTS:
+    if cfg.architecture in FUSED_LAYOUTS or cfg.architecture in MOE_LAYOUTS:
         if cfg.quant is not None:
-            raise CheckpointError(f"quantized {cfg.architecture} checkpoints (fused projections) "
-                                  "are not supported")
+            raise CheckpointError(f"quantized {cfg.architecture} checkpoints (fused or stacked "
+                                  "projections) are not supported")
+    if cfg.architecture in FUSED_LAYOUTS:
         targets = _fused(targets, cfg, FUSED_LAYOUTS[cfg.architecture])
     if cfg.quant is None:
         return targets
