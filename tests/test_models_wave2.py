@@ -1,6 +1,7 @@
-"""Issue 48's simpler architectures against transformers, with test_models.py's harness
-(ragged prefill of three prompts through the paged cache, then 32 greedy steps; f32 logits
-within its ATOL = 1e-4, tokens identical).
+"""Issue 48's simpler architectures (Granite, GraniteMoE, OLMoE, Phi-3, Gemma 3 multimodal
+checkpoints text-only) against transformers, with test_models.py's harness (ragged prefill of
+three prompts through the paged cache, then 32 greedy steps; f32 logits within its
+ATOL = 1e-4, tokens identical); tp=2 and the engine (slow-marked).
 
 Granite: the tiny configs set every multiplier away from one (embedding 6, residual 0.3,
 softmax scale 0.2, logits divided by 4), so dropping any of them changes the logits.
@@ -157,3 +158,23 @@ def test_quantized_fused_or_stacked_checkpoints_refused(arch, make_tiny_checkpoi
     assert hf_targets(cfg)  # the float checkpoint's targets exist
     with pytest.raises(CheckpointError, match=f"quantized {cfg.architecture}"):
         hf_targets(dataclasses.replace(cfg, quant=QuantSpec("compressed-tensors", "int8")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["granitemoe", "olmoe"])
+def test_engine_equals_transformers_and_one_by_one(arch, make_tiny_checkpoint):
+    """Through the engine: continuous batching with chunked prefill (64-token budget) and
+    prefix caching give transformers' greedy tokens, and one request at a time the same."""
+    from test_engine import GREEDY, NEW, hf_greedy, mixed_prompts, small_llm, token_ids
+
+    path = make_tiny_checkpoint(arch)
+    prompts = mixed_prompts(10, seed=3)
+    prompts += [prompts[0] + p for p in mixed_prompts(3, seed=4)]  # shared prefixes
+    llm = small_llm(path)
+    batch = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                   use_tqdm=False))
+    assert batch == hf_greedy(path, prompts, NEW)
+    singles = [token_ids(llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False))[0]
+               for p in prompts[:2]]
+    assert singles == batch[:2]
+    assert llm.llm_engine.kv_cache_manager.prefix_cache_hits > 0
