@@ -22,12 +22,17 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe",
-         "qwen3_moe")
+         "qwen3_moe", "granite", "granitemoe", "olmoe", "phi3", "gemma3_mm")
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
            "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-           "qwen3_moe": "Qwen3MoeForCausalLM"}
+           "qwen3_moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM",
+           "granitemoe": "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+           "phi3": "Phi3ForCausalLM", "gemma3_mm": "Gemma3ForConditionalGeneration"}
+# Granite's multipliers, none of them one (transformers' defaults are all one).
+_GRANITE = dict(embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.2,
+                logits_scaling=4.0)
 # Mixture of experts: 8 experts of FFN 32, top-2 (the tests override these).
 _MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 VOCAB = 512
@@ -81,6 +86,30 @@ def _hf_config(arch: str, overrides: dict):
     elif arch == "qwen3_moe":
         cfg = tr.Qwen3MoeConfig(**{**common, **_MOE, "head_dim": 24, "norm_topk_prob": True,
                                    **overrides})
+    elif arch == "granite":
+        cfg = tr.GraniteConfig(**{**common, **_GRANITE, **overrides})
+    elif arch == "granitemoe":
+        cfg = tr.GraniteMoeConfig(**{**common, **_GRANITE, "intermediate_size": 32,
+                                     "num_local_experts": 8, "num_experts_per_tok": 2,
+                                     **overrides})
+    elif arch == "olmoe":
+        cfg = tr.OlmoeConfig(**{**common, "intermediate_size": 32, "num_experts": 8,
+                                "num_experts_per_tok": 2, **overrides})
+    elif arch == "phi3":  # LongRoPE past 64 positions; factors sized by partial_rotary_factor
+        partial = overrides.pop("partial_rotary_factor", 1.0)
+        n = int(16 * partial) // 2  # head_dim 16
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+                "original_max_position_embeddings": 64,
+                "short_factor": [1.0 + 0.25 * i for i in range(n)],
+                "long_factor": [2.0 + 1.5 * i for i in range(n)]}
+        cfg = tr.Phi3Config(**{**common, "max_position_embeddings": 128,
+                               "original_max_position_embeddings": 64,
+                               "rope_parameters": rope, **overrides})
+    elif arch == "gemma3_mm":  # the gemma3 text model inside a tiny vision-language model
+        text = {**_hf_config("gemma3", overrides).to_dict(), "architectures": None}
+        cfg = tr.Gemma3Config(text_config=text, mm_tokens_per_image=4, vision_config=dict(
+            hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+            image_size=28, patch_size=14))
     else:
         raise ValueError(f"unknown test architecture {arch!r}; one of {ARCHS}")
     cfg.architectures = [CLASSES[arch]]

@@ -280,7 +280,8 @@ def test_glm4_moe_matches_transformers(make_deepseek, load, greedy):
     """GLM-4.5: partial rotary (half of head_dim 16), q/k norms, q/k/v biases, V3's routing."""
     path = make_deepseek("glm4_moe", **GLM4_MOE)
     model, cfg, _ = load(path)
-    assert (cfg.rotary_dim, cfg.qkv_bias, cfg.o_bias, cfg.qk_norm) == (8, True, False, True)
+    assert (cfg.rope[0].partial_rotary_factor, cfg.qkv_bias, cfg.o_bias, cfg.qk_norm) == (
+        0.5, True, False, True)
     assert (cfg.topk_method, cfg.router_bias, cfg.shared_expert_gated) == ("noaux_tc", True,
                                                                            False)
     assert_greedy_matches_transformers(path, model, _prompts((5, 17, 30, 2)), greedy)

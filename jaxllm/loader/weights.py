@@ -36,6 +36,12 @@ def hf_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
     """Every tensor name a checkpoint of this model must provide, and where it goes (a
     quantized model's projection tensors: `quantized_targets`)."""
     targets = _float_targets(cfg)
+    if cfg.architecture in FUSED_LAYOUTS or cfg.architecture in MOE_LAYOUTS:
+        if cfg.quant is not None:
+            raise CheckpointError(f"quantized {cfg.architecture} checkpoints (fused or stacked "
+                                  "projections) are not supported")
+    if cfg.architecture in FUSED_LAYOUTS:
+        targets = _fused(targets, cfg, FUSED_LAYOUTS[cfg.architecture])
     if cfg.quant is None:
         return targets
     return quantized_targets(targets, cfg.quant, (cfg.num_kv_heads, cfg.head_dim))
@@ -77,6 +83,11 @@ def _float_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
     if cfg.qk_norm:
         per_layer += [("self_attn.q_norm.weight", "q_norm", (0,), (D,), same),
                       ("self_attn.k_norm.weight", "k_norm", (0,), (D,), same)]
+    if cfg.qk_norm_whole:  # OLMoE: [H*D] and [K*D], laid out as the heads
+        per_layer += [("self_attn.q_norm.weight", "q_norm", (0, 0, 0), (K * G * D,),
+                       lambda x: x.reshape(K, G, D)),
+                      ("self_attn.k_norm.weight", "k_norm", (0, 0), (K * D,),
+                       lambda x: x.reshape(K, D))]
     if cfg.sandwich_norms:  # Gemma 3: post_attention_layernorm really follows attention
         per_layer += [("post_attention_layernorm.weight", "post_attn_norm", (0,), (E,), same),
                       ("pre_feedforward_layernorm.weight", "mlp_norm", (0,), (E,), same),
@@ -85,8 +96,8 @@ def _float_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
         per_layer.append(("post_attention_layernorm.weight", "mlp_norm", (0,), (E,), same))
 
     for g, group in enumerate(layer_groups(cfg)):
-        mlp = (_moe_mlp(cfg, gate_up) if group.kind in MOE_KINDS
-               else _gated_mlp("mlp.", F, E, gate_up))
+        mlp = (MOE_LAYOUTS.get(cfg.architecture, _moe_mlp)(cfg, gate_up)
+               if group.kind in MOE_KINDS else _gated_mlp("mlp.", F, E, gate_up))
         attention = _mla_layer(cfg) if group.kind.startswith("mla") else per_layer
         for i in range(group.first, group.first + group.count):
             for name, param, start, shape, fn in attention + mlp:
@@ -173,6 +184,89 @@ def _past_last_layer(cfg: ModelConfig, name: str) -> bool:
             and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= cfg.num_layers)
 
 
+def _granite_moe_mlp(cfg: ModelConfig, gate_up: Callable) -> list:
+    """GraniteMoE stores each layer's experts stacked: block_sparse_moe.input_linear [X, 2F, E]
+    (gate rows, then up rows), output_linear [X, E, F], and the router as router.layer."""
+    E, X, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    prefix = "block_sparse_moe."
+    return [(f"{prefix}router.layer.weight", "router", (0, 0), (X, E), lambda x: x.T),
+            (f"{prefix}input_linear.weight", "experts_gate_up", (0, 0, 0, 0), (X, 2 * F, E),
+             lambda x: x.reshape(X, 2, F, E).transpose(0, 3, 1, 2)),
+            (f"{prefix}output_linear.weight", "experts_down", (0, 0, 0), (X, E, F),
+             lambda x: x.transpose(0, 2, 1))]
+
+
+# Architectures whose MoE tensors are not named and shaped as Mixtral's or Qwen's.
+MOE_LAYOUTS = {"GraniteMoeForCausalLM": _granite_moe_mlp}
+
+
+def _phi3_fused(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+    """Phi-3's fused tensors: qkv_proj rows are q, k, v; gate_up_proj rows are gate, up."""
+    qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    F = cfg.intermediate_size
+    return {"self_attn.qkv_proj.weight": [("self_attn.q_proj.weight", qd),
+                                          ("self_attn.k_proj.weight", kd),
+                                          ("self_attn.v_proj.weight", kd)],
+            "mlp.gate_up_proj.weight": [("mlp.gate_proj.weight", F), ("mlp.up_proj.weight", F)]}
+
+
+# Architectures whose checkpoints fuse projections the model's targets name one by one.
+FUSED_LAYOUTS = {"Phi3ForCausalLM": _phi3_fused}
+
+
+def _fused(targets: dict, cfg: ModelConfig, layout: Callable) -> dict[str, list[Target]]:
+    """`targets` with each layer's parts replaced by the fused tensor, each part's targets
+    reading its rows."""
+    out = dict(targets)
+    for i in range(cfg.num_layers):
+        for fused, parts in layout(cfg).items():
+            row, new = 0, []
+            for part, rows in parts:
+                for t in out.pop(f"model.layers.{i}.{part}"):
+                    new.append(Target(t.param, t.start, None,
+                                      lambda x, t=t, a=row, b=row + rows: t.to_block(x[a:b]),
+                                      t.dtype))
+                row += rows
+            new[0] = Target(new[0].param, new[0].start, (row, cfg.hidden_size),
+                            new[0].to_block, new[0].dtype)
+            out[f"model.layers.{i}.{fused}"] = new
+    return out
+
+
+def _language_model_name(name: str):
+    """A Gemma 3 multimodal checkpoint's tensor name -> the text model's (None: a vision tower
+    or projector tensor, skipped). Published checkpoints say language_model.model.*,
+    transformers 4.5x saved model.language_model.*."""
+    for prefix in ("language_model.model.", "model.language_model."):
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    if name.startswith("language_model.lm_head."):
+        return name[len("language_model."):]
+    if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")):
+        return None
+    return name  # anything else is checked against the targets as it is
+
+
+# Multimodal architectures loaded text-only: checkpoint name -> text model name (or None).
+TEXT_NAMES = {"Gemma3ForConditionalGeneration": _language_model_name}
+
+
+def _renamed(tensors: Iterable, origin: Callable, rename: Callable) -> tuple[Iterable, Callable]:
+    """The tensors under their text-model names (the skipped ones dropped), and `origin`
+    answering for the new names with the checkpoint's files."""
+    back: dict[str, str] = {}
+
+    def gen():
+        for name, array in tensors:
+            new = rename(name)
+            if new is not None:
+                back[new] = name
+                yield new, array
+
+    return gen(), lambda name: origin(back.get(name, name))
+
+
 def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
     """The state with each parameter replaced by its NamedSharding (from its logical axes)."""
     return jax.tree.map(
@@ -193,6 +287,8 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
     """
     cfg = model.cfg
     origin = (lambda name: where) if isinstance(where, str) else where
+    if cfg.architecture in TEXT_NAMES:  # a multimodal checkpoint loaded for text only
+        tensors, origin = _renamed(tensors, origin, TEXT_NAMES[cfg.architecture])
     targets = hf_targets(cfg)
     state = nnx.state(model)
     shardings = param_shardings(state, mesh)

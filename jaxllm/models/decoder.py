@@ -145,7 +145,7 @@ class Decoder(nnx.Module):
         lora = None if lora_slots is None else lora_batch(lora_slots, cfg.lora.max_loras)
         end = cfg.num_layers if end is None else end
         specs = tuple(dict.fromkeys(cfg.rope))  # distinct RoPE settings (Gemma 3: local/global)
-        cos, sin = rope_tables(specs, cfg.rotary_dim or cfg.head_dim, positions, h.dtype)
+        cos, sin = rope_tables(specs, cfg.head_dim, positions, h.dtype)
         windowed = any(cfg.sliding_window)
         caches = list(kv_caches)
         for i, (g, layers) in enumerate(zip(self.groups, self.layers)):
@@ -167,6 +167,8 @@ class Decoder(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, E] -> float32 logits [N, V], final soft-capping applied."""
         logits = self.backend.logits(hidden, self._head(), self.cfg.vocab_size)
+        if self.cfg.logits_scaling != 1.0:  # Granite; positive, so greedy_head's argmax holds
+            logits = logits / self.cfg.logits_scaling
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

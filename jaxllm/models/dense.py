@@ -48,8 +48,13 @@ class DenseLayers(nnx.Module):
                                   ("layers", "kv_heads", "q_per_kv", "head_dim"), dt)
                          if cfg.qkv_bias else None)
         head_norm = partial(constant, one, (L, D), ("layers", "head_dim"), dt)
-        self.q_norm = head_norm() if cfg.qk_norm else None
-        self.k_norm = head_norm() if cfg.qk_norm else None
+        if cfg.qk_norm_whole:  # one norm over every head's q (and k), sharded like the heads
+            self.q_norm = constant(one, (L, K, G, D),
+                                   ("layers", "kv_heads", "q_per_kv", "head_dim"), dt)
+            self.k_norm = constant(one, (L, K, D), ("layers", "kv_heads", "head_dim"), dt)
+        else:
+            self.q_norm = head_norm() if cfg.qk_norm else None
+            self.k_norm = head_norm() if cfg.qk_norm else None
         self._projection(seed, prefix, "o", (L, K, G, D, E),
                          ("layers", "kv_heads", "q_per_kv", "head_dim", "embed"), 3)
         if cfg.lora is not None:
@@ -188,20 +193,22 @@ def _layer(group: DenseLayers, backend: Backend, w: dict, h: jax.Array, cache: K
     q, k, v = qkv[:, :, :G].reshape(T, K * G, D), qkv[:, :, G], qkv[:, :, G + 1]
     if cfg.qk_norm:
         q, k = rms_norm(q, w["q_norm"], cfg), rms_norm(k, w["k_norm"], cfg)
-    if cfg.rotary_dim:  # partial rotary: the first rotary_dim values rotate, the rest pass
-        r = cfg.rotary_dim
-        q = jnp.concatenate([apply_rope(q[..., :r], cos, sin), q[..., r:]], axis=-1)
-        k = jnp.concatenate([apply_rope(k[..., :r], cos, sin), k[..., r:]], axis=-1)
-    else:
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cfg.qk_norm_whole:
+        q = rms_norm(q.reshape(T, -1), w["q_norm"].reshape(-1), cfg).reshape(T, K * G, D)
+        k = rms_norm(k.reshape(T, -1), w["k_norm"].reshape(-1), cfg).reshape(T, K, D)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, cache = backend.attention(q, k, v, cache, layer, md, sm_scale=cfg.sm_scale,
                                  sliding_window=window, soft_cap=cfg.attn_logit_softcap)
     a = project_("o", o.reshape(T, K * G * D), bias=w["o_bias"] if cfg.o_bias else None)
     if cfg.sandwich_norms:
         a = rms_norm(a, w["post_attn_norm"], cfg)
+    if cfg.residual_multiplier != 1.0:
+        a = a * jnp.asarray(cfg.residual_multiplier, a.dtype)
     h = h + a
 
     m, routes = group.mlp(backend, w, rms_norm(h, w["mlp_norm"], cfg), layer, lora)
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_mlp_norm"], cfg)
+    if cfg.residual_multiplier != 1.0:
+        m = m * jnp.asarray(cfg.residual_multiplier, m.dtype)
     return h + m, cache, routes

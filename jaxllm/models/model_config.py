@@ -91,9 +91,11 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False       # the rotary dims come in (even, odd) pairs
-    # Partial rotary embeddings (GLM-4.5): the first rotary_dim of head_dim rotate, the rest
-    # pass (0 = all of them).
-    rotary_dim: int = 0
+
+    residual_multiplier: float = 1.0    # Granite: each block's output scaled before the residual
+    attention_multiplier: Optional[float] = None  # Granite: the softmax scale itself
+    logits_scaling: float = 1.0         # Granite: logits divided by it
+    qk_norm_whole: bool = False         # OLMoE: q/k RMSNorm over all heads' width at once
 
     @property
     def kv_values_per_token(self) -> int:
@@ -109,6 +111,8 @@ class ModelConfig:
 
     @property
     def sm_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
@@ -128,7 +132,10 @@ class ModelConfig:
             setattr(c, key, value)
         checkpoint_quant = getattr(c, "quantization_config", None)
         if hasattr(c, "get_text_config"):
+            top, archs = c, getattr(c, "architectures", None)
             c = c.get_text_config()
+            if archs and c is not top:  # a multimodal model's text part: its adapter decides
+                c.architectures = archs
         arch, features = arch_features(c)
 
         n_layers = c.num_hidden_layers
@@ -140,10 +147,10 @@ class ModelConfig:
             raise ConfigError("MLP biases (mlp_bias=True) are not supported")
         bias = bool(getattr(c, "attention_bias", False))
         layer_types = getattr(c, "layer_types", None) or [None] * n_layers
-        rope = tuple(_layer_rope(c, t, rope_scaling, rope_theta, bool(features.get("rotary_dim")))
-                     for t in layer_types)
+        rope = tuple(_layer_rope(c, t, rope_scaling, rope_theta) for t in layer_types)
         window = _windows(c, layer_types)
         max_len = _max_model_len(c, rope, window, options)
+        rope = tuple(r.for_max_model_len(max_len) for r in rope)  # LongRoPE's short/long
         if options.disable_sliding_window:
             window = (0,) * n_layers
         eos = getattr(c, "eos_token_id", None)
@@ -181,7 +188,7 @@ class ModelConfig:
         return cls(**fields)
 
 
-def _layer_rope(c, layer_type, rope_scaling, rope_theta, partial: bool = False) -> RopeSpec:
+def _layer_rope(c, layer_type, rope_scaling, rope_theta) -> RopeSpec:
     """One layer's RoPE from either spelling. Gemma 3's sliding layers have their own (local)
     RoPE; the engine's overrides apply to the other, global, layers."""
     params = getattr(c, "rope_parameters", None) or {}
@@ -196,8 +203,6 @@ def _layer_rope(c, layer_type, rope_scaling, rope_theta, partial: bool = False) 
         params = {"rope_theta": params["rope_theta"], **rope_scaling}
     if not local and rope_theta:
         params["rope_theta"] = rope_theta
-    if partial:  # the architecture's adapter read it into ModelConfig.rotary_dim
-        params.pop("partial_rotary_factor", None)
     return RopeSpec.from_hf(params, c.max_position_embeddings)
 
 

@@ -111,31 +111,51 @@ def _deepseek(c, v3: bool) -> dict:
 
 def _glm4_moe(c) -> dict:
     """GLM-4.5 (Glm4MoeForCausalLM): grouped-query attention with q/k/v biases, optional q/k
-    norms and partial rotary embeddings; DeepSeek-V3's routing (sigmoid, correction bias,
-    groups) with ungated shared experts after `first_k_dense_replace` dense layers."""
+    norms and partial rotary embeddings (RopeSpec reads partial_rotary_factor); DeepSeek-V3's
+    routing (sigmoid, correction bias, groups) with ungated shared experts after
+    `first_k_dense_replace` dense layers."""
     X, k = c.n_routed_experts, c.num_experts_per_tok
     n_group, topk_group = c.n_group or 1, c.topk_group or 1
     if X % n_group or not 1 <= topk_group <= n_group or k > topk_group * (X // n_group) \
             or X // n_group < 2:
         raise ConfigError(f"GLM-4.5: {X} experts in n_group={n_group} groups, topk_group="
                           f"{topk_group}, num_experts_per_tok={k} do not fit")
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    factor = (getattr(c, "rope_parameters", None) or {}).get(
-        "partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
-    rotary = int(head_dim * factor)
-    if rotary % 2 or not 0 < rotary <= head_dim:
-        raise ConfigError(f"GLM-4.5 partial_rotary_factor={factor} gives {rotary} rotary "
-                          f"dims of head_dim {head_dim}")
     dense = c.first_k_dense_replace or 0
     return dict(
         qkv_bias=bool(c.attention_bias), o_bias=False, qk_norm=bool(c.use_qk_norm),
-        rotary_dim=rotary if rotary < head_dim else 0,
         moe_layers=tuple(i >= dense for i in range(c.num_hidden_layers)),
         num_experts=X, num_experts_per_tok=k, moe_intermediate_size=c.moe_intermediate_size,
         shared_expert_intermediate_size=c.moe_intermediate_size * (c.n_shared_experts or 0),
         shared_expert_gated=False, norm_topk_prob=bool(c.norm_topk_prob),
         scoring_func="sigmoid", topk_method="noaux_tc", n_group=n_group, topk_group=topk_group,
         router_bias=True, router_f32=True, routed_scaling_factor=float(c.routed_scaling_factor))
+
+def _granite(c) -> dict:
+    if not c.logits_scaling > 0:  # a non-positive divisor would flip or break the argmax
+        raise ConfigError(f"Granite logits_scaling={c.logits_scaling} must be positive")
+    return dict(embed_scale=float(c.embedding_multiplier),
+                residual_multiplier=float(c.residual_multiplier),
+                attention_multiplier=float(c.attention_multiplier),
+                logits_scaling=float(c.logits_scaling))
+
+
+def _granite_moe(c) -> dict:  # softmax over the top-k logits = renormalized top-k
+    return dict(_granite(c), moe_layers=(True,) * c.num_hidden_layers,
+                num_experts=c.num_local_experts, num_experts_per_tok=c.num_experts_per_tok,
+                moe_intermediate_size=c.intermediate_size, norm_topk_prob=True)
+
+
+def _olmoe(c) -> dict:  # softmax over all experts, top-k, renormalized if norm_topk_prob
+    if getattr(c, "clip_qkv", None) is not None:
+        raise ConfigError(f"OLMoE with clip_qkv={c.clip_qkv} is not supported")
+    return dict(qk_norm_whole=True, moe_layers=(True,) * c.num_hidden_layers,
+                num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                moe_intermediate_size=c.intermediate_size,
+                norm_topk_prob=bool(c.norm_topk_prob))
+
+
+def _phi3(c) -> dict:  # Llama's math; fused checkpoint tensors and LongRoPE live elsewhere
+    return {}
 
 
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
@@ -151,6 +171,11 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "DeepseekV2ForCausalLM": lambda c: _deepseek(c, v3=False),
     "DeepseekV3ForCausalLM": lambda c: _deepseek(c, v3=True),
     "Glm4MoeForCausalLM": _glm4_moe,
+    "GraniteForCausalLM": _granite,
+    "GraniteMoeForCausalLM": _granite_moe,
+    "OlmoeForCausalLM": _olmoe,
+    "Phi3ForCausalLM": _phi3,
+    "Gemma3ForConditionalGeneration": _gemma3,  # its language model only (loader/weights.py)
 }
 
 

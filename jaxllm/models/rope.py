@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxllm.config import ConfigError
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,22 +35,29 @@ class RopeSpec:
     mscale: Optional[float] = None  # yarn
     mscale_all_dim: Optional[float] = None  # yarn
     truncate: bool = True  # yarn
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors within the original
+    long_factor: tuple[float, ...] = ()   # longrope: ... and beyond it
+    use_long: bool = False  # longrope: long factors (`for_max_model_len` decides)
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: only this leading fraction of head_dim
 
     @classmethod
     def from_hf(cls, params: dict, max_position_embeddings: int) -> "RopeSpec":
         """From a transformers rope dict (`rope_parameters` entry or legacy `rope_scaling`)."""
         rope_type = params.get("rope_type", params.get("type", "default"))
+        rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first spelling
         if rope_type not in ROPE_TYPES:
             raise ConfigError(f"RoPE type {rope_type!r} is not supported (supported: "
                              f"{', '.join(ROPE_TYPES)})")
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ConfigError("partial rotary embeddings (partial_rotary_factor < 1) are not "
-                             "supported")
+        partial = float(params.get("partial_rotary_factor") or 1.0)
+        if not 0 < partial <= 1:
+            raise ConfigError(f"partial_rotary_factor={partial} must be in (0, 1]")
         factor = params.get("factor")
+        if factor is None and rope_type == "longrope":  # as transformers: the extension ratio
+            factor = max_position_embeddings / params["original_max_position_embeddings"]
         if factor is None and rope_type == "yarn":  # as transformers: the context extension
             factor = max_position_embeddings / params["original_max_position_embeddings"]
         orig = params.get("original_max_position_embeddings")
-        if rope_type in ("llama3", "yarn") and orig is None:
+        if rope_type in ("llama3", "yarn", "longrope") and orig is None:
             orig = max_position_embeddings
         return cls(
             rope_type=rope_type,
@@ -65,7 +72,21 @@ class RopeSpec:
             mscale=params.get("mscale"),
             mscale_all_dim=params.get("mscale_all_dim"),
             truncate=bool(params.get("truncate", True)),
+            short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
+            long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
+            partial_rotary_factor=partial,
         )
+
+    def for_max_model_len(self, max_model_len: int) -> "RopeSpec":
+        """LongRoPE picks its factors once per model, as vLLM does: the long ones when the
+        engine may run sequences past original_max_position_embeddings. (transformers picks
+        per forward call by the current length, so a sequence crossing that length has its
+        earlier keys cached with the short factors; the two agree for models whose
+        max_model_len stays within the original length, and for sequences that start past it.)"""
+        if self.rope_type != "longrope":
+            return self
+        return dataclasses.replace(
+            self, use_long=max_model_len > self.original_max_position_embeddings)
 
 
 def _wavelength_factors(theta: float, dim: int) -> np.ndarray:
@@ -79,8 +100,9 @@ def _base_inv_freq(theta: float, dim: int) -> np.ndarray:
 
 
 def inv_freq_and_scale(spec: RopeSpec, head_dim: int) -> tuple[np.ndarray, float]:
-    """(inverse frequencies float32 [head_dim // 2], cos/sin scale) for one RoPE spec."""
-    dim = head_dim
+    """(inverse frequencies float32 [rotary dim // 2], cos/sin scale) for one RoPE spec (the
+    rotary dim: head_dim times partial_rotary_factor)."""
+    dim = int(head_dim * spec.partial_rotary_factor)
     t = spec.rope_type
     if t == "default":
         return _base_inv_freq(spec.theta, dim), 1.0
@@ -107,6 +129,8 @@ def inv_freq_and_scale(spec: RopeSpec, head_dim: int) -> tuple[np.ndarray, float
         return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
     if t == "yarn":
         return _yarn(spec, dim)
+    if t == "longrope":
+        return _longrope(spec, dim)
     raise ValueError(f"RoPE type {t!r} is not supported")
 
 
@@ -140,6 +164,18 @@ def _yarn(spec: RopeSpec, dim: int) -> tuple[np.ndarray, float]:
     return inv.astype(np.float32), float(attn)
 
 
+def _longrope(spec: RopeSpec, dim: int) -> tuple[np.ndarray, float]:
+    ext = spec.long_factor if spec.use_long else spec.short_factor
+    if len(ext) != dim // 2:
+        raise ConfigError(f"longrope: {len(ext)} {'long' if spec.use_long else 'short'} "
+                          f"factors for a rotary dim of {dim} (want {dim // 2})")
+    attn, orig = spec.attention_factor, spec.original_max_position_embeddings
+    if attn is None:  # the LongRoPE paper's, applied to short and long factors alike
+        attn = 1.0 if spec.factor <= 1 else math.sqrt(1 + math.log(spec.factor) / math.log(orig))
+    inv = np.float32(1.0) / (np.asarray(ext, np.float32) * _wavelength_factors(spec.theta, dim))
+    return inv.astype(np.float32), float(attn)
+
+
 def rope_tables(specs: tuple[RopeSpec, ...], head_dim: int, positions: jax.Array, dtype
                 ) -> tuple[jax.Array, jax.Array]:
     """cos, sin [len(specs), T, head_dim // 2] in `dtype` for each distinct spec."""
@@ -150,7 +186,11 @@ def rope_tables(specs: tuple[RopeSpec, ...], head_dim: int, positions: jax.Array
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [T, H, D] rotated by cos/sin [T, D // 2] (transformers' rotate_half layout)."""
+    """x [T, H, D] rotated by cos/sin [T, R // 2] (transformers' rotate_half layout) over its
+    first R <= D channels; the rest pass (partial rotary embeddings)."""
+    rot = 2 * cos.shape[-1]
+    x, rest = (x, None) if rot == x.shape[-1] else (x[..., :rot], x[..., rot:])
     x1, x2 = jnp.split(x, 2, axis=-1)
     c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return out if rest is None else jnp.concatenate([out, rest], axis=-1)
