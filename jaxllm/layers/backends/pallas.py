@@ -39,6 +39,9 @@ class PallasBackend(ReferenceBackend):
                                       default=ragged_dot)
 
     def attend(self, q, kc, vc, layer, md: AttentionMetadata, *, sliding_window=None, **kw):
+        if kw.get("sinks") is not None:  # refused loudly rather than dropped
+            raise NotImplementedError("attention sinks are not in the Pallas kernels yet")
+
         def attend(q, kc, vc, layer, window, *metadata):
             def variant(name, interpret):
                 return lambda *a: kernel.ragged_paged_attention(
