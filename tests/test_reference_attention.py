@@ -127,8 +127,8 @@ def test_reference_sinks_match_naive(q_lens, kv_lens, hq, hkv, window):
 
 
 def test_backends_attention_with_sinks():
-    """The backend op: the reference backend honours `sinks`; the CPU backend takes the reference
-    for them (the native kernel has none yet); the Pallas backend refuses them by name."""
+    """The backend op: the reference and CPU (native kernel) backends honour `sinks`; the Pallas
+    backend refuses them by name (not in its kernels yet)."""
     from jaxllm.layers.attention import AttentionMetadata, KVCache
     from jaxllm.layers.backends.cpu import CpuBackend
     from jaxllm.layers.backends.pallas import PallasBackend
