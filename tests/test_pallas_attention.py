@@ -310,10 +310,11 @@ def test_lowers(variant, platform, cache_dtype, q_dtype):
     assert ("tpu_custom_call" if variant == "tpu" else "xla.gpu.triton") in lowered.as_text()
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("shape", ["mixed_gqa4", "group3_head_dim24"])
-def test_gpu_sinks_match_reference(shape):
-    """Attention sinks in the GPU kernel (interpret mode) equal the reference's; group 3 pads
-    the group to 4 rows, whose sinks must not leak. The TPU variant refuses them by name."""
+def test_sinks_match_reference(shape, variant):
+    """Attention sinks in the kernels (interpret mode) equal the reference's; group 3 pads
+    the group to 4 rows, whose sinks must not leak."""
     *spec, blocks = SHAPES[shape]
     ker, ref, n = make_case(np.random.default_rng(0), *spec)
     d = spec[4]
@@ -323,8 +324,6 @@ def test_gpu_sinks_match_reference(shape):
     plain = reference.ragged_paged_attention(*ref, **kw)
     assert float(jnp.abs(want[:n] - plain[:n]).max()) > 1e-2  # the sinks matter here
     q_tile, chunk = blocks or (None, None)
-    out = kernel.ragged_paged_attention(*ker, **kw, variant="gpu", q_tile=q_tile,
+    out = kernel.ragged_paged_attention(*ker, **kw, variant=variant, q_tile=q_tile,
                                         chunk_blocks=chunk, sinks=sinks)
     check(out, want, n, ATOL[jnp.float32])
-    with pytest.raises(NotImplementedError, match="sinks"):
-        kernel.ragged_paged_attention(*ker, **kw, variant="tpu", sinks=sinks)

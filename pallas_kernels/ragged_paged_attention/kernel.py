@@ -105,7 +105,7 @@ def ragged_paged_attention(
     (smaller query blocks for decode-only steps). variant: 'tpu' | 'gpu' | None (by backend).
     interpret: None = when the backend is CPU; the TPU variant also takes
     `pltpu.InterpretParams`. sinks: None or float32 [Hq] (the reference's attention sinks);
-    the GPU variant only so far, the TPU variant refuses them.
+    both variants.
     """
     variant = variant or default_variant()
     if interpret is None:
@@ -135,8 +135,6 @@ def ragged_paged_attention(
 
     extra = {}
     if sinks is not None:  # one sink per row, in the rows' layout: the running max starts there
-        if variant != "gpu":
-            raise NotImplementedError("attention sinks are not in the TPU Pallas kernel yet")
         sk = jnp.pad(sinks.astype(jnp.float32).reshape(hkv, g), ((0, 0), (0, blk.group - g)))
         extra["sinks"] = jnp.tile(sk, (1, t_pad))  # [Hkv, T_pad * group]
     impl = importlib.import_module(f"pallas_kernels.ragged_paged_attention.kernel_{variant}")
