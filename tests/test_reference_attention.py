@@ -127,8 +127,8 @@ def test_reference_sinks_match_naive(q_lens, kv_lens, hq, hkv, window):
 
 
 def test_backends_attention_with_sinks():
-    """The backend op: the reference and CPU (native kernel) backends honour `sinks`; the Pallas
-    backend refuses them by name (not in its kernels yet)."""
+    """The backend op: the reference, CPU (native kernel) and Pallas (its GPU kernel in interpret
+    mode here) backends all honour `sinks`."""
     from jaxllm.layers.attention import AttentionMetadata, KVCache
     from jaxllm.layers.backends.cpu import CpuBackend
     from jaxllm.layers.backends.pallas import PallasBackend
@@ -145,10 +145,8 @@ def test_backends_attention_with_sinks():
     cache = KVCache(jnp.asarray(kc), jnp.asarray(vc))
     want = naive(q, ks, vs, q_lens, kv_lens, d ** -0.5, sinks=np.asarray(sinks))
     n = sum(q_lens)
-    for backend in (ReferenceBackend(), CpuBackend(native_matmul=False, native_sampling=False)):
+    for backend in (ReferenceBackend(), CpuBackend(native_matmul=False, native_sampling=False),
+                    PallasBackend()):
         out, _ = backend.attention(jnp.asarray(q), zeros, zeros, cache, 1, md,
                                    sm_scale=d ** -0.5, sinks=sinks)
         np.testing.assert_allclose(np.asarray(out[:n]), want, atol=2e-5, rtol=2e-5)
-    with pytest.raises(NotImplementedError, match="sinks"):
-        PallasBackend().attention(jnp.asarray(q), zeros, zeros, cache, 1, md,
-                                  sm_scale=d ** -0.5, sinks=sinks)
