@@ -171,3 +171,26 @@ def test_kernel_traced_window_and_bfloat16_queries():
             sm_scale=0.2, sliding_window=jnp.int32(w))[0]
         np.testing.assert_array_equal(np.asarray(got, np.float32),
                                       np.asarray(f32.astype(jnp.bfloat16), np.float32))
+
+
+@pytest.mark.parametrize("hkv,d,window,split", [(2, 64, None, False), (1, 32, 24, False),
+                                                  (3, 64, None, True)])
+def test_kernel_sinks_match_reference(hkv, d, window, split):
+    """Attention sinks (GPT-OSS) in the native kernel equal the reference's, over decode and
+    ragged steps, a window, and tasks that take ranges of kv heads (split); f32 caches."""
+    hq = 2 * hkv if not split else 3 * hkv
+    num_seqs = 2 if split else 6
+    q, k, v, kc, vc, slots, kv_lens, tables, cu, ns = _case(
+        7, num_seqs=num_seqs, pad_seqs=1, hq=hq, hkv=hkv, d=d, bs=16, max_len=80,
+        ragged=not split)
+    sinks = jnp.asarray(np.random.default_rng(3).standard_normal(hq).astype(np.float32) * 2)
+    kw = dict(sm_scale=d ** -0.5, sliding_window=window, soft_cap=None)
+    want, wk, _ = _reference(q, k, v, kc, vc, 1, slots, kv_lens, tables, cu, ns, sinks=sinks,
+                             **kw)
+    plain, _, _ = _reference(q, k, v, kc, vc, 1, slots, kv_lens, tables, cu, ns, **kw)
+    got, gk, _ = jax.jit(lambda kc, vc: kernel_cpu.ragged_paged_attention(
+        q, k, v, kc, vc, 1, slots, kv_lens, tables, cu, ns, sinks=sinks, **kw))(kc, vc)
+    n = int(cu[num_seqs])
+    assert float(jnp.abs(want[:n] - plain[:n]).max()) > 1e-2  # the sinks matter here
+    np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], atol=2e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(gk), np.asarray(wk))

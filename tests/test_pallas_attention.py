@@ -308,3 +308,22 @@ def test_lowers(variant, platform, cache_dtype, q_dtype):
         jax.ShapeDtypeStruct((T, hq, d), q_dtype), cache, cache, i32(), i32(S), i32(S, B),
         i32(S + 1), i32(1), i32()).lower(lowering_platforms=(platform,))
     assert ("tpu_custom_call" if variant == "tpu" else "xla.gpu.triton") in lowered.as_text()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("shape", ["mixed_gqa4", "group3_head_dim24"])
+def test_sinks_match_reference(shape, variant):
+    """Attention sinks in the kernels (interpret mode) equal the reference's; group 3 pads
+    the group to 4 rows, whose sinks must not leak."""
+    *spec, blocks = SHAPES[shape]
+    ker, ref, n = make_case(np.random.default_rng(0), *spec)
+    d = spec[4]
+    kw = dict(sm_scale=d ** -0.5, sliding_window=None, soft_cap=None)
+    sinks = jnp.asarray(np.random.default_rng(5).standard_normal(spec[2]).astype(np.float32) * 2)
+    want = reference.ragged_paged_attention(*ref, sinks=sinks, **kw)
+    plain = reference.ragged_paged_attention(*ref, **kw)
+    assert float(jnp.abs(want[:n] - plain[:n]).max()) > 1e-2  # the sinks matter here
+    q_tile, chunk = blocks or (None, None)
+    out = kernel.ragged_paged_attention(*ker, **kw, variant=variant, q_tile=q_tile,
+                                        chunk_blocks=chunk, sinks=sinks)
+    check(out, want, n, ATOL[jnp.float32])

@@ -7,8 +7,10 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
 
 
-def naive(q, ks, vs, q_lens, kv_lens, sm_scale, window=None, soft_cap=None):
-    """Dense attention one sequence at a time; ks/vs are each sequence's full [K, Hkv, D]."""
+def naive(q, ks, vs, q_lens, kv_lens, sm_scale, window=None, soft_cap=None, sinks=None):
+    """Dense attention one sequence at a time; ks/vs are each sequence's full [K, Hkv, D].
+    sinks [Hq]: transformers' gpt_oss eager form, a sink column joined to the scores, the
+    softmax taken, the column dropped."""
     out, t0 = [], 0
     hq, hkv = q.shape[1], ks[0].shape[1]
     for s, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
@@ -24,8 +26,13 @@ def naive(q, ks, vs, q_lens, kv_lens, sm_scale, window=None, soft_cap=None):
         if window:
             mask &= kpos[None] > qpos[:, None] - window
         sc = np.where(mask[None], sc, -np.inf)
+        if sinks is not None:
+            col = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], (hq, ql, 1))
+            sc = np.concatenate([sc, col], -1)
         p = np.exp(sc - sc.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
+        if sinks is not None:
+            p = p[..., :-1]
         out.append(np.einsum("hqk,khd->qhd", p, v))
         t0 += ql
     return np.concatenate(out)
@@ -93,3 +100,53 @@ def test_write_kv_scatters_and_drops_padding():
     np.testing.assert_array_equal(vc2[1, 3, :, 2], -k[1])
     assert float(jnp.abs(kc2).sum()) == float(jnp.abs(k[:2]).sum())  # padding row dropped
     assert float(jnp.abs(kc2[0]).sum()) == 0.0  # other layer untouched
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,hq,hkv,window", [
+    ([1, 1, 1], [5, 33, 17], 4, 2, None),             # decode only
+    ([1, 7, 1, 30], [40, 7, 3, 70], 8, 2, None),      # mixed, chunked prefill
+    ([5, 1, 12], [50, 9, 12], 6, 2, 8),               # sliding window
+])
+def test_reference_sinks_match_naive(q_lens, kv_lens, hq, hkv, window):
+    rng = np.random.default_rng(1)
+    d, bs = 16, 4
+    q, kc, vc, kvl, bt, cu, ns, ks, vs = build_case(rng, q_lens, kv_lens, hq, hkv, d, bs)
+    sinks = (rng.standard_normal(hq) * 2).astype(np.float32)
+    want = naive(q, ks, vs, q_lens, kv_lens, d ** -0.5, window, sinks=sinks)
+    without = naive(q, ks, vs, q_lens, kv_lens, d ** -0.5, window)
+    assert np.abs(want - without).max() > 1e-2  # the sinks matter in this case
+    n = sum(q_lens)
+    for q_tile, groups, chunk in [(4, 2, 2), (16, 4, 64), (1, 64, 32)]:
+        out = ragged_paged_attention(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), 1,
+                                     jnp.asarray(kvl), jnp.asarray(bt), jnp.asarray(cu),
+                                     jnp.asarray(ns), sm_scale=d ** -0.5, sliding_window=window,
+                                     sinks=jnp.asarray(sinks), chunk_blocks=chunk,
+                                     q_tile=q_tile, tiles_per_group=groups)
+        np.testing.assert_allclose(np.asarray(out[:n]), want, atol=2e-5, rtol=2e-5)
+        assert np.all(np.asarray(out[n:]) == 0)
+
+
+def test_backends_attention_with_sinks():
+    """The backend op: the reference, CPU (native kernel) and Pallas (its GPU kernel in interpret
+    mode here) backends all honour `sinks`."""
+    from jaxllm.layers.attention import AttentionMetadata, KVCache
+    from jaxllm.layers.backends.cpu import CpuBackend
+    from jaxllm.layers.backends.pallas import PallasBackend
+    from jaxllm.layers.backends.reference import ReferenceBackend
+
+    rng = np.random.default_rng(2)
+    q_lens, kv_lens, hq, hkv, d, bs = [1, 6], [9, 6], 4, 2, 16, 4
+    q, kc, vc, kvl, bt, cu, ns, ks, vs = build_case(rng, q_lens, kv_lens, hq, hkv, d, bs)
+    T = q.shape[0]
+    sinks = jnp.asarray((rng.standard_normal(hq) * 2).astype(np.float32))
+    md = AttentionMetadata(jnp.full((T,), -1, jnp.int32), jnp.asarray(kvl), jnp.asarray(bt),
+                           jnp.asarray(cu), jnp.asarray(ns))  # slots -1: the cache is full
+    zeros = jnp.zeros((T, hkv, d), jnp.float32)
+    cache = KVCache(jnp.asarray(kc), jnp.asarray(vc))
+    want = naive(q, ks, vs, q_lens, kv_lens, d ** -0.5, sinks=np.asarray(sinks))
+    n = sum(q_lens)
+    for backend in (ReferenceBackend(), CpuBackend(native_matmul=False, native_sampling=False),
+                    PallasBackend()):
+        out, _ = backend.attention(jnp.asarray(q), zeros, zeros, cache, 1, md,
+                                   sm_scale=d ** -0.5, sinks=sinks)
+        np.testing.assert_allclose(np.asarray(out[:n]), want, atol=2e-5, rtol=2e-5)

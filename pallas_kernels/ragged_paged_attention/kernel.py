@@ -96,6 +96,7 @@ def ragged_paged_attention(
     max_q_len: Optional[int] = None,
     variant: Optional[str] = None,
     interpret: Any = None,
+    sinks: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Attention output [T, Hq, D] in q's dtype; arguments as in the reference.
 
@@ -103,7 +104,8 @@ def ragged_paged_attention(
     per KV step). max_q_len: optional static bound on any sequence's query count this step
     (smaller query blocks for decode-only steps). variant: 'tpu' | 'gpu' | None (by backend).
     interpret: None = when the backend is CPU; the TPU variant also takes
-    `pltpu.InterpretParams`.
+    `pltpu.InterpretParams`. sinks: None or float32 [Hq] (the reference's attention sinks);
+    both variants.
     """
     variant = variant or default_variant()
     if interpret is None:
@@ -131,6 +133,10 @@ def ragged_paged_attention(
     meta = jnp.stack([n, jnp.asarray(layer, jnp.int32).reshape(()),
                       jnp.asarray(window, jnp.int32).reshape(())])
 
+    extra = {}
+    if sinks is not None:  # one sink per row, in the rows' layout: the running max starts there
+        sk = jnp.pad(sinks.astype(jnp.float32).reshape(hkv, g), ((0, 0), (0, blk.group - g)))
+        extra["sinks"] = jnp.tile(sk, (1, t_pad))  # [Hkv, T_pad * group]
     impl = importlib.import_module(f"pallas_kernels.ragged_paged_attention.kernel_{variant}")
     out = impl.attend(
         rows, k_cache, v_cache, meta, first_seq.astype(jnp.int32), cu_q_lens,
@@ -138,6 +144,6 @@ def ragged_paged_attention(
         sm_scale=float(sm_scale) * _float_or(k_scale, 1.0), v_scale=_float_or(v_scale, 1.0),
         soft_cap=_float_or(soft_cap, None),
         has_window=sliding_window is not None,
-        compute_dtype=compute_dtype(q.dtype, k_cache.dtype), interpret=interpret)
+        compute_dtype=compute_dtype(q.dtype, k_cache.dtype), interpret=interpret, **extra)
     out = out.reshape(hkv, t_pad, blk.group, d)[:, :T, :g].transpose(1, 0, 2, 3)
     return out.reshape(T, hq, d)

@@ -7,6 +7,8 @@
 //   bf16 (written rounded to nearest even, read converted in registers: half the bytes),
 //   layer [], slot_mapping [T] (block * BS + offset; < 0: padding), kv_lens [S],
 //   block_tables [S, B], cu_q_lens [S + 1], num_seqs [1], window [] (<= 0: none);
+//   sinks [Hq] or [0] (none: attention sinks, one logit per query head in the softmax's
+//   denominator: a query's running maximum starts at its head's sink and its sum at 1);
 //   attrs sm_scale, soft_cap (0: none); results out [T, Hq, D] (f32, or bf16 rounded to nearest
 //   even: XLA's convert of a bf16 model's f32 out took 33 us a decode layer) and the two caches,
 //   which alias the cache arguments: k/v are written in place. (As XLA ops, the scatter's index
@@ -43,6 +45,7 @@ struct Step {
   int64_t Hq, Hkv, G, BS, B, D;
   int32_t window;
   float sm_scale, soft_cap;
+  const float* sinks;  // [Hq], or null: none
 };
 
 // A task's queries i0..i1-1 of sequence s: the row in q of the sequence's first query, and the
@@ -236,6 +239,9 @@ static void Task(const Step<C>& st, int64_t s, int64_t h0, int64_t h1, int64_t i
   buf.assign(nq * H * (D + 2) + H * ld, 0.f);
   float *acc = buf.data(), *m = acc + nq * H * D, *sum = m + nq * H, *sc = sum + nq * H;
   std::fill(m, m + nq * H, -INFINITY);
+  if (st.sinks != nullptr)  // the sink's term exp(sink - m) = 1 under the running max m = sink
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t x = 0; x < H; ++x) m[i * H + x] = st.sinks[h0 * G + x], sum[i * H + x] = 1.f;
   const int32_t* table = st.tables + s * st.B;
   const int64_t page = st.Hkv * BS * D, bytes = page * sizeof(C);  // a page (all kv heads)
   // For each kv head and group in order: call f(kv head, first query head g, group size n).
@@ -353,12 +359,12 @@ static void Attend(ffi::ThreadPool& pool, const float* q, const float* k_new,
                    const int32_t* lens, const int32_t* tables, const int32_t* cu, int64_t n,
                    float* out, uint16_t* out16, int64_t T, int64_t Hq, int64_t Hkv, int64_t NB,
                    int64_t BS, int64_t B, int64_t D, int32_t window, float sm_scale,
-                   float soft_cap) {
+                   float soft_cap, const float* sinks) {
   const int64_t page = Hkv * BS * D;  // values per page of one layer
   C *kc = k_cache + l * NB * page, *vc = v_cache + l * NB * page;
   WriteKV(pool, k_new, v_new, slots, T, NB, Hkv, BS, D, kc, vc);
   const Step<C> st{q, kc, vc, lens, tables, cu, out, out16, Hq, Hkv, Hq / Hkv, BS, B, D, window,
-                   sm_scale, soft_cap};
+                   sm_scale, soft_cap, sinks};
   if (out16 != nullptr)
     std::memset(out16, 0, sizeof(uint16_t) * T * Hq * D);
   else
@@ -374,7 +380,9 @@ static void Attend(ffi::ThreadPool& pool, const float* q, const float* k_new,
   const int64_t n_chunks = std::max<int64_t>(static_cast<int64_t>(chunks.size()), 1);
   const int64_t split = std::min(Hkv, (min_tasks + n_chunks - 1) / n_chunks);
 #ifdef JAXLLM_AMX
-  const bool amx = std::is_same_v<C, uint16_t> && (D == 64 || D == 128) && AmxAllowed();
+  // (Sinks run on vectors: the tiles' path starts its softmax without them.)
+  const bool amx = std::is_same_v<C, uint16_t> && (D == 64 || D == 128) && sinks == nullptr &&
+                   AmxAllowed();
 #endif
   // A task learns the one its thread runs next, whose first pages it fetches (AMX path).
   ParallelForAhead(pool, static_cast<int64_t>(chunks.size()) * split, [&](int64_t task,
@@ -419,6 +427,7 @@ static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
                                      ffi::Buffer<ffi::S32> block_tables,
                                      ffi::Buffer<ffi::S32> cu_q_lens,
                                      ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
+                                     ffi::Buffer<ffi::F32> sinks,
                                      ffi::Result<ffi::AnyBuffer> out,
                                      ffi::Result<ffi::AnyBuffer> k_out,
                                      ffi::Result<ffi::AnyBuffer> v_out, float sm_scale,
@@ -434,7 +443,8 @@ static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
   const int64_t S = td[0], B = td[1];
   if (cd[4] != D || Hq % Hkv != 0 || cu_q_lens.element_count() != S + 1 ||
       k_new.element_count() != T * Hkv * D || v_new.element_count() != T * Hkv * D ||
-      slots.element_count() != T || v_cache.element_count() != k_cache.element_count()) {
+      slots.element_count() != T || v_cache.element_count() != k_cache.element_count() ||
+      (sinks.element_count() != 0 && sinks.element_count() != Hq)) {
     return ffi::Error::InvalidArgument("paged attention: shapes do not match");
   }
   const auto dtype = k_cache.element_type();
@@ -459,7 +469,7 @@ static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
            out16 ? nullptr : out->typed_data<float>(),
            out16 ? static_cast<uint16_t*>(out->untyped_data()) : nullptr, T, Hq, Hkv, NB, BS, B,
            D, window.typed_data()[0], sm_scale,
-           soft_cap);
+           soft_cap, sinks.element_count() ? sinks.typed_data() : nullptr);
   };
   if (dtype == ffi::F32)
     run(static_cast<float*>(k_out->untyped_data()), static_cast<float*>(v_out->untyped_data()));
@@ -484,6 +494,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks [Hq] or [0]
                                   .Ret<ffi::AnyBuffer>()         // out, f32 or bf16
                                   .Ret<ffi::AnyBuffer>()         // k_cache, aliased
                                   .Ret<ffi::AnyBuffer>()         // v_cache, aliased

@@ -42,7 +42,7 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: ja
                            v_cache: jax.Array, layer, slot_mapping: jax.Array,
                            kv_lens: jax.Array, block_tables: jax.Array, cu_q_lens: jax.Array,
                            num_seqs: jax.Array, *, sm_scale: float, sliding_window=None,
-                           soft_cap: Optional[float] = None
+                           soft_cap: Optional[float] = None, sinks: Optional[jax.Array] = None
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The reference's `write_kv` (this step's k/v [T, Hkv, D] into their slots) followed by
     its `ragged_paged_attention`, in one call: (out [T, Hq, D] in q's dtype, k_cache, v_cache).
@@ -51,6 +51,8 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: ja
     or bfloat16 (k and v rounded to it, as the reference's write_kv does); q, k and v are
     computed in float32 (with a bf16 cache on AMX tiles, q and the probabilities are rounded
     to bfloat16 for the products: `bf16_tiles`). sliding_window may be traced (per layer).
+    sinks: None or float32 [Hq], the reference's attention sinks (those calls run on vectors,
+    never on AMX tiles).
     """
     if not available():
         raise RuntimeError("the CPU paged attention kernel could not be built (see the log)")
@@ -65,5 +67,6 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: ja
     out, k_cache, v_cache = call(
         f32(q), f32(k), f32(v), k_cache, v_cache, jnp.asarray(layer, jnp.int32),
         slot_mapping, kv_lens, block_tables, cu_q_lens, num_seqs, window,
+        jnp.zeros((0,), jnp.float32) if sinks is None else f32(sinks),
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0))
     return out.astype(q.dtype), k_cache, v_cache  # rounded in the kernel if bf16

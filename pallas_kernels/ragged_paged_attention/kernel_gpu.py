@@ -24,8 +24,9 @@ from pallas_kernels.ragged_paged_attention.kernel import (
     META_LAYER, META_NUM_SEQS, META_WINDOW, seq_span)
 
 
-def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref,
-            *, queries, group, pages, sm_scale, v_scale, soft_cap, has_window, compute_dtype):
+def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
+            queries, group, pages, sm_scale, v_scale, soft_cap, has_window, compute_dtype):
+    sink_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     h, i = pl.program_id(0), pl.program_id(1)
     num_seqs, layer = meta_ref[META_NUM_SEQS], meta_ref[META_LAYER]
     window = meta_ref[META_WINDOW] if has_window else None
@@ -77,16 +78,20 @@ def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref, q_ref, k_ref, 
         m, l, acc = lax.fori_loop(sp.kb_lo, sp.kb_hi, step, (m, l, acc))
         return s + 1, m, l, acc
 
-    init = (first_ref[i], jnp.full((rows,), -jnp.inf, jnp.float32),
-            jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, lanes), jnp.float32))
+    if sink_ref is None:
+        m0, l0 = jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32)
+    else:  # attention sinks: each row's running max starts at its head's sink, its sum at 1
+        m0, l0 = sink_ref[...], jnp.ones((rows,), jnp.float32)
+    init = (first_ref[i], m0, l0, jnp.zeros((rows, lanes), jnp.float32))
     _, _, l, acc = lax.while_loop(lambda c: live(c[0]), attend_seq, init)
     o_ref[...] = (acc * (v_scale / jnp.where(l > 0, l, 1.0))[:, None]).astype(o_ref.dtype)
 
 
 def attend(rows, k_cache, v_cache, meta, first_seq, cu_q_lens, kv_lens, block_tables, *,
            blocks: Blocks, sm_scale, v_scale, soft_cap, has_window, compute_dtype,
-           interpret) -> jax.Array:
-    """rows [Hkv, T_pad * group, D] -> attention rows of the same shape (see kernel.py)."""
+           interpret, sinks=None) -> jax.Array:
+    """rows [Hkv, T_pad * group, D] -> attention rows of the same shape (see kernel.py);
+    sinks: None or float32 [Hkv, T_pad * group], each row's sink logit."""
     hkv, n_rows, d = rows.shape
     lanes = max(block_sizes.pow2_ceil(d), block_sizes.GPU_MIN_HEAD_DIM)
     rows = jnp.pad(rows, ((0, 0), (0, 0), (0, lanes - d)))
@@ -100,11 +105,13 @@ def attend(rows, k_cache, v_cache, meta, first_seq, cu_q_lens, kv_lens, block_ta
     out = pl.pallas_call(
         kernel,
         grid=(hkv, n_rows // tile),
-        in_specs=[whole] * 5 + [q_spec, whole, whole],
+        in_specs=[whole] * 5 + [q_spec, whole, whole]
+        + ([] if sinks is None else [pl.BlockSpec((None, tile), lambda h, i: (h, i))]),
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.GPU_NUM_WARPS,
                                              num_stages=block_sizes.GPU_NUM_STAGES),
         interpret=bool(interpret),
-    )(meta, first_seq, cu_q_lens, kv_lens, block_tables, rows, k_cache, v_cache)
+    )(meta, first_seq, cu_q_lens, kv_lens, block_tables, rows, k_cache, v_cache,
+      *(() if sinks is None else (sinks,)))
     return out[..., :d]

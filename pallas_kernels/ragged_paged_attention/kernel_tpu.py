@@ -37,10 +37,11 @@ def _wait(copy):
 
 def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref,  # SMEM (scalar prefetch)
             q_ref, k_hbm, v_hbm,                                     # q tile in VMEM; caches
-            o_ref,
-            k_buf, v_buf, sems, m_ref, l_ref, acc_ref,               # scratch
-            *, queries, group, pages, table_width, num_seq_slots, sm_scale, v_scale, soft_cap,
+            *refs,  # [sinks tile,] out tile, then scratch: k_buf, v_buf, sems, m, l, acc
+            queries, group, pages, table_width, num_seq_slots, sm_scale, v_scale, soft_cap,
             has_window, compute_dtype):
+    sink_ref = refs[0] if len(refs) == 8 else None
+    o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs[-7:]
     h, i = pl.program_id(0), pl.program_id(1)
     num_seqs, layer = meta_ref[META_NUM_SEQS], meta_ref[META_LAYER]
     window = meta_ref[META_WINDOW] if has_window else None
@@ -106,8 +107,12 @@ def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref,  # SMEM (scala
         acc_ref[...] = corr * acc_ref[...] + jnp.dot(
             p.astype(compute_dtype), v, preferred_element_type=jnp.float32)
 
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    if sink_ref is None:
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    else:  # attention sinks: each row's running max starts at its head's sink, its sum at 1
+        m_ref[...] = jnp.broadcast_to(sink_ref[...], m_ref.shape)
+        l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     s0 = first_ref[i]
@@ -129,8 +134,9 @@ def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref,  # SMEM (scala
 
 def attend(rows, k_cache, v_cache, meta, first_seq, cu_q_lens, kv_lens, block_tables, *,
            blocks: Blocks, sm_scale, v_scale, soft_cap, has_window, compute_dtype,
-           interpret) -> jax.Array:
-    """rows [Hkv, T_pad * group, D] -> attention rows of the same shape (see kernel.py)."""
+           interpret, sinks=None) -> jax.Array:
+    """rows [Hkv, T_pad * group, D] -> attention rows of the same shape (see kernel.py);
+    sinks: None or float32 [Hkv, T_pad * group], each row's sink logit."""
     hkv, n_rows, d = rows.shape
     _, _, _, bs, _ = k_cache.shape
     num_seq_slots, table_width = block_tables.shape
@@ -150,7 +156,9 @@ def attend(rows, k_cache, v_cache, meta, first_seq, cu_q_lens, kv_lens, block_ta
             num_scalar_prefetch=5,
             grid=(hkv, n_rows // tile),
             in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY),
-                      pl.BlockSpec(memory_space=pl.ANY)],
+                      pl.BlockSpec(memory_space=pl.ANY)]
+            + ([] if sinks is None
+               else [pl.BlockSpec((None, tile, 1), lambda h, i, *_: (h, i, 0))]),
             out_specs=q_spec,
             scratch_shapes=[
                 pltpu.VMEM(buf, k_cache.dtype), pltpu.VMEM(buf, v_cache.dtype),
@@ -161,4 +169,5 @@ def attend(rows, k_cache, v_cache, meta, first_seq, cu_q_lens, kv_lens, block_ta
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
         interpret=interpret or False,
-    )(meta, first_seq, cu_q_lens, kv_lens, block_tables.reshape(-1), rows, k_cache, v_cache)
+    )(meta, first_seq, cu_q_lens, kv_lens, block_tables.reshape(-1), rows, k_cache, v_cache,
+      *(() if sinks is None else (sinks[..., None],)))

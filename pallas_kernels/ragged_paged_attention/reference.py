@@ -12,6 +12,9 @@ Layout (shared by the reference, the Pallas kernels and the model runner):
   num_seqs      int32 [1]               sequences past this are padding and ignored
 Query i of sequence s sits at position kv_lens[s] - q_len[s] + i and sees keys at positions
 <= its own (causal), and > position - sliding_window when a window is given.
+  sinks         float32 [Hq] or None    attention sinks (GPT-OSS): one learned logit per query
+                                        head that joins the softmax's denominator and adds no
+                                        value, so a head can attend to "nothing"
 
 The algorithm splits each sequence's queries into small tiles, takes the tiles in groups, and
 for each group walks the pages in chunks with an online softmax in float32. Both loops have
@@ -70,6 +73,7 @@ def ragged_paged_attention(
     soft_cap: Optional[float] = None,
     k_scale: Optional[float] = None,
     v_scale: Optional[float] = None,
+    sinks: Optional[jax.Array] = None,
     q_tile: int = 8,
     tiles_per_group: int = 8,
     chunk_blocks: Optional[int] = None,
@@ -80,6 +84,8 @@ def ragged_paged_attention(
     q_tile: queries per tile (a sequence's queries are split into tiles of this many).
     tiles_per_group: tiles processed together per loop step.
     chunk_blocks: pages per online-softmax step (default: ~256 keys per step).
+    sinks: None (static: no cost) or float32 [Hq]; the online softmax then starts from the
+      sink's logit (running max = sink, denominator = exp(0) = 1, no value).
     """
     T, hq, d = q.shape
     _, _, hkv, bs, _ = k_cache.shape
@@ -148,8 +154,14 @@ def ragged_paged_attention(
             acc = acc * corr[..., None] + jnp.einsum("thqk,thkd->thqd", p, v)
             return m_new, l, acc
 
-        init = (jnp.full((tg, hkv, g * qt), -jnp.inf, jnp.float32),
-                jnp.zeros((tg, hkv, g * qt), jnp.float32),
+        if sinks is None:
+            m0 = jnp.full((tg, hkv, g * qt), -jnp.inf, jnp.float32)
+            l0 = jnp.zeros((tg, hkv, g * qt), jnp.float32)
+        else:  # rows are (kv head, group member, query) in that order
+            sk = jnp.repeat(sinks.astype(jnp.float32).reshape(hkv, g), qt, axis=1)
+            m0 = jnp.broadcast_to(sk, (tg, hkv, g * qt))
+            l0 = jnp.ones((tg, hkv, g * qt), jnp.float32)
+        init = (m0, l0,
                 jnp.zeros((tg, hkv, g * qt, d), jnp.float32))
         _, l, acc = jax.lax.fori_loop(lo, hi, chunk, init)
         o = acc / jnp.where(l > 0, l, 1.0)[..., None]

@@ -40,22 +40,26 @@ class PallasBackend(ReferenceBackend):
                                       default=ragged_dot)
 
     def attend(self, q, kc, vc, layer, md: AttentionMetadata, *, sliding_window=None, **kw):
-        def attend(q, kc, vc, layer, window, *metadata):
+        sinks = kw.pop("sinks", None)  # an argument, so that shard_map splits it over heads
+
+        def attend(q, kc, vc, layer, window, sinks, *metadata):
             def variant(name, interpret):
                 return lambda *a: kernel.ragged_paged_attention(
-                    *a[:-1], sliding_window=a[-1], variant=name, interpret=interpret, **kw)
+                    *a[:-2], sliding_window=a[-2], sinks=a[-1], variant=name,
+                    interpret=interpret, **kw)
             return lax.platform_dependent(
-                q, kc, vc, layer, *metadata, window, tpu=variant("tpu", False),
+                q, kc, vc, layer, *metadata, window, sinks, tpu=variant("tpu", False),
                 cuda=variant("gpu", False), rocm=variant("gpu", False),
                 default=variant("gpu", True))
 
-        args = (q, kc, vc, layer, sliding_window, md.kv_lens, md.block_tables, md.cu_q_lens,
+        args = (q, kc, vc, layer, sliding_window, sinks, md.kv_lens, md.block_tables, md.cu_q_lens,
                 md.num_seqs)
         n = 1 if self.mesh is None else self.mesh.shape["model"]
         if n == 1 or kc.shape[2] % n:  # one device, or KV heads replicated (do not divide)
             return attend(*args)
         heads, kv_heads = P(None, "model", None), P(None, None, "model", None, None)
         rest = [P()] * (len(args) - 3)
+        rest[2] = P() if sinks is None else P("model")
         return jax.shard_map(attend, mesh=self.mesh, in_specs=(heads, kv_heads, kv_heads, *rest),
                              out_specs=heads, check_vma=False)(*args)
 

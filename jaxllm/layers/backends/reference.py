@@ -152,10 +152,11 @@ class ReferenceBackend(Backend):
                              out_specs=P(), check_vma=False)(x, ids, weights, w_gate_up, w_down)
 
     def attention(self, q, k, v, cache: KVCache, layer, md: AttentionMetadata, *, sm_scale,
-                  sliding_window=None, soft_cap: Optional[float] = None):
+                  sliding_window=None, soft_cap: Optional[float] = None, sinks=None):
         kc, vc = write_kv(cache.k, cache.v, layer, k, v, md.slot_mapping)
-        return self.attend(q, kc, vc, layer, md, sm_scale=sm_scale,
-                           sliding_window=sliding_window, soft_cap=soft_cap), KVCache(kc, vc)
+        kw = {} if sinks is None else {"sinks": sinks}
+        return self.attend(q, kc, vc, layer, md, sm_scale=sm_scale, sliding_window=sliding_window,
+                           soft_cap=soft_cap, **kw), KVCache(kc, vc)
 
     def attend(self, q, kc, vc, layer, md: AttentionMetadata, **kw) -> jax.Array:
         """The attention over caches that already hold this step's k/v."""
