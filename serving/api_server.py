@@ -28,9 +28,11 @@ from serving.protocol import (ChatCompletionRequest, DetokenizeRequest, LoadLoRA
                               random_id)
 from serving.protocol_completion import CompletionRequest
 from serving.protocol_pooling import EmbeddingRequest, PoolingRequest
+from serving.protocol_responses import ResponsesRequest
 from serving.serving_chat import create_chat_completion
 from serving.serving_completion import create_completion
 from serving.serving_embedding import create_embedding, create_pooling
+from serving.serving_responses import cancel_response, create_response, retrieve_response
 from serving.serving_tokenization import detokenize, tokenize
 from serving.state import RequestLimits, ServingState
 
@@ -136,6 +138,21 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await _respond(request,
                           create_chat_completion(_state(request), body, _base_id(request)))
+
+
+@router.post("/v1/responses", responses=STREAMED)
+async def responses(body: ResponsesRequest, request: Request):
+    return await _respond(request, create_response(_state(request), body, _base_id(request)))
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_responses(response_id: str, request: Request):
+    return retrieve_response(_state(request), response_id)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_responses(response_id: str, request: Request):
+    return cancel_response(_state(request), response_id)
 
 
 @router.post("/v1/embeddings")

@@ -1,0 +1,157 @@
+"""/v1/responses (OpenAI's Responses API) through the official openai client, against the tiny
+model's `jaxllm serve`: each answer is compared with the chat completion it stands for (same
+prompt tokens, same greedy text), so the translation is checked, not only the shapes.
+
+The tiny random model writes random text, so the function call comes from a named tool_choice
+and the JSON from a json_schema text format: structured output leaves the model no choice."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from server_process import NAME
+
+GREEDY = {"temperature": 0.0}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+           "required": ["city"], "additionalProperties": False}
+TOOL = {"type": "function", "name": "get_weather", "description": "Forecast",
+        "parameters": WEATHER}
+
+
+def chat(client, messages, **kw):
+    return client.chat.completions.create(model=NAME, messages=messages, **kw)
+
+
+def test_plain_input_is_the_chat_completion_of_one_user_message(client):
+    r = client.responses.create(model=NAME, input="Hello", max_output_tokens=6, **GREEDY)
+    c = chat(client, [{"role": "user", "content": "Hello"}], max_tokens=6, **GREEDY)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == NAME
+    assert r.output_text == c.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (c.usage.prompt_tokens,
+                                                             c.usage.completion_tokens)
+    assert r.usage.total_tokens == c.usage.total_tokens
+    done = {"length": "incomplete", "stop": "completed"}[c.choices[0].finish_reason]
+    assert r.status == done and r.output[0].type == "message"
+    if done == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+
+
+def test_instructions_and_message_items(client):
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user",
+              "content": [{"type": "input_text", "text": "Hi"},
+                          {"type": "input_text", "text": "there"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Yes?"}]},
+             {"role": "user", "content": "Go on"}]
+    r = client.responses.create(model=NAME, input=items, instructions="You are terse.",
+                                max_output_tokens=5, metadata={"k": "v"}, user="u1", **GREEDY)
+    c = chat(client, [{"role": "system", "content": "You are terse."},
+                      {"role": "developer", "content": "Be brief."},
+                      {"role": "user", "content": "Hi\nthere"},
+                      {"role": "assistant", "content": "Yes?"},
+                      {"role": "user", "content": "Go on"}], max_tokens=5, **GREEDY)
+    assert r.usage.input_tokens == c.usage.prompt_tokens
+    assert r.output_text == c.choices[0].message.content
+    assert (r.instructions, r.metadata, r.user) == ("You are terse.", {"k": "v"}, "u1")
+
+
+def test_stream_events_in_order_join_to_the_whole_text(client):
+    kw = dict(model=NAME, input="Tell me", max_output_tokens=8, **GREEDY)
+    whole = client.responses.create(**kw)
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    n = len(deltas)
+    assert kinds[4:4 + n] == ["response.output_text.delta"] * n
+    assert kinds[4 + n:] == ["response.output_text.done", "response.content_part.done",
+                             "response.output_item.done", "response.completed"]
+    assert "".join(deltas) == whole.output_text == final.output_text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.id == events[0].response.id and final.status == whole.status
+
+
+def test_function_call_round_trip(client):
+    first = client.responses.create(model=NAME, input="Weather in Paris?", tools=[TOOL],
+                                    tool_choice={"type": "function", "name": "get_weather"},
+                                    max_output_tokens=30, **GREEDY)
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    args = json.loads(calls[0].arguments)
+    assert set(args) == {"city"} and isinstance(args["city"], str)
+    follow = [{"role": "user", "content": "Weather in Paris?"},
+              {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
+               "arguments": calls[0].arguments},
+              {"type": "function_call_output", "call_id": calls[0].call_id,
+               "output": "sunny"}]
+    second = client.responses.create(model=NAME, input=follow, tools=[TOOL],
+                                     tool_choice="none", max_output_tokens=4, **GREEDY)
+    c = chat(client, [{"role": "user", "content": "Weather in Paris?"},
+                      {"role": "assistant", "content": None, "tool_calls": [
+                          {"id": calls[0].call_id, "type": "function", "function": {
+                              "name": "get_weather", "arguments": calls[0].arguments}}]},
+                      {"role": "tool", "tool_call_id": calls[0].call_id, "content": "sunny"}],
+             tools=[{"type": "function", "function": {"name": "get_weather",
+                                                      "parameters": WEATHER}}],
+             tool_choice="none", max_tokens=4, **GREEDY)
+    assert second.usage.input_tokens == c.usage.prompt_tokens
+    assert second.output_text == c.choices[0].message.content
+
+
+class Pick(BaseModel):
+    colour: Literal["red", "green", "blue"]
+    size: int = Field(ge=1, le=9)
+
+
+def test_json_schema_text_format_and_parse(client):
+    r = client.responses.parse(model=NAME, input="Pick", text_format=Pick,
+                               max_output_tokens=40, temperature=1.0)
+    assert isinstance(r.output_parsed, Pick)
+    raw = client.responses.create(model=NAME, input="Pick", max_output_tokens=40,
+                                  text={"format": {"type": "json_object"}})
+    assert isinstance(json.loads(raw.output_text), dict)
+
+
+def test_previous_response_id_continues_the_conversation(client, http):
+    first = client.responses.create(model=NAME, input="Hello", max_output_tokens=4, **GREEDY)
+    second = client.responses.create(model=NAME, input="And?", previous_response_id=first.id,
+                                     max_output_tokens=4, **GREEDY)
+    c = chat(client, [{"role": "user", "content": "Hello"},
+                      {"role": "assistant", "content": first.output_text},
+                      {"role": "user", "content": "And?"}], max_tokens=4, **GREEDY)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == c.usage.prompt_tokens
+    assert second.output_text == c.choices[0].message.content
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    unstored = client.responses.create(model=NAME, input="x", store=False, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=NAME, input="x", previous_response_id="resp_nope")
+    r = http.post(f"/v1/responses/{first.id}/cancel")
+    assert r.status_code == 400 and "synchronous" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"background": True}, "background"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"text": {"format": {"type": "grammar"}}}, "text"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_what_cannot_be_served_is_a_400_naming_the_field(http, extra, param):
+    r = http.post("/v1/responses", json={"model": NAME, "input": "x", **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
