@@ -111,19 +111,26 @@ async def create_response(state: ServingState, req: ResponsesRequest, base_id: s
     response = ResponsesResponse.of_request(req, response_id, state.model_name(req.model),
                                             "in_progress")
     if req.stream:
-        return _stream(state, req, response, result, history)
+        return stream_events(state, req, response, result, history)
     choice = result.choices[0]
-    message = choice.message
-    if message.reasoning:
-        response.output.append(reasoning_item(message.reasoning))
-    if message.content or not (message.tool_calls or message.reasoning):
-        response.output.append(message_item(message.content or ""))
-    for call in message.tool_calls:
-        fn = call["function"]
-        response.output.append(function_call_item(call["id"], fn["name"], fn["arguments"]))
+    response.output = output_items(choice.message)
     _finish(response, choice.finish_reason, result.usage.model_dump())
     _keep(store, req, response, history)
     return response
+
+
+def output_items(message) -> list[dict]:
+    """A chat message as output items: its reasoning, its text, then its tool calls (an
+    answer with none of them is one empty message)."""
+    items = []
+    if message.reasoning:
+        items.append(reasoning_item(message.reasoning))
+    if message.content or not (message.tool_calls or message.reasoning):
+        items.append(message_item(message.content or ""))
+    for call in message.tool_calls:
+        fn = call["function"]
+        items.append(function_call_item(call["id"], fn["name"], fn["arguments"]))
+    return items
 
 
 def _keep(store: ResponseStore, req: ResponsesRequest, response: ResponsesResponse,
@@ -158,7 +165,7 @@ class _Events:
         return f"event: {kind}\ndata: {json.dumps(event)}\n\n"
 
 
-async def _stream(state: ServingState, req: ResponsesRequest, response: ResponsesResponse,
+async def stream_events(state: ServingState, req: ResponsesRequest, response: ResponsesResponse,
                   chunks: AsyncIterator[str], history: list[dict]) -> AsyncIterator[str]:
     emit = _Events()
     yield emit("response.created", response=response.model_dump())

@@ -155,3 +155,101 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(http, extra, param):
     r = http.post("/v1/responses", json={"model": NAME, "input": "x", **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_streamed_function_call_matches_the_whole_one(client):
+    kw = dict(model=NAME, input="Weather in Paris?", tools=[TOOL], max_output_tokens=30,
+              tool_choice={"type": "function", "name": "get_weather"}, **GREEDY)
+    whole = [o for o in client.responses.create(**kw).output if o.type == "function_call"]
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    (call,) = [o for o in final.output if o.type == "function_call"]
+    assert "".join(deltas) == done.arguments == call.arguments == whole[0].arguments
+    assert call.name == done.name == "get_weather" and call.call_id
+
+
+# --- the chat stream -> Responses events, on a recorded chat stream (no model) ----------------
+
+def _chunk(delta: dict, finish=None) -> str:
+    return "data: " + json.dumps({"choices": [{"index": 0, "delta": delta,
+                                               "finish_reason": finish}]}) + "\n\n"
+
+
+async def _events(chunks: list[str]) -> list[dict]:
+    from types import SimpleNamespace
+
+    from serving.protocol_responses import ResponsesRequest, ResponsesResponse
+    from serving.serving_responses import stream_events
+
+    async def lines():
+        for c in chunks:
+            yield c
+
+    req = ResponsesRequest(input="x", store=False)
+    response = ResponsesResponse.of_request(req, "resp_1", "m", "in_progress")
+    out = []
+    async for text in stream_events(SimpleNamespace(), req, response, lines(), []):
+        out.append(json.loads(text.split("data: ", 1)[1]))
+    return out
+
+
+def test_reasoning_text_and_calls_become_items_in_order():
+    import asyncio
+
+    usage = json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5,
+                                                 "total_tokens": 8}})
+    events = asyncio.run(_events([
+        _chunk({"role": "assistant", "content": ""}), _chunk({"reasoning": "Let me "}),
+        _chunk({"reasoning": "think."}), _chunk({"content": "Calling."}),
+        _chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                "function": {"name": "f", "arguments": "{\"a\""}}]}),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}, "tool_calls"),
+        f"data: {usage}\n\n", "data: [DONE]\n\n"]))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    final = events[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["reasoning", "message", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == "Let me think."
+    assert final["output"][1]["content"][0]["text"] == "Calling."
+    assert (final["output"][2]["call_id"], final["output"][2]["arguments"]) == ("call_a",
+                                                                                '{"a": 1}')
+    assert final["usage"]["output_tokens"] == 5 and final["status"] == "completed"
+
+
+def test_an_error_inside_the_stream_fails_the_response():
+    import asyncio
+
+    events = asyncio.run(_events([_chunk({"content": "Hi"}), 'data: {"error": {"message": '
+                                  '"boom", "code": 500}}\n\n']))
+    assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
+    assert events[-1]["response"]["error"]["message"] == "boom"
+
+
+def test_a_whole_chat_message_becomes_the_same_items():
+    from serving.protocol import ChatMessage
+    from serving.serving_responses import output_items
+
+    items = output_items(ChatMessage(role="assistant", reasoning="Hmm.", content="Ok.",
+                                     tool_calls=[{"id": "call_b", "type": "function",
+                                                  "function": {"name": "g",
+                                                               "arguments": "{}"}}]))
+    assert [i["type"] for i in items] == ["reasoning", "message", "function_call"]
+    assert (items[0]["content"][0]["text"], items[1]["content"][0]["text"]) == ("Hmm.", "Ok.")
+    assert (items[2]["call_id"], items[2]["name"]) == ("call_b", "g")
+    (empty,) = output_items(ChatMessage(role="assistant", content=None))
+    assert empty["type"] == "message" and empty["content"][0]["text"] == ""
