@@ -253,3 +253,28 @@ def test_a_whole_chat_message_becomes_the_same_items():
     assert (items[2]["call_id"], items[2]["name"]) == ("call_b", "g")
     (empty,) = output_items(ChatMessage(role="assistant", content=None))
     assert empty["type"] == "message" and empty["content"][0]["text"] == ""
+
+
+@pytest.mark.slow  # its own model load (~25 s)
+def test_run_batch_answers_responses_lines(tmp_path, tiny_llama, client):
+    import subprocess
+    import sys
+
+    from server_process import ENGINE_FLAGS
+
+    body = {"model": NAME, "input": "Hello", "max_output_tokens": 5, **GREEDY}
+    lines = [{"custom_id": "r", "method": "POST", "url": "/v1/responses", "body": body},
+             {"custom_id": "bad", "method": "POST", "url": "/v1/responses",
+              "body": {**body, "background": True}}]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = subprocess.run([sys.executable, "-m", "serving.cli.main", "run-batch", "-i", str(src),
+                        "-o", str(dst), "--model", tiny_llama, "--served-model-name", NAME,
+                        *ENGINE_FLAGS], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    ok, bad = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert bad["error"]["param"] == "background" and bad["response"] is None
+    out = ok["response"]["body"]
+    assert out["object"] == "response" and out["status"] in ("completed", "incomplete")
+    served = client.responses.create(**body)
+    assert out["output"][0]["content"][0]["text"] == served.output_text
