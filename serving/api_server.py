@@ -145,12 +145,19 @@ async def responses(body: ResponsesRequest, request: Request):
     return await _respond(request, create_response(_state(request), body, _base_id(request)))
 
 
-@router.get("/v1/responses/{response_id}")
+# What the stored-response routes answer besides 200: an OpenAI error body.
+_ERROR = {"content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+STORED = {404: {"description": "No stored response has this id", **_ERROR},
+          400: {"description": "The response cannot be cancelled", **_ERROR}}
+
+
+@router.get("/v1/responses/{response_id}", responses={404: STORED[404]})
 async def retrieve_responses(response_id: str, request: Request):
     return retrieve_response(_state(request), response_id)
 
 
-@router.post("/v1/responses/{response_id}/cancel")
+@router.post("/v1/responses/{response_id}/cancel", responses=STORED)
 async def cancel_responses(response_id: str, request: Request):
     return cancel_response(_state(request), response_id)
 
