@@ -78,6 +78,7 @@ def test_stream_events_in_order_join_to_the_whole_text(client):
     assert "".join(deltas) == whole.output_text == final.output_text
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert final.id == events[0].response.id and final.status == whole.status
+    assert client.responses.retrieve(final.id).output_text == final.output_text  # stored
 
 
 def test_function_call_round_trip(client):
@@ -155,6 +156,15 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(http, extra, param):
     r = http.post("/v1/responses", json={"model": NAME, "input": "x", **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_the_routes_need_the_api_key(server):
+    import httpx
+
+    for method, path in (("POST", "/v1/responses"), ("GET", "/v1/responses/resp_x"),
+                         ("POST", "/v1/responses/resp_x/cancel")):
+        r = httpx.request(method, server.url + path, json={"model": NAME, "input": "x"})
+        assert r.status_code == 401, (path, r.text)
 
 
 def test_streamed_function_call_matches_the_whole_one(client):
