@@ -29,9 +29,11 @@ from serving.protocol import (ChatCompletionRequest, DetokenizeRequest, LoadLoRA
                               random_id)
 from serving.protocol_completion import CompletionRequest
 from serving.protocol_pooling import EmbeddingRequest, PoolingRequest
+from serving.protocol_responses import ResponsesRequest
 from serving.serving_chat import create_chat_completion
 from serving.serving_completion import create_completion
 from serving.serving_embedding import create_embedding, create_pooling
+from serving.serving_responses import cancel_response, create_response, retrieve_response
 from serving.serving_tokenization import detokenize, tokenize
 from serving.state import RequestLimits, ServingState
 
@@ -137,6 +139,28 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await _respond(request,
                           create_chat_completion(_state(request), body, _base_id(request)))
+
+
+@router.post("/v1/responses", responses=STREAMED)
+async def responses(body: ResponsesRequest, request: Request):
+    return await _respond(request, create_response(_state(request), body, _base_id(request)))
+
+
+# What the stored-response routes answer besides 200: an OpenAI error body.
+_ERROR = {"content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+STORED = {404: {"description": "No stored response has this id", **_ERROR},
+          400: {"description": "The response cannot be cancelled", **_ERROR}}
+
+
+@router.get("/v1/responses/{response_id}", responses={404: STORED[404]})
+async def retrieve_responses(response_id: str, request: Request):
+    return retrieve_response(_state(request), response_id)
+
+
+@router.post("/v1/responses/{response_id}/cancel", responses=STORED)
+async def cancel_responses(response_id: str, request: Request):
+    return cancel_response(_state(request), response_id)
 
 
 @router.post("/v1/embeddings")

@@ -22,15 +22,18 @@ from serving.errors import APIError, describe_validation_errors, error_body
 from serving.protocol import (BatchRequestInput, BatchRequestOutput, BatchResponseData,
                               ChatCompletionRequest, random_id)
 from serving.protocol_completion import CompletionRequest
+from serving.protocol_responses import ResponsesRequest
 from serving.serving_chat import create_chat_completion
 from serving.serving_completion import create_completion
+from serving.serving_responses import create_response
 from serving.state import ServingState
 
 logger = logging.getLogger("jaxllm.run_batch")
 
 
 HANDLERS = {"/v1/completions": (CompletionRequest, create_completion),
-            "/v1/chat/completions": (ChatCompletionRequest, create_chat_completion)}
+            "/v1/chat/completions": (ChatCompletionRequest, create_chat_completion),
+            "/v1/responses": (ResponsesRequest, create_response)}
 
 
 def run(args: argparse.Namespace) -> int:
