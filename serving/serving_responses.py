@@ -6,14 +6,13 @@ structured output. The chat answer is then read back as Responses output items (
 message, function_call), whole or, for `stream`, as the typed event sequence built from the
 chat stream's deltas, so both carry the same text.
 
-Stored responses (`store`, the default) are kept in memory, the most recent STORE_SIZE of them,
+Stored responses (`store`, the default) are kept in memory (serving/state.py's ResponseStore),
 with the conversation that led to them: `previous_response_id` continues it.
 """
 
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional, Union
 
@@ -23,37 +22,7 @@ from serving.protocol_responses import (ResponsesRequest, ResponsesResponse, Res
                                         chat_tools, function_call_item, input_messages,
                                         message_item, new_id, reasoning_item, response_format)
 from serving.serving_chat import create_chat_completion
-from serving.state import ServingState
-
-STORE_SIZE = 1024
-
-
-class ResponseStore:
-    """The last `size` stored responses and their conversations (least recently used out)."""
-
-    def __init__(self, size: int = STORE_SIZE):
-        self.size = size
-        self.items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
-
-    def put(self, response: dict, messages: list[dict]) -> None:
-        self.items[response["id"]] = (response, messages)
-        self.items.move_to_end(response["id"])
-        while len(self.items) > self.size:
-            self.items.popitem(last=False)
-
-    def get(self, response_id: str, param: Optional[str] = None) -> tuple[dict, list[dict]]:
-        if response_id not in self.items:
-            raise APIError(f"Response with id '{response_id}' not found.", 404, param=param)
-        self.items.move_to_end(response_id)
-        return self.items[response_id]
-
-
-def store_of(state: ServingState) -> ResponseStore:
-    store = getattr(state, "responses_store", None)
-    if store is None:
-        store = state.responses_store = ResponseStore()
-    return store
-
+from serving.state import ResponseStore, ServingState
 
 def _chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
     tools, choice = chat_tools(req)
@@ -100,7 +69,7 @@ async def create_response(state: ServingState, req: ResponsesRequest, base_id: s
                           ) -> Union[ResponsesResponse, AsyncIterator[str]]:
     req.check_supported()
     state.warn_ignored_fields(req)
-    store = store_of(state)
+    store = state.responses
     history: list[dict] = []
     if req.previous_response_id is not None:
         history = list(store.get(req.previous_response_id, "previous_response_id")[1])
@@ -142,12 +111,12 @@ def _keep(store: ResponseStore, req: ResponsesRequest, response: ResponsesRespon
 
 
 def retrieve_response(state: ServingState, response_id: str) -> dict:
-    return store_of(state).get(response_id)[0]
+    return state.responses.get(response_id)[0]
 
 
 def cancel_response(state: ServingState, response_id: str) -> dict:
     """vLLM's answer for a response that ran in the foreground (the only kind here)."""
-    store_of(state).get(response_id)
+    state.responses.get(response_id)
     raise APIError("Cannot cancel a synchronous response.", 400)
 
 
@@ -272,7 +241,7 @@ async def stream_events(state: ServingState, req: ResponsesRequest, response: Re
         response.output = output
         _finish(response, finish_reason, usage or {"prompt_tokens": 0, "completion_tokens": 0,
                                                     "total_tokens": 0})
-        _keep(store_of(state), req, response, history)
+        _keep(state.responses, req, response, history)
         # vLLM's ending whatever the status (an output cut by max_output_tokens included):
         # the openai client's stream takes its final response from this event only.
         yield emit("response.completed", response=response.model_dump())

@@ -16,12 +16,15 @@ import asyncio
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from serving.errors import APIError
 from serving.lora_adapters import LoRAAdapters
 from serving.metrics import ServerMetrics
+
+RESPONSES_STORED = 1024  # /v1/responses kept for previous_response_id and GET
 
 logger = logging.getLogger("jaxllm.serving")
 # vLLM request fields this server has no implementation of yet (and any guided_* field other
@@ -123,6 +126,26 @@ class Ticket:
     __del__ = release
 
 
+class ResponseStore:
+    """The last `size` stored responses and their conversations (least recently used out)."""
+
+    def __init__(self, size: int = RESPONSES_STORED):
+        self.size = size
+        self.items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def put(self, response: dict, messages: list[dict]) -> None:
+        self.items[response["id"]] = (response, messages)
+        self.items.move_to_end(response["id"])
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+
+    def get(self, response_id: str, param: Optional[str] = None) -> tuple[dict, list[dict]]:
+        if response_id not in self.items:
+            raise APIError(f"Response with id '{response_id}' not found.", 404, param=param)
+        self.items.move_to_end(response_id)
+        return self.items[response_id]
+
+
 @dataclass
 class ServingState:
     engine: Any
@@ -149,6 +172,7 @@ class ServingState:
     admission: Admission = field(default_factory=lambda: Admission(0, None))
     # LoRA adapters served under their own names (--lora-modules, /v1/load_lora_adapter).
     lora: Optional[LoRAAdapters] = None
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses
     # One thread: tokenizing long prompts stays off the event loop, and HF tokenizers are not
     # safe to share between threads.
     _tokenizer_thread: ThreadPoolExecutor = field(

@@ -193,6 +193,7 @@ async def _events(chunks: list[str]) -> list[dict]:
 
     from serving.protocol_responses import ResponsesRequest, ResponsesResponse
     from serving.serving_responses import stream_events
+    from serving.state import ResponseStore
 
     async def lines():
         for c in chunks:
@@ -201,7 +202,8 @@ async def _events(chunks: list[str]) -> list[dict]:
     req = ResponsesRequest(input="x", store=False)
     response = ResponsesResponse.of_request(req, "resp_1", "m", "in_progress")
     out = []
-    async for text in stream_events(SimpleNamespace(), req, response, lines(), []):
+    state = SimpleNamespace(responses=ResponseStore())
+    async for text in stream_events(state, req, response, lines(), []):
         out.append(json.loads(text.split("data: ", 1)[1]))
     return out
 
