@@ -159,7 +159,8 @@ def test_decoder_native_steps_match_xla_dots(dtype, tokens, tiny_llama, load):
         model = load(tiny_llama, dtype=dtype, attention_backend=backend)[0]
         assert model.backend.resident == (  # the projections run in the native matmul
             {"qkv", "o", "gate_up", "down", "router", "shared_gate", "experts_gate_up",
-             "experts_down"} if backend == "cpu" else set())  # (and a MoE layer's)
+             "experts_down", "q_a", "q", "kv_a"} if backend == "cpu"
+            else set())  # (and a MoE layer's, and DeepSeek's latent attention's)
         r = PagedRunner(model, 4, 1, 32, num_tokens=tokens)
         qkv = r.state["layers"][0]["qkv"][...]
         assert (qkv.ndim == 4) == (backend == "cpu")  # packed

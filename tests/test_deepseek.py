@@ -35,8 +35,9 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 
 @pytest.fixture(scope="session")
 def make_deepseek(make_tiny_checkpoint, tmp_path_factory):
-    """make_deepseek(version: 2, 3 or 'glm4_moe', **config) -> a float32 checkpoint folder (weights as conftest's
-    `_randomize`; V3's correction bias random too) with the tests' tokenizer."""
+    """make_deepseek(version: 2, 3 or 'glm4_moe', **config) -> a float32 checkpoint folder
+    (weights as conftest's `_randomize`; V3's correction bias random too) with the tests'
+    tokenizer."""
     import transformers as tr
     from conftest import _randomize
     from transformers import AutoModelForCausalLM, AutoTokenizer

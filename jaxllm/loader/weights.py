@@ -181,7 +181,8 @@ def _past_last_layer(cfg: ModelConfig, name: str) -> bool:
     skips them."""
     parts = name.split(".")
     return (cfg.architecture in MTP_ARCHITECTURES and len(parts) > 2
-            and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= cfg.num_layers)
+            and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and int(parts[2]) >= cfg.num_layers)
 
 
 def _granite_moe_mlp(cfg: ModelConfig, gate_up: Callable) -> list:
