@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     n = args.prompt_len
     # About two prompts' blocks (16 tokens each) besides D's: a third prompt evicts the first's.
-    common = dict(max_model_len=4096, max_num_seqs=4, num_gpu_blocks_override=5 * n // 32 + 64,
+    common = dict(max_model_len=n + 256, max_num_seqs=4, num_gpu_blocks_override=5 * n // 32 + 8,
                   max_num_batched_tokens=512)
     engines = {name: LLM(args.model, **common, **extra)
                for name, extra in (("recompute", {}),
