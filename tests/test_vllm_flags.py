@@ -86,5 +86,5 @@ def test_noop_boolean_does_not_swallow_the_model():
 def test_serve_refuses_an_unimplemented_flag_before_loading(capsys):
     from serving.cli.main import main
     with pytest.raises(SystemExit) as e:
-        main(["serve", "m", "--kv-offloading-size", "4"])
-    assert "--kv-offloading-size" in str(e.value.code)
+        main(["serve", "m", "--cpu-offload-gb", "4"])
+    assert "--cpu-offload-gb" in str(e.value.code)
