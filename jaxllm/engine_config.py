@@ -239,6 +239,8 @@ def check_kv_offloading(args: Any, bad: Callable[[str, str], None]) -> None:
         return
     if args.kv_offloading_size <= 0:
         bad("kv_offloading_size", "must be positive (GiB)")
+    if args.kv_offloading_backend != "native":  # vLLM's lmcache has no JAX counterpart
+        bad("kv_offloading_backend", "only 'native' (this process's host memory) is implemented")
     for name, on, why in (
             ("enable_prefix_caching", args.enable_prefix_caching is False,
              "offloads the prefix cache's evicted blocks: there are none without it"),
