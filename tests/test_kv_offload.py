@@ -4,10 +4,14 @@ from the device are saved to a host tier and copied back on a later hit.
 The manager's plans are checked against a simulated cache (each block "holds" the tokens
 whose KV was computed into it): a block copied back holds exactly what was saved. Through the
 engine, a prompt whose blocks were all evicted comes back from host memory (counted) with
-the same tokens and logprobs as when it was computed."""
+the same tokens and logprobs as when it was computed; the copy programs compiled at start-up,
+not in those steps."""
 
 from __future__ import annotations
 
+import logging
+
+import jax
 import pytest
 
 from jaxllm import LLM, SamplingParams
@@ -88,8 +92,15 @@ ENGINE = dict(dtype="float32", max_model_len=64, block_size=4, num_gpu_blocks_ov
               max_num_seqs=2, kv_offloading_size=0.01)
 
 
-def test_engine_prompt_comes_back_from_host_memory(tiny_llama):
+def test_engine_prompt_comes_back_from_host_memory(tiny_llama, caplog):
     llm = LLM(tiny_llama, **ENGINE)
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        _host_round_trip(llm)
+    compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+    assert not [m for m in compiled if "_gather" in m or "_scatter" in m], compiled
+
+
+def _host_round_trip(llm):
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
 
     def run(prompt):
@@ -120,3 +131,28 @@ def test_refusals(tiny_llama):
             EngineArgs(model=tiny_llama, **flags)
     with pytest.raises(ConfigError, match="less than one KV block"):
         LLM(tiny_llama, **{**ENGINE, "kv_offloading_size": 1e-9})
+
+
+def test_store_moves_more_blocks_than_one_call_takes():
+    """A step saving or loading more than MAX_BLOCKS_PER_CALL blocks makes several calls; each
+    block comes back where it is loaded, and padded rows write nothing."""
+    import numpy as np
+
+    from jaxllm.sequence import KVTransfers
+    from jaxllm.worker.kv_transfer import MAX_BLOCKS_PER_CALL, HostKVStore
+
+    n = MAX_BLOCKS_PER_CALL + 6
+    rng = np.random.default_rng(0)
+    caches = {"k": jax.numpy.asarray(rng.random((2, n + 3, 4), np.float32)),
+              "v": jax.numpy.asarray(rng.random((2, n + 3, 4), np.float32))}
+    before = jax.tree.map(np.asarray, caches)
+    store = HostKVStore()
+    caches = store.apply(caches, KVTransfers(saves=tuple((b, 1000 + b) for b in range(n))))
+    assert len(store) == n
+    zeroed = jax.tree.map(lambda c: c.at[:, :n].set(0), caches)
+    back = store.apply(zeroed, KVTransfers(loads=tuple((1000 + b, n - 1 - b) for b in range(n))))
+    for name in ("k", "v"):
+        got = np.asarray(back[name])
+        assert np.array_equal(got[:, :n], before[name][:, :n][:, ::-1])  # reversed places
+        assert np.array_equal(got[:, n:], before[name][:, n:])  # untouched
+    assert len(store) == 0

@@ -12,6 +12,7 @@ device hits are.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from typing import NamedTuple, Optional
 
@@ -31,8 +32,10 @@ def host_tier(cache, runner, num_blocks: int) -> Optional["HostTier"]:
     if capacity < 1:
         raise ConfigError(f"--kv-offloading-size={cache.kv_offloading_size}: less than one KV "
                           f"block ({block_bytes / 2**20:.2f} MiB)")
-    logger.info("KV offloading: %d blocks (%.2f GiB) of host memory", capacity,
-                capacity * block_bytes / 2**30)
+    t = time.perf_counter()
+    runner.warm_kv_transfers()
+    logger.info("KV offloading: %d blocks (%.2f GiB) of host memory; copy programs ready in "
+                "%.1f s", capacity, capacity * block_bytes / 2**30, time.perf_counter() - t)
     return HostTier(capacity)
 
 

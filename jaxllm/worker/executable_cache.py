@@ -45,11 +45,28 @@ def _on_jax_event(event: str, **_) -> None:
 jax.monitoring.register_event_listener(_on_jax_event)
 
 
+def jax_cache_in_use() -> bool:
+    """Whether JAX's persistent compilation cache is on (JAX_COMPILATION_CACHE_DIR): any
+    compile may then be a load from it."""
+    return bool(jax.config.jax_compilation_cache_dir) and jax.config.jax_enable_compilation_cache
+
+
 def compile_lowered(lowered):
     """(lowered.compile(), whether XLA compiled it in this process rather than JAX's cache
-    loading it, now or for an earlier lowering of the same program)."""
+    loading it, now or for an earlier lowering of the same program).
+
+    With JAX's persistent cache on, the compile holds `mlir_lock`: it may deserialize an
+    executable from that cache, which crashed the process (a segfault in JAX's
+    `get_executable_and_time`) while a compiler thread of `compile_now` loaded another one
+    as the engine's thread lowered the next program. JAX gives no way to take the lock for
+    the load alone, so such compiles run one at a time; without JAX's cache (jaxllm's own
+    executable cache loads under the lock) they run in parallel."""
     _compiling.from_jax_cache = False
-    exe = lowered.compile()
+    if jax_cache_in_use():
+        with mlir_lock:
+            exe = lowered.compile()
+    else:
+        exe = lowered.compile()
     # Lowering the same jitted function again returns the same lowering, which keeps its
     # executable and hands it back with no cache-hit event: the mark stays on the lowering.
     lowering = getattr(lowered, "_lowering", lowered)

@@ -49,17 +49,17 @@ from jaxllm.spec_decode.acceptance import num_accepted
 from jaxllm.worker.compile_manager import CompileManager, ProgramKey
 from jaxllm.worker.executable_cache import ExecutableCache
 from jaxllm.worker.kv_transfer import HostKVStore
+from jaxllm.worker.memory_tiers import MemoryTiers
 from jaxllm.worker.input_batch import (InputBatcher, PromptRows, StepInputs, bucket,
                                        prompt_logprob_targets)
 from jaxllm.worker.step_launcher import StepLauncher
-from jaxllm.worker import device_memory
 from jaxllm.worker.step_state import (BurstStep, Inflight, SampleResult, StepEvent,
                                       prompt_results, sample_result)
 
 logger = logging.getLogger("jaxllm")
 
 
-class ModelRunner:
+class ModelRunner(MemoryTiers):
     def __init__(self, model, model_config, mesh, *, num_blocks: int, block_size: int,
                  kv_cache_dtype, max_num_seqs: int, max_num_batched_tokens: int,
                  max_logprobs: int, enforce_eager: bool = False,
@@ -159,43 +159,6 @@ class ModelRunner:
     def write_lora_slot(self, slot: int, weights: dict) -> None:
         """Put a LoRA adapter in device slot `slot` (between steps; `fill_slot`)."""
         fill_slot(self.state["layers"], slot, weights, self._write_slot)
-
-    # --- sleep mode: the weights and the KV cache out of device memory and back -----------
-    def device_bytes(self) -> int:
-        """Device memory the weights and the KV cache hold now (all shards)."""
-        return device_memory.device_bytes((self.state, self.kv_cache))
-
-    @property
-    def weights_at(self) -> str:
-        """Where the weights are: 'device', 'host' (released with a copy kept) or 'none'."""
-        return "device" if self.state is not None else "host" if self._offloaded else "none"
-
-    def release_weights(self, keep: bool) -> None:
-        """Free the weights' device memory (between steps), keeping a host copy or not."""
-        if self.state is not None and keep:
-            self._offloaded = device_memory.offload(self.state)
-        elif not keep and self._offloaded is not None:
-            device_memory.delete(self._offloaded[0])
-            self._offloaded = None
-        device_memory.delete(self.state)
-        self.state = None
-
-    def restore_weights(self, state=None) -> None:
-        """The weights on the devices again: the host copy, or `state` (the loader's layout)."""
-        if state is None:
-            self.state = device_memory.restore(*self._offloaded)
-        else:
-            device_memory.delete((self.state, self._offloaded and self._offloaded[0]))
-            self.state = self._relayout(state, self.model_config)
-        self._offloaded = None
-
-    def release_kv_cache(self) -> None:
-        """Free the KV cache (its contents are forgotten: no sequence may hold blocks)."""
-        device_memory.delete(self.kv_cache)
-        self.kv_cache = None
-
-    def restore_kv_cache(self) -> None:
-        self.kv_cache = empty_kv_caches(*self._kv_layout)
 
     def add_step_hook(self, hook: Callable[[StepEvent], None]) -> Callable[[], None]:
         """Call hook(StepEvent) after every launch and every read; returns its remover."""
