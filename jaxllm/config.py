@@ -233,12 +233,15 @@ class EngineArgs:
 
     # --- pooling (embeddings) ------------------------------------------------------------------
     runner: str = _arg("generate (text) or pooling (embeddings: /v1/embeddings, /pooling, "
-                       "LLM.embed); auto = pooling with --convert embed or for a "
-                       "sentence-transformers folder (modules.json), else generate.",
+                       "LLM.embed; classification: /classify, /score, /rerank, LLM.classify, "
+                       "LLM.score); auto = pooling with --convert embed/classify, for a "
+                       "sentence-transformers folder (modules.json) or a "
+                       "*ForSequenceClassification checkpoint, else generate.",
                        choices=RUNNERS, default="auto")
     convert: str = _arg("How to adapt the model to the pooling runner: embed pools its final "
-                        "hidden states (auto = embed under --runner pooling); classify is "
-                        "refused (no classification head is implemented).",
+                        "hidden states; classify applies the checkpoint's classification head "
+                        "(score.weight) to the last token's (auto = classify for a "
+                        "*ForSequenceClassification checkpoint, else embed).",
                         choices=CONVERTS, default="auto")
     task: str = _arg("Deprecated in vLLM for --runner/--convert: generate, or embed/embedding "
                      "(= --runner pooling --convert embed).", choices=TASKS, default="auto")
@@ -311,12 +314,10 @@ class EngineArgs:
             raise ConfigError("--speculative-config cannot be combined with "
                               "--num-scheduler-steps > 1 (a multi-step burst samples one "
                               "token per request and step); use one of them")
-        if self.convert == "classify":
-            bad("convert", "only embed is implemented (no classification head)")
         if self.task != "auto":
             self._apply_task()
-        if self.runner == "generate" and self.convert == "embed":
-            bad("convert", "embed needs --runner pooling (or auto)")
+        if self.runner == "generate" and self.convert in ("embed", "classify"):
+            bad("convert", f"{self.convert} needs --runner pooling (or auto)")
         if self.trust_remote_code:
             bad("trust_remote_code", "jaxllm never runs a model's own Python code; the models it "
                 "supports need none, so drop the flag")

@@ -23,8 +23,10 @@ import jax.numpy as jnp
 
 from jaxllm.config import ConfigError
 from jaxllm.engine.runner_settings import (executable_cache_dir, kv_cache_dtype,
-                                           max_num_batched_tokens, num_kv_blocks, runner_type)
+                                           max_num_batched_tokens, num_kv_blocks,
+                                           pooling_convert, runner_type)
 from jaxllm.engine_config import EngineConfig, ParallelConfig
+from jaxllm.loader.classifier_head import ClassifierHead, read_classifier_head
 from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.loader import describe_weights, load_model, weight_bytes
 from jaxllm.models.pipeline_stage import split_stage
@@ -55,6 +57,7 @@ class EngineParts:
     step_leader: Any = None  # multi-host rank 0's end (its runner sends every call down it)
     config: Optional[EngineConfig] = None  # the config as started: --model resolved to a path
     weight_bytes: Optional[dict] = None  # resident on the first device, by dtype (start-up's)
+    classifier: Optional[ClassifierHead] = None  # --convert classify's head (host float32)
 
 
 def process_age() -> float:
@@ -105,6 +108,10 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     path = resolve_model(config.load.model)  # once: everything below reads this path
     config = dataclasses.replace(config, load=dataclasses.replace(config.load, model=path))
     load, options, sched = config.load, config.model, config.scheduler
+    kind = runner_type(options, path)  # before loading: a refused runner costs no load
+    classifier = (read_classifier_head(path, load.load_format)
+                  if kind == "pooling" and pooling_convert(options, path) == "classify"
+                  else None)
     t = time.perf_counter()
     pp, tp = config.parallel.pipeline_parallel_size, config.parallel.tensor_parallel_size
     # A pipeline loads onto the sub-mesh of this host's first stage, then hands each stage its
@@ -131,7 +138,6 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     if why is not None and options.batch_invariant:
         raise ConfigError(f"--batch-invariant: outputs would depend on the batch here: {why}")
     logger.info("Batch invariant: %s", "yes" if why is None else f"no ({why})")
-    kind = runner_type(options, path)
     if kind == "pooling" and options.enable_expert_load_metrics:
         raise ConfigError("--enable-expert-load-metrics: the pooling runner does not count "
                           "expert loads (only the generate runner's steps do)")
@@ -175,7 +181,7 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     times["compile"] = time.perf_counter() - t
     defaults = {k: v for k, v in gen.items() if k != "eos_token_id"}
     return EngineParts(mc, tokenizer, frozenset(eos), defaults, runner, num_blocks, times,
-                       pooler_config, follower, leader, config, sizes)
+                       pooler_config, follower, leader, config, sizes, classifier)
 
 
 def build_pipeline_runner(config: EngineConfig, model, mc, meshes: list,
