@@ -36,7 +36,7 @@ STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_fallback", "disable_any_whitespac
                            "disable_additional_properties")
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
-TASKS = ("auto", "generate", "embed", "embedding")
+TASKS = ("auto", "generate", "embed", "embedding", "classify", "score")
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 
 
@@ -243,8 +243,9 @@ class EngineArgs:
                         "(score.weight) to the last token's (auto = classify for a "
                         "*ForSequenceClassification checkpoint, else embed).",
                         choices=CONVERTS, default="auto")
-    task: str = _arg("Deprecated in vLLM for --runner/--convert: generate, or embed/embedding "
-                     "(= --runner pooling --convert embed).", choices=TASKS, default="auto")
+    task: str = _arg("Deprecated in vLLM for --runner/--convert: generate, embed/embedding "
+                     "(= --runner pooling --convert embed), or classify/score (= --runner "
+                     "pooling --convert classify).", choices=TASKS, default="auto")
     pooler_config: Optional[dict] = _arg("JSON overriding the model's pooling: pooling_type "
                                          "(LAST, MEAN, CLS, ALL) and use_activation "
                                          "(normalize).",
@@ -352,6 +353,7 @@ class EngineArgs:
     def _apply_task(self) -> None:
         """vLLM's deprecated --task, as the --runner/--convert it stands for."""
         runner, convert = (("generate", "none") if self.task == "generate"
+                           else ("pooling", "classify") if self.task in ("classify", "score")
                            else ("pooling", "embed"))
         logger.warning("--task is deprecated (as in vLLM): use --runner %s%s instead", runner,
                        f" --convert {convert}" if convert != "none" else "")

@@ -122,10 +122,26 @@ def test_classifier_head_activations():
 def test_convert_and_runner_refusals(tiny_llama, classifier):
     with pytest.raises(ConfigError, match="--convert classify: .* no classification head"):
         _llm(tiny_llama, convert="classify")  # a causal LM: no score.weight
+    with pytest.raises(ConfigError, match="--pooler-config: pooling_type ALL"):
+        _llm(classifier, pooler_config='{"pooling_type": "ALL"}')
     with pytest.raises(ConfigError, match="--runner generate: LlamaForSequenceClassification"):
         _llm(classifier, runner="generate")
     with pytest.raises(ConfigError, match="--convert"):
         EngineArgs(runner="generate", convert="classify")
+    args = EngineArgs(task="score")  # vLLM's deprecated spelling
+    assert (args.runner, args.convert) == ("pooling", "classify")
+
+
+@pytest.mark.slow  # another engine and oracle: the Llama and Qwen3 classifiers cover the path
+def test_qwen2_classifier_matches_transformers(tiny_llama, tmp_path):
+    """Qwen2's q/k/v biases and tied embeddings under a 2-label head."""
+    path = make_classifier(str(tmp_path), "qwen2", 2, tiny_llama, seed=2)
+    prompts = _id_prompts(1)
+    want = _hf_logits(path, [{"input_ids": p} for p in prompts])
+    outs = _llm(path, convert="classify").classify(
+        [{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for out, z in zip(outs, want):
+        np.testing.assert_allclose(out.outputs.probs, np.exp(z) / np.exp(z).sum(), atol=ATOL)
 
 
 # --- scoring ---------------------------------------------------------------------------------
@@ -141,6 +157,10 @@ def test_cross_encoder_classify_and_score_match_transformers(ce_llm, cross_encod
     _, want_b = _hf_pairs(cross_encoder, DOCS[0], [DOCS[2]])
     np.testing.assert_allclose([o.outputs.score for o in pairwise], [want[1], want_b[0]],
                                atol=ATOL)
+    raw = ce_llm.score(QUERY, DOCS[:1], use_tqdm=False,
+                       pooling_params=PoolingParams(use_activation=False))
+    np.testing.assert_allclose(raw[0].outputs.score, np.log(want[0] / (1 - want[0])),
+                               atol=1e-4)
     listed = ce_llm.score([QUERY], DOCS[:2], use_tqdm=False)
     np.testing.assert_allclose([o.outputs.score for o in listed], want[:2], atol=ATOL)
     # classify on the pair's tokens is the same sigmoid.
@@ -246,6 +266,27 @@ def test_scoring_refusals(ce_server, route, body, param):
     r = httpx.post(ce_server.url + route, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.slow  # a second server: the offline cosine test covers the math
+def test_score_endpoint_on_an_embedding_model(tiny_llama):
+    import httpx
+
+    from server_process import ENGINE_FLAGS, ServerProcess
+
+    offline = [o.outputs.score for o in _llm(tiny_llama, runner="pooling")
+               .score(QUERY, DOCS, use_tqdm=False)]
+    srv = ServerProcess(tiny_llama, *ENGINE_FLAGS, "--runner", "pooling", "--block-size", "4")
+    try:
+        r = httpx.post(srv.url + "/v1/score", json={"text_1": QUERY, "text_2": DOCS}).json()
+        np.testing.assert_allclose([d["score"] for d in r["data"]], offline, atol=1e-6)
+        rr = httpx.post(srv.url + "/rerank", json={"query": QUERY, "documents": DOCS}).json()
+        assert [x["index"] for x in rr["results"]] == \
+            np.argsort(-np.asarray(offline), kind="stable").tolist()
+        c = httpx.post(srv.url + "/classify", json={"input": "hi"})
+        assert c.status_code == 400 and "Classification API" in c.json()["error"]["message"]
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize("route, body, message", [

@@ -109,9 +109,14 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     config = dataclasses.replace(config, load=dataclasses.replace(config.load, model=path))
     load, options, sched = config.load, config.model, config.scheduler
     kind = runner_type(options, path)  # before loading: a refused runner costs no load
+    pooler_config = (read_pooler_config(path, options.pooler_config) if kind == "pooling"
+                     else None)
     classifier = (read_classifier_head(path, load.load_format)
                   if kind == "pooling" and pooling_convert(options, path) == "classify"
                   else None)
+    if classifier is not None and pooler_config.pooling_type == "ALL":
+        raise ConfigError("--pooler-config: pooling_type ALL gives no single state for the "
+                          "classification head (--convert classify); use LAST, MEAN or CLS")
     t = time.perf_counter()
     pp, tp = config.parallel.pipeline_parallel_size, config.parallel.tensor_parallel_size
     # A pipeline loads onto the sub-mesh of this host's first stage, then hands each stage its
@@ -141,8 +146,6 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     if kind == "pooling" and options.enable_expert_load_metrics:
         raise ConfigError("--enable-expert-load-metrics: the pooling runner does not count "
                           "expert loads (only the generate runner's steps do)")
-    pooler_config = (read_pooler_config(path, options.pooler_config) if kind == "pooling"
-                     else None)
     max_tokens = max_num_batched_tokens(sched, mc.max_model_len)
     block_size = config.cache.block_size
     t = time.perf_counter()

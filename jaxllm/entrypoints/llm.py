@@ -167,6 +167,9 @@ class LLM:
         similarity (jaxllm/entrypoints/score_utils.py)."""
         if truncate_prompt_tokens is not None:
             raise ValueError("truncate_prompt_tokens is not supported by this server")
+        if pooling_params is not None and pooling_params.task not in (None, "score"):
+            raise ValueError(f"LLM.score() pools with task 'score', not "
+                             f"{pooling_params.task!r}")
         engine = self.llm_engine
         head = getattr(engine, "classifier", None)
         job = ScoreJob.build(getattr(engine, "supported_tasks", ("generate",)),
