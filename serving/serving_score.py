@@ -67,7 +67,11 @@ async def _score(state: ServingState, req: ScoringBody, base_id: str, data_1, da
         raise APIError(str(e), param=fields[0] if str(e).startswith("text_1") else fields[1])
     for i, field in enumerate(fields):
         for text in {pair[i] for pair in pairs}:
-            check_text_length(state.limits, text, state.max_model_len)
+            try:
+                check_text_length(state.limits, text, state.max_model_len)
+            except APIError as e:
+                e.param = field  # the text's own field, not a prompt's
+                raise
     if len(pairs) > state.limits.max_n_sequences:
         raise APIError(f"{len(pairs)} pairs is more than the {state.limits.max_n_sequences} "
                        f"this server allows per request (--max-n-sequences).", param=fields[1])

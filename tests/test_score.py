@@ -257,6 +257,7 @@ def test_classify_endpoint_matches_offline(ce_server, ce_llm):
      "truncate_prompt_tokens"),
     ("/score", {"text_2": "x"}, "text_1"),
     ("/rerank", {"query": QUERY, "documents": []}, "documents"),
+    ("/rerank", {"query": QUERY, "documents": ["x" * 10**5]}, "documents"),
     ("/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, "top_n"),
     ("/classify", {"input": ""}, "input"),
     ("/classify", {"input": [10**9]}, "input"),
