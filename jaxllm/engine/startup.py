@@ -28,7 +28,7 @@ from jaxllm.engine.runner_settings import (executable_cache_dir, kv_cache_dtype,
 from jaxllm.engine_config import EngineConfig, ParallelConfig
 from jaxllm.loader.classifier_head import ClassifierHead, read_classifier_head
 from jaxllm.loader.default_model import resolve_model
-from jaxllm.loader.loader import describe_weights, load_model, weight_bytes
+from jaxllm.loader.loader import describe_weights, load_model, model_path, weight_bytes
 from jaxllm.models.pipeline_stage import split_stage
 from jaxllm.parallel import distributed
 from jaxllm.parallel.mesh import make_mesh
@@ -108,15 +108,11 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     path = resolve_model(config.load.model)  # once: everything below reads this path
     config = dataclasses.replace(config, load=dataclasses.replace(config.load, model=path))
     load, options, sched = config.load, config.model, config.scheduler
-    kind = runner_type(options, path)  # before loading: a refused runner costs no load
-    pooler_config = (read_pooler_config(path, options.pooler_config) if kind == "pooling"
-                     else None)
-    classifier = (read_classifier_head(path, load.load_format)
-                  if kind == "pooling" and pooling_convert(options, path) == "classify"
-                  else None)
-    if classifier is not None and pooler_config.pooling_type == "ALL":
-        raise ConfigError("--pooler-config: pooling_type ALL gives no single state for the "
-                          "classification head (--convert classify); use LAST, MEAN or CLS")
+    # A local folder's runner is settled before loading (a refusal costs no load); a hub
+    # name's once the download brought its config.json.
+    local = os.path.isdir(path)
+    if local:
+        kind, pooler_config, classifier = pooling_setup(options, load, path)
     t = time.perf_counter()
     pp, tp = config.parallel.pipeline_parallel_size, config.parallel.tensor_parallel_size
     # A pipeline loads onto the sub-mesh of this host's first stage, then hands each stage its
@@ -125,6 +121,8 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     mesh = next(m for m in meshes if is_local(m)) if meshes else make_mesh(tp, devices=devices)
     model, mc = load_model(load, options, mesh)
     times["load"] = time.perf_counter() - t
+    if not local:
+        kind, pooler_config, classifier = pooling_setup(options, load, model_path(load))
     sizes = weight_bytes(model)
     logger.info("Weights: %s%s", describe_weights(sizes),
                 "" if mc.quant is None else f" ({mc.quant.describe()})")
@@ -185,6 +183,22 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     defaults = {k: v for k, v in gen.items() if k != "eos_token_id"}
     return EngineParts(mc, tokenizer, frozenset(eos), defaults, runner, num_blocks, times,
                        pooler_config, follower, leader, config, sizes, classifier)
+
+
+def pooling_setup(options, load, path: str) -> tuple[str, Optional[PoolerConfig],
+                                                     Optional[ClassifierHead]]:
+    """(runner type, the pooling runner's config, --convert classify's head) for the model
+    folder at `path`."""
+    kind = runner_type(options, path)
+    if kind != "pooling":
+        return kind, None, None
+    pooler_config = read_pooler_config(path, options.pooler_config)
+    classifier = (read_classifier_head(path, load.load_format)
+                  if pooling_convert(options, path) == "classify" else None)
+    if classifier is not None and pooler_config.pooling_type == "ALL":
+        raise ConfigError("--pooler-config: pooling_type ALL gives no single state for the "
+                          "classification head (--convert classify); use LAST, MEAN or CLS")
+    return kind, pooler_config, classifier
 
 
 def build_pipeline_runner(config: EngineConfig, model, mc, meshes: list,
