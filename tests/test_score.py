@@ -132,7 +132,6 @@ def test_convert_and_runner_refusals(tiny_llama, classifier):
     assert (args.runner, args.convert) == ("pooling", "classify")
 
 
-@pytest.mark.slow  # another engine and oracle: the Llama and Qwen3 classifiers cover the path
 def test_qwen2_classifier_matches_transformers(tiny_llama, tmp_path):
     """Qwen2's q/k/v biases and tied embeddings under a 2-label head."""
     path = make_classifier(str(tmp_path), "qwen2", 2, tiny_llama, seed=2)
