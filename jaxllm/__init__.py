@@ -32,6 +32,8 @@ _EXPORTS = {
     "CompletionOutput": "jaxllm.outputs",
     "PoolingRequestOutput": "jaxllm.outputs",
     "EmbeddingRequestOutput": "jaxllm.outputs",
+    "ClassificationRequestOutput": "jaxllm.outputs",
+    "ScoringRequestOutput": "jaxllm.outputs",
     "LoRARequest": "jaxllm.lora.request",
 }
 

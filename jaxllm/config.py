@@ -36,7 +36,7 @@ STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_fallback", "disable_any_whitespac
                            "disable_additional_properties")
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
-TASKS = ("auto", "generate", "embed", "embedding")
+TASKS = ("auto", "generate", "embed", "embedding", "classify", "score")
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 
 
@@ -233,15 +233,19 @@ class EngineArgs:
 
     # --- pooling (embeddings) ------------------------------------------------------------------
     runner: str = _arg("generate (text) or pooling (embeddings: /v1/embeddings, /pooling, "
-                       "LLM.embed); auto = pooling with --convert embed or for a "
-                       "sentence-transformers folder (modules.json), else generate.",
+                       "LLM.embed; classification: /classify, /score, /rerank, LLM.classify, "
+                       "LLM.score); auto = pooling with --convert embed/classify, for a "
+                       "sentence-transformers folder (modules.json) or a "
+                       "*ForSequenceClassification checkpoint, else generate.",
                        choices=RUNNERS, default="auto")
     convert: str = _arg("How to adapt the model to the pooling runner: embed pools its final "
-                        "hidden states (auto = embed under --runner pooling); classify is "
-                        "refused (no classification head is implemented).",
+                        "hidden states; classify applies the checkpoint's classification head "
+                        "(score.weight) to the last token's (auto = classify for a "
+                        "*ForSequenceClassification checkpoint, else embed).",
                         choices=CONVERTS, default="auto")
-    task: str = _arg("Deprecated in vLLM for --runner/--convert: generate, or embed/embedding "
-                     "(= --runner pooling --convert embed).", choices=TASKS, default="auto")
+    task: str = _arg("Deprecated in vLLM for --runner/--convert: generate, embed/embedding "
+                     "(= --runner pooling --convert embed), or classify/score (= --runner "
+                     "pooling --convert classify).", choices=TASKS, default="auto")
     pooler_config: Optional[dict] = _arg("JSON overriding the model's pooling: pooling_type "
                                          "(LAST, MEAN, CLS, ALL) and use_activation "
                                          "(normalize).",
@@ -311,12 +315,10 @@ class EngineArgs:
             raise ConfigError("--speculative-config cannot be combined with "
                               "--num-scheduler-steps > 1 (a multi-step burst samples one "
                               "token per request and step); use one of them")
-        if self.convert == "classify":
-            bad("convert", "only embed is implemented (no classification head)")
         if self.task != "auto":
             self._apply_task()
-        if self.runner == "generate" and self.convert == "embed":
-            bad("convert", "embed needs --runner pooling (or auto)")
+        if self.runner == "generate" and self.convert in ("embed", "classify"):
+            bad("convert", f"{self.convert} needs --runner pooling (or auto)")
         if self.trust_remote_code:
             bad("trust_remote_code", "jaxllm never runs a model's own Python code; the models it "
                 "supports need none, so drop the flag")
@@ -351,6 +353,7 @@ class EngineArgs:
     def _apply_task(self) -> None:
         """vLLM's deprecated --task, as the --runner/--convert it stands for."""
         runner, convert = (("generate", "none") if self.task == "generate"
+                           else ("pooling", "classify") if self.task in ("classify", "score")
                            else ("pooling", "embed"))
         logger.warning("--task is deprecated (as in vLLM): use --runner %s%s instead", runner,
                        f" --convert {convert}" if convert != "none" else "")

@@ -84,3 +84,40 @@ class EmbeddingRequestOutput:
     def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
         return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
                    out.prompt_token_ids, out.finished)
+
+
+# --- classification and scoring (LLM.classify / LLM.score) --------------------------------------
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per label (the raw logits when use_activation=False)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()),
+                   out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the pair's tokens (a cross-encoder's input, or both texts')
+    finished: bool = True

@@ -3,7 +3,7 @@
 Fields vLLM has and jaxllm cannot honour are refused by name rather than ignored: `dimensions`
 (Matryoshka truncation; no supported model is trained for it) and `truncate_prompt_tokens`.
 As in vLLM 0.32, `use_activation` is what older versions called `normalize` (for embeddings,
-the activation is the L2 normalization).
+the activation is the L2 normalization; for a classifier, its softmax or sigmoid).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-# embed: one vector per prompt (the model's pooling); token_embed: one per prompt token.
-POOLING_TASKS = ("embed", "token_embed")
+# embed: one vector per prompt (the model's pooling); token_embed: one per prompt token;
+# classify: a classifier's label probabilities; score: a cross-encoder's relevance of a pair.
+POOLING_TASKS = ("embed", "token_embed", "classify", "score")
 
 
 @dataclass

@@ -30,10 +30,12 @@ from serving.protocol import (ChatCompletionRequest, DetokenizeRequest, LoadLoRA
 from serving.protocol_completion import CompletionRequest
 from serving.protocol_pooling import EmbeddingRequest, PoolingRequest
 from serving.protocol_responses import ResponsesRequest
+from serving.protocol_score import ClassificationRequest, RerankRequest, ScoreRequest
 from serving.serving_chat import create_chat_completion
 from serving.serving_completion import create_completion
 from serving.serving_embedding import create_embedding, create_pooling
 from serving.serving_responses import cancel_response, create_response, retrieve_response
+from serving.serving_score import create_classify, create_rerank, create_score
 from serving.serving_tokenization import detokenize, tokenize
 from serving.state import RequestLimits, ServingState
 
@@ -171,6 +173,24 @@ async def embeddings(body: EmbeddingRequest, request: Request):
 @router.post("/pooling")
 async def pooling(body: PoolingRequest, request: Request):
     return (await create_pooling(_state(request), body, _base_id(request))).model_dump()
+
+
+@router.post("/classify")
+async def classify(body: ClassificationRequest, request: Request):
+    return (await create_classify(_state(request), body, _base_id(request))).model_dump()
+
+
+@router.post("/score")
+@router.post("/v1/score")
+async def score(body: ScoreRequest, request: Request):
+    return (await create_score(_state(request), body, _base_id(request))).model_dump()
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+@router.post("/v2/rerank")
+async def rerank(body: RerankRequest, request: Request):
+    return (await create_rerank(_state(request), body, _base_id(request))).model_dump()
 
 
 @router.post("/tokenize")

@@ -8,7 +8,7 @@ little-endian bytes, as OpenAI's clients decode it.
 from __future__ import annotations
 
 import base64
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 
@@ -47,11 +47,13 @@ def _encode(data: np.ndarray, fmt: str):
     return data.tolist()
 
 
-async def _pool(state: ServingState, req: EmbeddingRequest, base_id: str):
-    """(name, [PoolingRequestOutput], prompt tokens) for every input of the request."""
+async def _pool(state: ServingState, req: EmbeddingRequest, base_id: str,
+                params: Optional[PoolingParams] = None):
+    """(name, [PoolingRequestOutput], prompt tokens) for every input of the request (params:
+    the request's pooling, when it is not an embedding request's)."""
     state.warn_ignored_fields(req)
     name = state.model_name(req.model, adapters=False)  # pooling runs no adapter
-    params = _params(req)
+    params = _params(req) if params is None else params
     inputs = _inputs(req)
     if len(inputs) > state.limits.max_n_sequences:
         raise APIError(f"{len(inputs)} inputs is more than the {state.limits.max_n_sequences} "

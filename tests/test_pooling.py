@@ -114,8 +114,8 @@ def test_refused_pooling_fields():
 
 
 @pytest.mark.parametrize("kwargs, flag", [
-    ({"convert": "classify"}, "--convert"), ({"runner": "generate", "convert": "embed"},
-                                              "--convert"),
+    ({"runner": "generate", "convert": "classify"}, "--convert"),
+    ({"runner": "generate", "convert": "embed"}, "--convert"),
     ({"task": "embed", "runner": "generate"}, "--runner"),
     ({"pooler_config": '{"pooling": "MEAN"}'}, None),
 ])

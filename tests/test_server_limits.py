@@ -136,8 +136,8 @@ def test_openapi_says_400_with_openai_errors(monkeypatch):
     doc = TestClient(build_app(state, parse_args([]))).get("/openapi.json").json()
     body_routes = [op for ops in doc["paths"].values() for op in ops.values()
                    if "requestBody" in op]
-    assert len(body_routes) == 7  # completions, chat, responses, embeddings, pooling,
-    # (de)tokenize
+    assert len(body_routes) == 13  # completions, chat, responses, embeddings, pooling,
+    # (de)tokenize, classify, score and v1/score, rerank and v1/ v2/rerank
     for op in body_routes:
         assert "422" not in op["responses"]
         assert {"400", "401", "404", "413", "503"} <= set(op["responses"])

@@ -48,6 +48,9 @@ class AsyncLLMEngine:
         self.model_config = engine.model_config
         self.generation_defaults = engine.generation_defaults
         self.eos_token_ids = engine.eos_token_ids
+        # What the pooling routes may ask (/classify, /score, /rerank: serving/serving_score.py).
+        self.supported_tasks = getattr(engine, "supported_tasks", ("generate",))
+        self.classifier = getattr(engine, "classifier", None)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stats = engine.stats()

@@ -55,7 +55,8 @@ class LLMEngine:
         self.step_leader = parts.step_leader  # multi-host rank 0's step channel (else None)
         block_size = config.cache.block_size
         self.pooler = (None if parts.pooler_config is None
-                       else Pooler(parts.pooler_config, self.runner, block_size))
+                       else Pooler(parts.pooler_config, self.runner, block_size,
+                                   parts.classifier))
         sc, pp = config.scheduler, config.parallel.pipeline_parallel_size
         self.lora_config = config.lora
         self.lora_slots = (None if config.lora is None else
@@ -148,9 +149,19 @@ class LLMEngine:
                              "--convert embed) to embed.")
         self.sleep_mode.check_awake()
         text, ids = self.process_prompt(prompt)
-        data = self.pooler.embed(ids, params or PoolingParams())
+        data = self.pooler.run(ids, params or PoolingParams())
         self.total_prompt_tokens += len(ids)
         return PoolingRequestOutput(request_id, PoolingOutput(data), ids, True, text)
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's get_supported_tasks: generate, or the pooler's tasks."""
+        return ("generate",) if self.pooler is None else self.pooler.tasks
+
+    @property
+    def classifier(self):
+        """The classification head (--convert classify), else None: its labels' names."""
+        return None if self.pooler is None else self.pooler.classifier
 
     def abort_request(self, request_ids: Union[str, list[str]]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:

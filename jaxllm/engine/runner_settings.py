@@ -10,6 +10,7 @@ circles), and so each rule is written once.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from jaxllm.config import ConfigError
 from jaxllm.engine_config import CacheConfig, EngineConfig, ModelOptions, SchedulerConfig
 from jaxllm.layers.attention import native_cpu_attention
+from jaxllm.models.registry import SEQUENCE_CLASSIFIERS
 
 logger = logging.getLogger("jaxllm")
 
@@ -30,15 +32,42 @@ _KV_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.f
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
+def model_architectures(model_path: str) -> list[str]:
+    """The `architectures` of a model folder's config.json ([] for anything else)."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            return list(json.load(f).get("architectures") or [])
+    except (OSError, ValueError):
+        return []
+
+
+def is_sequence_classifier(model_path: str) -> bool:
+    return any(a in SEQUENCE_CLASSIFIERS for a in model_architectures(model_path))
+
+
 def runner_type(options: ModelOptions, model_path: str) -> str:
     """'generate' or 'pooling': --runner, with auto resolved for the model at `model_path`
-    (pooling with --convert embed or for a sentence-transformers folder)."""
+    (pooling with --convert embed/classify, for a sentence-transformers folder or a
+    *ForSequenceClassification checkpoint, as vLLM)."""
+    classifier = is_sequence_classifier(model_path)
+    if options.runner == "generate" and classifier:
+        raise ConfigError(f"--runner generate: {model_architectures(model_path)[0]} is a "
+                          f"classification model (a score head, no LM head); it runs on "
+                          f"--runner pooling (classify, score, rerank)")
     if options.runner != "auto":
         return options.runner
     st = os.path.isdir(model_path) and os.path.exists(os.path.join(model_path,
                                                                    "modules.json"))
-    return "pooling" if options.convert == "embed" or (st and options.convert == "auto") \
-        else "generate"
+    auto = options.convert == "auto" and (st or classifier)
+    return "pooling" if options.convert in ("embed", "classify") or auto else "generate"
+
+
+def pooling_convert(options: ModelOptions, model_path: str) -> str:
+    """What the pooling runner does with the model: 'embed' or 'classify' (--convert, with
+    auto = classify for a *ForSequenceClassification checkpoint, else embed)."""
+    if options.convert in ("embed", "classify"):
+        return options.convert
+    return "classify" if is_sequence_classifier(model_path) else "embed"
 
 
 def max_num_batched_tokens(scheduler: SchedulerConfig, max_model_len: Optional[int] = None,

@@ -23,10 +23,12 @@ import jax.numpy as jnp
 
 from jaxllm.config import ConfigError
 from jaxllm.engine.runner_settings import (executable_cache_dir, kv_cache_dtype,
-                                           max_num_batched_tokens, num_kv_blocks, runner_type)
+                                           max_num_batched_tokens, num_kv_blocks,
+                                           pooling_convert, runner_type)
 from jaxllm.engine_config import EngineConfig, ParallelConfig
+from jaxllm.loader.classifier_head import ClassifierHead, read_classifier_head
 from jaxllm.loader.default_model import resolve_model
-from jaxllm.loader.loader import describe_weights, load_model, weight_bytes
+from jaxllm.loader.loader import describe_weights, load_model, model_path, weight_bytes
 from jaxllm.models.pipeline_stage import split_stage
 from jaxllm.parallel import distributed
 from jaxllm.parallel.mesh import make_mesh
@@ -55,6 +57,7 @@ class EngineParts:
     step_leader: Any = None  # multi-host rank 0's end (its runner sends every call down it)
     config: Optional[EngineConfig] = None  # the config as started: --model resolved to a path
     weight_bytes: Optional[dict] = None  # resident on the first device, by dtype (start-up's)
+    classifier: Optional[ClassifierHead] = None  # --convert classify's head (host float32)
 
 
 def process_age() -> float:
@@ -105,6 +108,11 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     path = resolve_model(config.load.model)  # once: everything below reads this path
     config = dataclasses.replace(config, load=dataclasses.replace(config.load, model=path))
     load, options, sched = config.load, config.model, config.scheduler
+    # A local folder's runner is settled before loading (a refusal costs no load); a hub
+    # name's once the download brought its config.json.
+    local = os.path.isdir(path)
+    if local:
+        kind, pooler_config, classifier = pooling_setup(options, load, path)
     t = time.perf_counter()
     pp, tp = config.parallel.pipeline_parallel_size, config.parallel.tensor_parallel_size
     # A pipeline loads onto the sub-mesh of this host's first stage, then hands each stage its
@@ -113,6 +121,8 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     mesh = next(m for m in meshes if is_local(m)) if meshes else make_mesh(tp, devices=devices)
     model, mc = load_model(load, options, mesh)
     times["load"] = time.perf_counter() - t
+    if not local:
+        kind, pooler_config, classifier = pooling_setup(options, load, model_path(load))
     sizes = weight_bytes(model)
     logger.info("Weights: %s%s", describe_weights(sizes),
                 "" if mc.quant is None else f" ({mc.quant.describe()})")
@@ -131,12 +141,9 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     if why is not None and options.batch_invariant:
         raise ConfigError(f"--batch-invariant: outputs would depend on the batch here: {why}")
     logger.info("Batch invariant: %s", "yes" if why is None else f"no ({why})")
-    kind = runner_type(options, path)
     if kind == "pooling" and options.enable_expert_load_metrics:
         raise ConfigError("--enable-expert-load-metrics: the pooling runner does not count "
                           "expert loads (only the generate runner's steps do)")
-    pooler_config = (read_pooler_config(path, options.pooler_config) if kind == "pooling"
-                     else None)
     max_tokens = max_num_batched_tokens(sched, mc.max_model_len)
     block_size = config.cache.block_size
     t = time.perf_counter()
@@ -175,7 +182,23 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     times["compile"] = time.perf_counter() - t
     defaults = {k: v for k, v in gen.items() if k != "eos_token_id"}
     return EngineParts(mc, tokenizer, frozenset(eos), defaults, runner, num_blocks, times,
-                       pooler_config, follower, leader, config, sizes)
+                       pooler_config, follower, leader, config, sizes, classifier)
+
+
+def pooling_setup(options, load, path: str) -> tuple[str, Optional[PoolerConfig],
+                                                     Optional[ClassifierHead]]:
+    """(runner type, the pooling runner's config, --convert classify's head) for the model
+    folder at `path`."""
+    kind = runner_type(options, path)
+    if kind != "pooling":
+        return kind, None, None
+    pooler_config = read_pooler_config(path, options.pooler_config)
+    classifier = (read_classifier_head(path, load.load_format)
+                  if pooling_convert(options, path) == "classify" else None)
+    if classifier is not None and pooler_config.pooling_type == "ALL":
+        raise ConfigError("--pooler-config: pooling_type ALL gives no single state for the "
+                          "classification head (--convert classify); use LAST, MEAN or CLS")
+    return kind, pooler_config, classifier
 
 
 def build_pipeline_runner(config: EngineConfig, model, mc, meshes: list,

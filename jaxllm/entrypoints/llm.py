@@ -13,7 +13,10 @@ from jaxllm.deploy.data_parallel import make_engine
 from jaxllm.engine.engine import PromptType
 from jaxllm.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from jaxllm.lora.request import LoRARequest
-from jaxllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from jaxllm.entrypoints.score_utils import ScoreJob, Texts, score_pairs
+from jaxllm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,
+                            PoolingRequestOutput, RequestOutput, ScoringOutput,
+                            ScoringRequestOutput)
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -144,6 +147,45 @@ class LLM:
                              f"{pooling_params.task!r}; use LLM.encode()")
         return [EmbeddingRequestOutput.from_base(out)
                 for out in self.encode(prompts, pooling_params, use_tqdm, "embed")]
+
+    def classify(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 pooling_params: Optional[PoolingParams] = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities (`.outputs.probs`), as vLLM's LLM.classify: a
+        *ForSequenceClassification model (--convert classify), its head on the last token."""
+        if pooling_params is not None and pooling_params.task not in (None, "classify"):
+            raise ValueError(f"LLM.classify() pools with task 'classify', not "
+                             f"{pooling_params.task!r}; use LLM.encode()")
+        return [ClassificationRequestOutput.from_base(out)
+                for out in self.encode(prompts, pooling_params, use_tqdm, "classify")]
+
+    def score(self, data_1: Texts, data_2: Texts, /, *, use_tqdm: bool = True,
+              pooling_params: Optional[PoolingParams] = None,
+              truncate_prompt_tokens: Optional[int] = None) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score: one text against each of several (1:N) or pairwise (N:N); a
+        cross-encoder's relevance (sigmoid of its one label) or an embedding model's cosine
+        similarity (jaxllm/entrypoints/score_utils.py)."""
+        if truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens is not supported by this server")
+        if pooling_params is not None and pooling_params.task not in (None, "score"):
+            raise ValueError(f"LLM.score() pools with task 'score', not "
+                             f"{pooling_params.task!r}")
+        engine = self.llm_engine
+        head = getattr(engine, "classifier", None)
+        job = ScoreJob.build(getattr(engine, "supported_tasks", ("generate",)),
+                             engine.tokenizer, score_pairs(data_1, data_2),
+                             pooling_params.use_activation if pooling_params else None,
+                             None if head is None else head.num_labels)
+        outs = self.encode([{"prompt_token_ids": p} for p in job.prompts], job.params,
+                           use_tqdm)
+        return [ScoringRequestOutput(str(next(self._ids)), ScoringOutput(score), ids)
+                for score, ids in job.scores(outs)]
+
+    def reward(self, *args, **kwargs):
+        """Refused: reward models (vLLM's LLM.reward, per-token rewards of a *RewardModel
+        checkpoint) are not implemented; classifiers run with LLM.classify."""
+        raise ValueError("LLM.reward is not supported: reward models are not implemented "
+                         "(use LLM.classify for a *ForSequenceClassification model)")
 
     # --- sleep mode (enable_sleep_mode=True) and new weights ---------------------------------
     def sleep(self, level: int = 1) -> None:

@@ -24,6 +24,8 @@ from jaxllm.parallel.mesh import named_sharding
 
 # Tensors some checkpoints carry that the model recomputes or never needs.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A sequence classifier's head: the pooling runner reads it (jaxllm/loader/classifier_head.py).
+HEAD_PREFIXES = ("score.",)
 # Parameters kept in float32 whatever the model's dtype when `router_f32` (DeepSeek's gate).
 F32_PARAMS = ("router", "router_bias")
 
@@ -304,8 +306,8 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
                             disable=None if progress else True, leave=False):
         ts = targets.get(name)
         if ts is None:
-            if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight"
-                                                   and cfg.tie_word_embeddings) \
+            if name.endswith(IGNORED_SUFFIXES) or name.startswith(HEAD_PREFIXES) \
+                    or (name == "lm_head.weight" and cfg.tie_word_embeddings) \
                     or _past_last_layer(cfg, name):
                 continue
             raise CheckpointError(f"{origin(name)}: unexpected tensor {name!r} (shape "

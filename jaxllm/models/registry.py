@@ -179,6 +179,20 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
 }
 
 
+def _classifier(adapter: Callable[[object], dict]) -> Callable[[object], dict]:
+    """A `*ForSequenceClassification` checkpoint: the same decoder with a `score` head instead
+    of an LM head. The pooling runner reads the head itself (jaxllm/loader/classifier_head.py)
+    and never the decoder's logits, so the decoder is built tied: no lm_head to load."""
+    return lambda c: dict(adapter(c), tie_word_embeddings=True)
+
+
+SEQUENCE_CLASSIFIERS = {"LlamaForSequenceClassification": _llama,
+                        "MistralForSequenceClassification": _llama,
+                        "Qwen2ForSequenceClassification": _qwen2,
+                        "Qwen3ForSequenceClassification": _qwen3}
+ARCHITECTURES.update({name: _classifier(f) for name, f in SEQUENCE_CLASSIFIERS.items()})
+
+
 def architecture_of(hf_config) -> str:
     archs = getattr(hf_config, "architectures", None) or []
     for arch in archs:

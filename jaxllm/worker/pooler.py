@@ -10,6 +10,10 @@ How to pool comes from the model, as in vLLM: a sentence-transformers folder say
 modules.json and 1_Pooling/config.json (CLS, mean or last token; a Normalize module);
 otherwise vLLM's default for a decoder LM used for embeddings: the last token, L2-normalized.
 --pooler-config overrides either.
+
+A classifier (--convert classify) pools the same way (the last token) and puts the pooled
+state through its head (jaxllm/loader/classifier_head.py); its activation is what `normalize`
+(use_activation) turns on or off.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from flax import nnx
 
 from jaxllm.config import ConfigError
 from jaxllm.layers.attention import AttentionMetadata, KVCache
+from jaxllm.loader.classifier_head import ClassifierHead
 from jaxllm.pooling_params import PoolingParams
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
@@ -96,20 +101,40 @@ class Pooler:
     """Final hidden states of one prompt, through the runner's weights and backend, pooled
     as the model's pooling config says (or the request overrides)."""
 
-    def __init__(self, config: PoolerConfig, runner, block_size: int):
-        self.config = config
+    def __init__(self, config: PoolerConfig, runner, block_size: int,
+                 classifier: Optional[ClassifierHead] = None):
+        self.config, self.classifier = config, classifier
         self.graphdef, self.state, self.block_size = runner.graphdef, runner.state, block_size
         # Each group's cache shape and dtype, with the block count left to the prompt.
         self.cache_specs = tuple((c.k.shape[:1] + c.k.shape[2:], c.k.dtype)
                                  for c in runner.kv_cache)
         self._hidden = jax.jit(self._hidden_fn, static_argnums=(4,))
 
-    def embed(self, token_ids: list[int], params: PoolingParams) -> np.ndarray:
-        """The prompt's embedding ([E]; [n, E] per token for task token_embed)."""
-        ptype = "ALL" if params.task == "token_embed" else self.config.pooling_type
-        normalize = (self.config.normalize if params.use_activation is None
-                     else params.use_activation)
-        return pool(self.hidden_states(token_ids), ptype, normalize)
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The pooling tasks this model serves (vLLM's supported tasks): a classifier's
+        classify, and score with one label (a cross-encoder); an embedding model's embed and
+        token_embed."""
+        if self.classifier is None:
+            return ("embed", "token_embed")
+        return ("classify", "score") if self.classifier.num_labels == 1 else ("classify",)
+
+    def run(self, token_ids: list[int], params: PoolingParams) -> np.ndarray:
+        """The prompt's pooled output: an embedding ([E]; [n, E] per token for task
+        token_embed), or a classifier's label probabilities ([num_labels]; task classify,
+        or score: the one label's relevance)."""
+        task = params.task or self.tasks[0]
+        if task not in self.tasks:
+            kind = "a classification" if self.classifier is not None else "an embedding"
+            raise ValueError(f"task {task!r} is not supported by this model ({kind} model; "
+                             f"supported: {', '.join(self.tasks)})")
+        activation = (self.config.normalize if params.use_activation is None
+                      else params.use_activation)
+        if self.classifier is not None:
+            hidden = pool(self.hidden_states(token_ids), self.config.pooling_type, False)
+            return self.classifier.probs(hidden, activation, score=task == "score")
+        ptype = "ALL" if task == "token_embed" else self.config.pooling_type
+        return pool(self.hidden_states(token_ids), ptype, activation)
 
     def _hidden_fn(self, state, token_ids, positions, md, num_blocks: int):
         model = nnx.merge(self.graphdef, state)
