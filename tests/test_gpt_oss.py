@@ -176,6 +176,26 @@ def test_reference_backend_matches_transformers(gptoss, load, greedy):
 
 
 @pytest.mark.slow
+def test_bfloat16_error_is_transformers_bfloat16_error(gptoss, load, greedy):
+    """In bfloat16 (norms scaling in float32, as transformers' GptOssRMSNorm) jaxllm strays
+    from float32 transformers no more than transformers' own bfloat16 model does, on average:
+    the largest errors sit where a near-tie in the router picks another expert, which each
+    bfloat16 model does at its own positions."""
+    import torch
+
+    model, cfg, _ = load(gptoss, dtype="bfloat16")
+    assert cfg.dtype == "bfloat16" and cfg.norm_scale_f32
+    prompts = _prompts()
+    prefill, _, _ = greedy(model, prompts, 1)
+    hf, hf_bf16 = _hf_model(gptoss), _hf_model(gptoss).to(torch.bfloat16)
+    for ours, prompt in zip(prefill, prompts):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0].numpy()
+            theirs = hf_bf16(torch.tensor([prompt])).logits[0].float().numpy()
+        assert np.abs(ours - want).mean() <= 1.5 * np.abs(theirs - want).mean()
+
+
+@pytest.mark.slow
 def test_engine_equals_transformers_and_one_by_one(gptoss):
     """Through the engine with chunked prefill (64-token budget), prefix caching (shared
     prefixes) and then preemption (a cache too small for the batch): transformers' greedy
@@ -194,7 +214,8 @@ def test_engine_equals_transformers_and_one_by_one(gptoss):
     assert singles == batch[:2]
     assert llm.llm_engine.kv_cache_manager.prefix_cache_hits > 0
     del llm
-    small = small_llm(gptoss, num_gpu_blocks_override=40, enable_prefix_caching=False)
+    small = small_llm(gptoss, num_gpu_blocks_override=40, max_model_len=128,
+                      enable_prefix_caching=False)
     assert token_ids(small.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                                     use_tqdm=False)) == want
     assert small.llm_engine.scheduler.num_preemptions > 0

@@ -104,6 +104,7 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_clamp: Optional[tuple[float, float]] = None  # (alpha, limit)
     mxfp4_experts: bool = False
+    norm_scale_f32: bool = False        # GPT-OSS: RMSNorm scales in float32, then rounds
 
     @property
     def kv_values_per_token(self) -> int:

@@ -89,8 +89,11 @@ class MoeLayers(DenseLayers):
                           ffn=cfg.moe_intermediate_size, activation=activation,
                           dtype=x.dtype, expert_parallel=cfg.expert_parallel, **bias)
         if cfg.expert_bias:  # sum_k weight_k * down_bias[expert_k], outside the experts
-            out = out + jnp.einsum("tk,tke->te", weights,
-                                   w["experts_down_bias"][ids].astype(f32))
+            # (elementwise in k's order, as the experts' sum: a row's result never depends on
+            # the batch's shape, as a dot's order might)
+            b = w["experts_down_bias"]
+            out = out + sum(weights[:, j, None] * b[ids[:, j]].astype(f32)
+                            for j in range(ids.shape[1]))
         if cfg.shared_expert_intermediate_size:
             shared = gated_mlp(backend, self.widths(), w, x, layer, cfg.activation).astype(f32)
             if cfg.shared_expert_gated:

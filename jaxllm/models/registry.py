@@ -160,8 +160,9 @@ def _phi3(c) -> dict:  # Llama's math; fused checkpoint tensors and LongRoPE liv
 
 def _gpt_oss(c) -> dict:
     """GPT-OSS: attention with biases (`attention_bias`) and sinks over alternating sliding and
-    full layers (`layer_types`), every layer's MLP a top-k router (softmax over the chosen logits) with
-    biased experts and a clamped SwiGLU; MXFP4 expert weights are dequantized at load."""
+    full layers (`layer_types`), every layer's MLP a top-k router (softmax over the chosen
+    logits) with biased experts and a clamped SwiGLU; MXFP4 expert weights are dequantized at
+    load."""
     qc = getattr(c, "quantization_config", None)
     qc = qc if qc is None or isinstance(qc, dict) else qc.to_dict()
     method = (qc or {}).get("quant_method")
@@ -173,7 +174,7 @@ def _gpt_oss(c) -> dict:
                 num_experts_per_tok=c.num_experts_per_tok,
                 moe_intermediate_size=c.intermediate_size, scoring_func="topk_softmax",
                 swiglu_clamp=(float(c.swiglu_alpha), float(c.swiglu_limit)),
-                mxfp4_experts=method == "mxfp4")
+                mxfp4_experts=method == "mxfp4", norm_scale_f32=True)
 
 
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
