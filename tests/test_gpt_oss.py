@@ -94,6 +94,7 @@ def test_experts_with_biases_and_clamped_swiglu_every_implementation():
 def test_mxfp4_dequantization_is_transformers_to_the_bit():
     """Every byte of blocks, scales across the e8m0 range, against
     transformers.integrations.mxfp4.convert_moe_packed_tensors in float32 and bfloat16."""
+    import ml_dtypes
     import torch
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -106,10 +107,12 @@ def test_mxfp4_dequantization_is_transformers_to_the_bit():
     scales = rng.integers(127 - 40, 127 + 40, (3, 10, 2), dtype=np.uint8)
     ours = dequantize_mxfp4(blocks, scales)
     assert ours.shape == (3, 64, 10) and ours.dtype == np.float32
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, np_dtype in ((torch.float32, np.float32), (torch.bfloat16, ml_dtypes.bfloat16)):
         theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
                                             dtype=dtype).float().numpy()
-        mine = torch.from_numpy(ours).to(dtype).float().numpy()
+        mine = dequantize_mxfp4(blocks, scales, np_dtype)
+        assert mine.dtype == np_dtype
+        mine = mine.astype(np.float32)
         assert np.array_equal(mine.view(np.uint32), theirs.view(np.uint32)), dtype
     assert len(np.unique(ours)) > 100  # not a degenerate (all-zero) decoding
 

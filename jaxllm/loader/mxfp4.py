@@ -21,26 +21,33 @@ E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 SUFFIXES = ("_blocks", "_scales")
 
 
-def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """blocks uint8 [..., rows, G, 16] and scales uint8 [..., rows, G] -> float32
-    [..., G * 32, rows] (transposed, as transformers returns it)."""
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """blocks uint8 [..., rows, G, 16] and scales uint8 [..., rows, G] -> [..., G * 32, rows]
+    in `dtype` (transposed, as transformers returns it). Computed in float32 one expert (one
+    index of the leading axes) at a time, so the host holds a float32 copy of one expert, not
+    of the whole tensor; every value is exact in float32 and bfloat16."""
     blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+    if blocks.ndim < 3 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
         raise ValueError(f"MXFP4 blocks {blocks.shape} do not fit scales {scales.shape} "
-                         "(want blocks [..., G, 16] for scales [..., G])")
-    values = np.empty((*blocks.shape[:-1], 32), np.float32)
-    values[..., 0::2] = E2M1[blocks & 0x0F]
-    values[..., 1::2] = E2M1[blocks >> 4]
-    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
-    values = values.reshape(*blocks.shape[:-2], -1)  # [..., rows, cols]
-    return np.swapaxes(values, -1, -2)
+                         "(want blocks [..., rows, G, 16] for scales [..., rows, G])")
+    *lead, rows, groups, _ = blocks.shape
+    out = np.empty((*lead, groups * 32, rows), dtype)
+    for i in np.ndindex(*lead):
+        b, s = blocks[i], scales[i]
+        values = np.empty((rows, groups, 32), np.float32)
+        values[..., 0::2] = E2M1[b & 0x0F]
+        values[..., 1::2] = E2M1[b >> 4]
+        values = np.ldexp(values, s.astype(np.int32)[..., None] - 127)
+        out[i] = values.reshape(rows, groups * 32).T
+    return out
 
 
-def dequantized_experts(tensors: Iterable, origin: Callable[[str], str], error: type
-                        ) -> Iterator[tuple[str, np.ndarray]]:
+def dequantized_experts(tensors: Iterable, origin: Callable[[str], str], error: type,
+                        dtype=np.float32) -> Iterator[tuple[str, np.ndarray]]:
     """The (name, array) stream with each `W_blocks` / `W_scales` pair replaced by W
-    dequantized (`dequantize_mxfp4`), yielded once both halves have arrived (in either
-    order); other tensors pass through. A half whose partner never comes raises `error`."""
+    dequantized to `dtype` (`dequantize_mxfp4`; the model's, so it is not cast again),
+    yielded once both halves have arrived (in either order); other tensors pass through. A
+    half whose partner never comes raises `error`."""
     pending: dict[str, tuple[str, np.ndarray]] = {}
     for name, array in tensors:
         suffix = next((s for s in SUFFIXES if name.endswith(s)), None)
@@ -56,7 +63,7 @@ def dequantized_experts(tensors: Iterable, origin: Callable[[str], str], error: 
             raise error(f"{origin(name)}: tensor {name!r} appears twice")
         blocks, scales = (array, other) if suffix == "_blocks" else (other, array)
         try:
-            yield base, dequantize_mxfp4(blocks, scales)
+            yield base, dequantize_mxfp4(blocks, scales, dtype)
         except ValueError as e:
             raise error(f"{origin(name)}: {base}: {e}") from e
     if pending:

@@ -312,7 +312,7 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
     if cfg.architecture in TEXT_NAMES:  # a multimodal checkpoint loaded for text only
         tensors, origin = _renamed(tensors, origin, TEXT_NAMES[cfg.architecture])
     if cfg.mxfp4_experts:  # GPT-OSS's published experts: dequantized as they arrive
-        tensors = dequantized_experts(tensors, origin, CheckpointError)
+        tensors = dequantized_experts(tensors, origin, CheckpointError, np.dtype(cfg.jnp_dtype))
     targets = hf_targets(cfg)
     state = nnx.state(model)
     shardings = param_shardings(state, mesh)
