@@ -145,3 +145,97 @@ def test_final_answer_is_content_and_unknown_tool_result_refused():
                                                    "content": "Hello!", "tool_calls": []}
     with pytest.raises(ValueError, match="call_9"):
         render_prompt([{"role": "tool", "tool_call_id": "call_9", "content": "x"}])
+
+
+def _reply_text(messages: list) -> str:
+    """A reply as the server's text with the special tokens kept: the tokens decoded."""
+    enc = encoding()
+    prompt = render_prompt([{"role": "user", "content": "Weather in Paris?"}], TOOLS)
+    return enc.decode(_reply_tokens(prompt, messages))
+
+
+@pytest.mark.parametrize("reasoning_parser", ["openai_gptoss", None])
+def test_server_parsers_whole_and_streamed(reasoning_parser):
+    """The server's `openai_gptoss` reasoning parser and `openai` tool parser (they read the
+    text with the special tokens kept, which the server then keeps) through its ChoiceParser:
+    the reply's analysis is the reasoning, its preamble the content, its call the tool call;
+    streamed token by token the deltas join to the same. Without the reasoning parser the
+    analysis is dropped (it is neither content nor a call)."""
+    import openai_harmony as h
+    from types import SimpleNamespace
+
+    from serving.serving_chat import ChoiceParser, ToolChoice, _keeps_special_tokens
+
+    reply = [h.Message.from_role_and_content(h.Role.ASSISTANT, "Call the tool.")
+             .with_channel("analysis"),
+             h.Message.from_role_and_content(h.Role.ASSISTANT, "Checking.")
+             .with_channel("commentary"),
+             h.Message.from_role_and_content(h.Role.ASSISTANT, ARGS).with_channel("commentary")
+             .with_recipient("functions.get_weather").with_content_type("json")]
+    enc = encoding()
+    prompt = render_prompt([{"role": "user", "content": "Weather in Paris?"}], TOOLS)
+    tokens = _reply_tokens(prompt, reply)
+    text = enc.decode(tokens)
+    choice = ToolChoice.of(SimpleNamespace(tool_choice="auto", tools=TOOLS,
+                                           parallel_tool_calls=True), "openai", True)
+    state = SimpleNamespace(reasoning_parser=reasoning_parser, tool_call_parser="openai")
+    assert _keeps_special_tokens(state, choice)
+
+    whole = ChoiceParser(choice, "openai", reasoning_parser).whole(text)
+    assert whole["reasoning"] == ("Call the tool." if reasoning_parser else None)
+    assert whole["content"] == "Checking."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in whole["tool_calls"]] == [("get_weather", {"city": "Paris"})]
+
+    parser = ChoiceParser(choice, "openai", reasoning_parser)
+    deltas = [parser.delta(enc.decode(tokens[:i]), final=False)
+              for i in range(1, len(tokens) + 1)]
+    deltas.append(parser.delta(text, final=True))
+    joined = join_deltas(deltas)
+    assert joined["reasoning"] == whole["reasoning"] and joined["content"] == "Checking."
+    assert [(c["function"]["name"], c["function"]["arguments"])
+            for c in joined["tool_calls"]] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
+    # the call went out once complete, whole, in one delta
+    assert sum("tool_calls" in d for d in deltas if d) == 1
+
+
+def test_server_parsers_final_answer_and_malformed_output():
+    import openai_harmony as h
+
+    from jaxllm.entrypoints.openai_parsers.reasoning_parsers import get_reasoning_parser
+    from jaxllm.entrypoints.openai_parsers.tool_parsers import get_tool_parser
+
+    text = _reply_text([
+        h.Message.from_role_and_content(h.Role.ASSISTANT, "Easy.").with_channel("analysis"),
+        h.Message.from_role_and_content(h.Role.ASSISTANT, "Sunny.").with_channel("final")])
+    reasoning, content = get_reasoning_parser("openai_gptoss")().extract(text)
+    assert (reasoning, content) == ("Easy.", "Sunny.")
+    assert get_tool_parser("openai")().extract(content).tool_calls == []
+    # not harmony, or arguments that are not a JSON object: content, never an error
+    assert get_reasoning_parser("openai_gptoss")().extract("plain words") == (None,
+                                                                              "plain words")
+    bad = _reply_text([h.Message.from_role_and_content(h.Role.ASSISTANT, "{not json")
+                       .with_channel("commentary").with_recipient("functions.get_weather")])
+    found = get_tool_parser("openai")().extract(bad)
+    assert found.tool_calls == [] and "{not json" in found.content
+
+
+def test_harmony_parsers_are_checked_at_start_up(monkeypatch):
+    """`--reasoning-parser openai_gptoss` / `--tool-call-parser openai` start only where
+    openai-harmony loads its vocabulary; elsewhere start-up fails naming the flag."""
+    import jaxllm.entrypoints.harmony as harmony
+    from serving import cli_args
+    from serving.cli.serve import parse_args
+
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "openai",
+             "--reasoning-parser", "openai_gptoss"]
+    settings = cli_args.chat_output_settings(parse_args(flags))
+    assert settings["tool_call_parser"] == "openai"
+
+    def unavailable():
+        raise harmony.HarmonyUnavailable("no vocabulary here")
+
+    monkeypatch.setattr(harmony, "encoding", unavailable)
+    with pytest.raises(ValueError, match="--tool-call-parser openai: no vocabulary here"):
+        cli_args.chat_output_settings(parse_args(flags))

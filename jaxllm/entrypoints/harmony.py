@@ -9,8 +9,9 @@ shapes onto it, as vLLM's harmony utilities do.
 openai-harmony needs the o200k_base vocabulary, which it downloads unless
 TIKTOKEN_ENCODINGS_BASE names a folder holding it. Offline, `encoding()` takes the copy the
 `bpe-openai` package ships (gzipped) when that is installed, checked against tiktoken's
-published SHA-256 before use. Not wired into the server yet: the server's reasoning and tool
-parsers read detokenized text, harmony is read from token ids.
+published SHA-256 before use. The server's `openai_gptoss` reasoning parser and `openai` tool
+parser read outputs through `read_text` (the text with the special tokens kept, tokenized
+again); its prompts come from the model's chat template (GPT-OSS tokenizers ship harmony's).
 """
 
 from __future__ import annotations
@@ -208,6 +209,43 @@ class HarmonyOutputParser:
                 "tool_calls": delta.get("tool_calls", [])}
 
 
+def read_text(text: str) -> tuple[str, list[tuple[Optional[str], str, bool]]]:
+    """A (possibly partial) output as text with harmony's special tokens kept ->
+    (reasoning: the analysis channel's text, and the other messages in order as
+    (recipient, text, ended)). The text is tokenized again with the harmony encoding: its
+    markers are whole special tokens, so this reads what the token ids would."""
+    import openai_harmony as h
+
+    enc = encoding()
+    parser = h.StreamableParser(enc, role=h.Role.ASSISTANT)
+    for t in enc.encode(text, allowed_special="all"):
+        parser.process(t)
+    reasoning, rest = "", []
+    messages = [(m.channel, m.recipient, "".join(c.text for c in m.content), True)
+                for m in parser.messages]
+    if parser.current_content:
+        messages.append((parser.current_channel, parser.current_recipient,
+                         parser.current_content, False))
+    for channel, recipient, body, ended in messages:
+        if channel == "analysis":
+            reasoning += body
+        else:
+            rest.append((recipient, body, ended))
+    return reasoning, rest
+
+
+def is_harmony_output(text: str) -> bool:
+    """Whether an output (after the prompt's <|start|>assistant) is harmony: its first message
+    header starts with the channel, or with the recipient."""
+    return text.startswith(("<|channel|>", " to="))
+
+
+def call_text(recipient: str, body: str, ended: bool) -> str:
+    """A call message as harmony text (what `read_text` reads back as that message)."""
+    return (f"<|start|>assistant to={recipient}<|channel|>commentary json<|message|>{body}"
+            + ("<|call|>" if ended else ""))
+
+
 def join_deltas(deltas: Iterable[Optional[dict]]) -> dict:
     """Streamed deltas joined into one message (`whole`'s shape): what a client does."""
     reasoning, content, calls = "", "", {}
@@ -238,5 +276,6 @@ def tool_call_message(calls: list[dict]) -> dict:
                            for c in calls]}
 
 
-__all__ = ["HarmonyOutputParser", "HarmonyUnavailable", "encoding", "join_deltas",
-           "render_prompt", "to_harmony", "tool_call_message"]
+__all__ = ["HarmonyOutputParser", "HarmonyUnavailable", "call_text", "encoding",
+           "is_harmony_output", "join_deltas", "read_text", "render_prompt", "to_harmony",
+           "tool_call_message"]
