@@ -171,10 +171,12 @@ def test_mxfp4_refusals(mxfp4_pair, tmp_path):
 
 
 @pytest.mark.slow
-def test_reference_backend_matches_transformers(gptoss, load, greedy):
-    """The XLA experts (gather/loop/tiled by batch size) and the reference attention."""
-    model, _, _ = load(gptoss, attention_backend="reference")
-    assert model.attention_backend == "reference"
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_other_backends_match_transformers(backend, gptoss, load, greedy):
+    """reference: the XLA experts (gather/loop/tiled by batch size) and attention; pallas:
+    the Pallas attention kernel with sinks and windows (its GPU variant, interpreted here)."""
+    model, _, _ = load(gptoss, attention_backend=backend)
+    assert model.attention_backend == backend
     assert_greedy_matches_transformers(gptoss, model, _prompts(), greedy)
 
 
@@ -226,15 +228,18 @@ def test_engine_equals_transformers_and_one_by_one(gptoss):
 
 @pytest.mark.slow
 def test_tensor_and_expert_parallel_2_match_one_device(gptoss):
-    """tp=2 (heads, sinks and each expert's FFN with its gate/up bias sharded) and tp=2 with
-    expert parallelism (experts and their biases sharded) on virtual CPU devices equal tp=1."""
+    """tp=2 (heads, sinks and each expert's FFN with its gate/up bias sharded), tp=2 with
+    expert parallelism (experts and their biases sharded), and tp=2 on the Pallas backend (the
+    kernel per shard of heads under shard_map, each shard with its heads' sinks; interpreted)
+    on virtual CPU devices equal tp=1."""
     proc = run_with_host_devices(2, [__file__, gptoss])
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(proc.stdout.strip().splitlines()[-1])
     base = runs["tp1"]
-    for name in ("tp2", "ep2"):
+    for name in ("tp2", "ep2", "pallas_tp2"):
         two = runs[name]
         assert two["devices"] == 2
+        assert two["backend"] == ("pallas" if name == "pallas_tp2" else "reference"), name
         assert "layers/0/sinks" in two["sharded"], name
         assert "layers/0/experts_gate_up_bias" in two["sharded"], name
         for key in ("prefill", "steps"):
@@ -250,9 +255,11 @@ def _child(path: str) -> dict:
     prompts = _prompts((7, 19))
     report = {}
     for name, kw in (("tp1", dict(tp=1)), ("tp2", dict(tp=2)),
-                     ("ep2", dict(tp=2, enable_expert_parallel=True))):
+                     ("ep2", dict(tp=2, enable_expert_parallel=True)),
+                     ("pallas_tp2", dict(tp=2, attention_backend="pallas"))):
         model, _, _ = load_tiny(path, **kw)
-        report[name] = {"sharded": sharded_params(model), **greedy_record(model, prompts, 8)}
+        report[name] = {"sharded": sharded_params(model), "backend": model.attention_backend,
+                        **greedy_record(model, prompts, 8)}
     return report
 
 
