@@ -63,6 +63,8 @@ def main() -> None:
     p.add_argument("--variant", choices=("tpu", "gpu"), default=None,
                    help="Pallas variant (default: by platform)")
     p.add_argument("--sliding-window", type=int, default=None)
+    p.add_argument("--sinks", action="store_true",
+                   help="attention sinks (GPT-OSS): one learned logit per query head")
     p.add_argument("--layers", type=int, default=2,
                    help="layers in the stacked cache, read in turn (more than fit the caches: "
                         "the pages come from memory, as in a model's step)")
@@ -74,6 +76,10 @@ def main() -> None:
                                 a.head_dim, jnp.dtype(a.dtype), a.layers, a.sliding_window)
     scale = 1.0 if jnp.dtype(a.dtype).itemsize == 1 else None
     kw = dict(sm_scale=a.head_dim ** -0.5, k_scale=scale, v_scale=scale)
+    sinks = (jnp.asarray(np.random.default_rng(1).standard_normal(hq), jnp.float32)
+             if a.sinks else None)
+    if sinks is not None:
+        kw["sinks"] = sinks
     if a.backend == "cpu":
         if jnp.dtype(a.dtype) not in (jnp.float32, jnp.bfloat16):
             raise SystemExit("--backend cpu: the native kernel reads float32 or bfloat16 caches")
@@ -85,7 +91,7 @@ def main() -> None:
         def fn(q, kc, vc, layer, *meta, sliding_window):
             return kernel_cpu.ragged_paged_attention(
                 q, new_kv, new_kv, kc, vc, layer, slots, *meta, sm_scale=kw["sm_scale"],
-                sliding_window=sliding_window)
+                sliding_window=sliding_window, sinks=sinks)
     else:
         attend = (functools.partial(kernel.ragged_paged_attention, variant=a.variant, **kw)
                   if a.backend == "pallas" else
@@ -116,7 +122,7 @@ def main() -> None:
     best, med = min(times), statistics.median(times)
     print(f"backend={a.backend} platform={jax.default_backend()} tokens={a.tokens} "
           f"seqs={a.seqs} context={a.context} page={a.page_size} heads={a.heads} "
-          f"d={a.head_dim} dtype={a.dtype} window={a.sliding_window}")
+          f"d={a.head_dim} dtype={a.dtype} window={a.sliding_window} sinks={a.sinks}")
     print(f"compile+first {compile_s:.2f} s | per call: best {best * 1e3:.3f} ms, "
           f"median {med * 1e3:.3f} ms | KV read {kv_bytes / 2**20:.1f} MiB -> "
           f"{kv_bytes / best / 1e9:.2f} GB/s (best)")

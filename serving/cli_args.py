@@ -156,8 +156,9 @@ def lora_modules(args: argparse.Namespace, served_model_names: list[str],
 
 # vLLM's names; tests/test_chat_tools.py checks them against the parser registries (importing
 # those here would make `jaxllm serve --help` import the package).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
+HARMONY_PARSERS = ("openai", "openai_gptoss")  # GPT-OSS's (jaxllm/entrypoints/harmony.py)
 CONTENT_FORMATS = ("auto", "string", "openai")
 
 
@@ -193,6 +194,14 @@ def chat_output_settings(args: argparse.Namespace) -> dict:
                          f"({', '.join(TOOL_CALL_PARSERS)})")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    for flag, value in (("--tool-call-parser", args.tool_call_parser),
+                        ("--reasoning-parser", args.reasoning_parser)):
+        if value in HARMONY_PARSERS:  # they need openai-harmony and its vocabulary: now
+            from jaxllm.entrypoints.harmony import HarmonyUnavailable, encoding
+            try:
+                encoding()
+            except HarmonyUnavailable as e:
+                raise ValueError(f"{flag} {value}: {e}") from None
     return {name: getattr(args, name) for name in (
         "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
         "exclude_tools_when_tool_choice_none", "chat_template_content_format")}

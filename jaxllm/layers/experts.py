@@ -3,8 +3,9 @@
 Every function takes the tokens x [T, E], each token's top-k experts `ids` [T, k] (int32) and
 routing `weights` [T, k] (float32), the stacked expert weights w_gate_up [X, E, 2, F] and
 w_down [X, F, E], and `act` (float32 gate/up [N, 2, F] -> [N, F] in the model's dtype), and
-returns sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, E] in float32. No token is ever
-dropped (no capacity factor). An id outside [0, X) contributes nothing: that is how an expert-
+returns sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, E] in float32; `gate_up_bias`
+[X, 2, F] (GPT-OSS; None: none) is added to each expert's gate/up sums before `act`. No token
+is ever dropped (no capacity factor). An id outside [0, X) contributes nothing: that is how an expert-
 sharded caller leaves out the experts another device holds.
 
   ragged  tokens sorted by expert, `lax.ragged_dot` over the groups, un-sorted (TPU/GPU lower
@@ -23,13 +24,36 @@ scripts/bench_moe.py measures them.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's expert activation, as an `activation` the backends' gated ops accept: float32
+    gate/up [N, 2, F] -> (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+    g = min(gate, limit), in dtype. (The checkpoints interleave gate and up columns; the
+    loader separates them into the [2, F] layout.)"""
+    alpha: float
+    limit: float
+
+    def __call__(self, gate_up: jax.Array, dtype) -> jax.Array:
+        gate = jnp.minimum(gate_up[:, 0], self.limit)
+        up = jnp.clip(gate_up[:, 1], -self.limit, self.limit)
+        return ((up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))).astype(dtype)
+
+
+def row_experts(sizes: jax.Array, rows: int) -> jax.Array:
+    """The expert of each of `rows` rows sorted by expert (sizes[g] rows for expert g; rows
+    past the groups get the last expert, their results unused)."""
+    return jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(rows), side="right"),
+                       sizes.shape[0] - 1)
 
 
 def ragged_dot(lhs, rhs, group_sizes) -> jax.Array:
@@ -65,14 +89,20 @@ def tiled_grouped_matmul(lhs, rhs, group_sizes, tile: int = 16) -> jax.Array:
 
 
 def experts_ragged(x, ids, weights, w_gate_up, w_down, act: Callable,
-                   grouped_matmul: Callable = ragged_dot) -> jax.Array:
+                   grouped_matmul: Callable = ragged_dot,
+                   gate_up_bias: Optional[jax.Array] = None) -> jax.Array:
     """grouped_matmul(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> float32 [M, N]: rows of
     group g times rhs[g]; rows past the groups may hold anything (they are zeroed here)."""
     X, E, _, F = w_gate_up.shape
     w_gu = w_gate_up.reshape(X, E, 2 * F)
-    return experts_sorted(x, ids, weights, X,
-                          lambda xs, sizes: act(grouped_matmul(xs, w_gu, sizes).reshape(-1, 2, F)),
-                          lambda h, sizes: grouped_matmul(h, w_down, sizes))
+
+    def up(xs, sizes):
+        gu = grouped_matmul(xs, w_gu, sizes).reshape(-1, 2, F)
+        if gate_up_bias is not None:
+            gu = gu + jnp.asarray(gate_up_bias)[row_experts(sizes, gu.shape[0])].astype(F32)
+        return act(gu)
+
+    return experts_sorted(x, ids, weights, X, up, lambda h, sizes: grouped_matmul(h, w_down, sizes))
 
 
 def experts_sorted(x, ids, weights, experts: int, up: Callable, down: Callable) -> jax.Array:
@@ -107,18 +137,24 @@ def stable_order(flat, experts: int) -> jax.Array:
     return jnp.sort(flat * n + jnp.arange(n, dtype=jnp.int32)) % n
 
 
-def experts_dense(x, ids, weights, w_gate_up, w_down, act: Callable) -> jax.Array:
+def experts_dense(x, ids, weights, w_gate_up, w_down, act: Callable, gate_up_bias=None
+                  ) -> jax.Array:
     T = x.shape[0]
     X, _, _, F = w_gate_up.shape
     gu = jnp.einsum("te,xegf->txgf", x, w_gate_up, preferred_element_type=F32)
+    if gate_up_bias is not None:
+        gu = gu + gate_up_bias.astype(F32)[None]
     return _weighted_down(act(gu.reshape(T * X, 2, F)).reshape(T, X, F), ids, weights, w_down)
 
 
-def experts_loop(x, ids, weights, w_gate_up, w_down, act: Callable) -> jax.Array:
+def experts_loop(x, ids, weights, w_gate_up, w_down, act: Callable, gate_up_bias=None
+                 ) -> jax.Array:
     T = x.shape[0]
     X, E, _, F = w_gate_up.shape
     gu = jax.lax.map(lambda w: jnp.dot(x, w.reshape(E, 2 * F), preferred_element_type=F32),
                      w_gate_up)  # [X, T, 2F]: one 2-D matmul per expert, weights read in place
+    if gate_up_bias is not None:
+        gu = gu + gate_up_bias.astype(F32).reshape(X, 1, 2 * F)
     h = act(gu.reshape(X * T, 2, F)).reshape(X, T, F).transpose(1, 0, 2)
     return _weighted_down(h, ids, weights, w_down)
 
@@ -132,7 +168,8 @@ def _weighted_down(h, ids, weights, w_down):
     return jnp.dot(hw, w_down.reshape(X * F, -1), preferred_element_type=F32)
 
 
-def experts_gather(x, ids, weights, w_gate_up, w_down, act: Callable) -> jax.Array:
+def experts_gather(x, ids, weights, w_gate_up, w_down, act: Callable, gate_up_bias=None
+                   ) -> jax.Array:
     T, k = ids.shape
     X, _, _, F = w_gate_up.shape
     used = (ids >= 0) & (ids < X)
@@ -140,6 +177,8 @@ def experts_gather(x, ids, weights, w_gate_up, w_down, act: Callable) -> jax.Arr
     # In float32: XLA:CPU has no batched bf16 x bf16 -> f32 dot (`UNIMPLEMENTED ... DotThunk`),
     # and only k experts' weights per token are converted.
     gu = jnp.einsum("te,tkegf->tkgf", x.astype(F32), w_gate_up[ids].astype(F32))
+    if gate_up_bias is not None:
+        gu = gu + jnp.asarray(gate_up_bias)[ids].astype(F32)
     h = act(gu.reshape(T * k, 2, F)).reshape(T, k, F)
     y = jnp.einsum("tkf,tkfe->tke", h.astype(F32), w_down[ids].astype(F32))
     return jnp.einsum("tke,tk->te", y, weights)

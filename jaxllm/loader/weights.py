@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from jaxllm.loader.mxfp4 import dequantized_experts
 from jaxllm.loader.quantized import Target, quantized_targets, storage_cast
 from jaxllm.models.decoder import MOE_KINDS, Decoder, layer_groups
 from jaxllm.models.model_config import ModelConfig
@@ -199,8 +200,28 @@ def _granite_moe_mlp(cfg: ModelConfig, gate_up: Callable) -> list:
              lambda x: x.transpose(0, 2, 1))]
 
 
+def _gpt_oss_mlp(cfg: ModelConfig, gate_up: Callable) -> list:
+    """GPT-OSS stores each layer's experts stacked: mlp.experts.gate_up_proj [X, E, 2F] with
+    gate and up interleaved (even columns gate, odd up), down_proj [X, F, E], and a bias for
+    each, the router as mlp.router.{weight, bias}; with them the attention's self_attn.sinks
+    [H] (one logit per query head). MXFP4 checkpoints' blocks and scales arrive here
+    dequantized under the float names (jaxllm/loader/mxfp4.py)."""
+    E, X, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    K, G = cfg.num_kv_heads, cfg.q_per_kv
+    same = lambda x: x  # noqa: E731
+    return [("self_attn.sinks", "sinks", (0, 0), (K * G,), lambda x: x.reshape(K, G)),
+            ("mlp.router.weight", "router", (0, 0), (X, E), lambda x: x.T),
+            ("mlp.router.bias", "router_logit_bias", (0,), (X,), same),
+            ("mlp.experts.gate_up_proj", "experts_gate_up", (0, 0, 0, 0), (X, E, 2 * F),
+             lambda x: x.reshape(X, E, F, 2).transpose(0, 1, 3, 2)),
+            ("mlp.experts.gate_up_proj_bias", "experts_gate_up_bias", (0, 0, 0), (X, 2 * F),
+             lambda x: x.reshape(X, F, 2).transpose(0, 2, 1)),
+            ("mlp.experts.down_proj", "experts_down", (0, 0, 0), (X, F, E), same),
+            ("mlp.experts.down_proj_bias", "experts_down_bias", (0, 0), (X, E), same)]
+
+
 # Architectures whose MoE tensors are not named and shaped as Mixtral's or Qwen's.
-MOE_LAYOUTS = {"GraniteMoeForCausalLM": _granite_moe_mlp}
+MOE_LAYOUTS = {"GraniteMoeForCausalLM": _granite_moe_mlp, "GptOssForCausalLM": _gpt_oss_mlp}
 
 
 def _phi3_fused(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
@@ -292,6 +313,8 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
     origin = (lambda name: where) if isinstance(where, str) else where
     if cfg.architecture in TEXT_NAMES:  # a multimodal checkpoint loaded for text only
         tensors, origin = _renamed(tensors, origin, TEXT_NAMES[cfg.architecture])
+    if cfg.mxfp4_experts:  # GPT-OSS's published experts: dequantized as they arrive
+        tensors = dequantized_experts(tensors, origin, CheckpointError, np.dtype(cfg.jnp_dtype))
     targets = hf_targets(cfg)
     state = nnx.state(model)
     shardings = param_shardings(state, mesh)

@@ -62,6 +62,9 @@ class DenseLayers(nnx.Module):
                        ("kv_heads", "q_per_kv", "head_dim"))
             self._lora("o", L, (K, G, D), ("kv_heads", "q_per_kv", "head_dim"), (E,), ("embed",))
         self.o_bias = constant(0.0, (L, E), ("layers", "embed"), dt) if cfg.o_bias else None
+        # GPT-OSS: each query head's learned sink logit, sharded with the heads
+        self.sinks = (constant(0.0, (L, K, G), ("layers", "kv_heads", "q_per_kv"), dt)
+                      if cfg.attention_sinks else None)
         self.post_attn_norm = norm() if cfg.sandwich_norms else None
         self.mlp_norm = norm()
         self.post_mlp_norm = norm() if cfg.sandwich_norms else None
@@ -197,8 +200,10 @@ def _layer(group: DenseLayers, backend: Backend, w: dict, h: jax.Array, cache: K
         q = rms_norm(q.reshape(T, -1), w["q_norm"].reshape(-1), cfg).reshape(T, K * G, D)
         k = rms_norm(k.reshape(T, -1), w["k_norm"].reshape(-1), cfg).reshape(T, K, D)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    sinks = w["sinks"].reshape(K * G).astype(jnp.float32) if cfg.attention_sinks else None
     o, cache = backend.attention(q, k, v, cache, layer, md, sm_scale=cfg.sm_scale,
-                                 sliding_window=window, soft_cap=cfg.attn_logit_softcap)
+                                 sliding_window=window, soft_cap=cfg.attn_logit_softcap,
+                                 sinks=sinks)
     a = project_("o", o.reshape(T, K * G * D), bias=w["o_bias"] if cfg.o_bias else None)
     if cfg.sandwich_norms:
         a = rms_norm(a, w["post_attn_norm"], cfg)

@@ -96,6 +96,15 @@ class ModelConfig:
     attention_multiplier: Optional[float] = None  # Granite: the softmax scale itself
     logits_scaling: float = 1.0         # Granite: logits divided by it
     qk_norm_whole: bool = False         # OLMoE: q/k RMSNorm over all heads' width at once
+    # GPT-OSS: a learned logit per head in each softmax's denominator; biases on the router
+    # and on every expert's gate/up and down projections; the experts' clamped SwiGLU
+    # (swiglu_alpha, swiglu_limit: `jaxllm.layers.experts.ClampedSwiGLU`); expert weights
+    # published as MXFP4 blocks and scales, dequantized at load (jaxllm/loader/mxfp4.py).
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_clamp: Optional[tuple[float, float]] = None  # (alpha, limit)
+    mxfp4_experts: bool = False
+    norm_scale_f32: bool = False        # GPT-OSS: RMSNorm scales in float32, then rounds
 
     @property
     def kv_values_per_token(self) -> int:
@@ -183,6 +192,11 @@ class ModelConfig:
             raise ConfigError(f"--enable-expert-load-metrics: {arch} has no mixture-of-experts "
                               "layers to count")
         fields["count_expert_load"] = bool(options.enable_expert_load_metrics)
+        if fields.get("mxfp4_experts"):  # dequantized at load: a float model from here on
+            if options.quantization is not None:
+                raise ConfigError(f"--quantization {options.quantization}: the checkpoint's "
+                                  "experts are MXFP4 (dequantized at load)")
+            checkpoint_quant = None
         fields["quant"] = quant_spec(checkpoint_quant, options.quantization)
         fields["lora"] = options.lora
         return cls(**fields)

@@ -1,12 +1,15 @@
-"""A group of mixture-of-experts decoder layers (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5): the
-dense layers' attention, with the MLP replaced by a router over stacked experts.
+"""A group of mixture-of-experts decoder layers (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5,
+GPT-OSS): the dense layers' attention, with the MLP replaced by a router over stacked experts.
 
 Routing is transformers' for each (`route`): for the first three a softmax over every expert's
 router logit (in float32), the top k, renormalized to sum to one when `norm_topk_prob` (always
 for Mixtral); GLM-4.5's and DeepSeek-V2/V3's group-limited top-k and scaling are `route`'s
 other branches (DeepSeek's layers: jaxllm/models/mla.py). The routed experts run in the
 backend's `moe` op (no token dropped); Qwen2-MoE adds a shared expert, a dense gated MLP scaled
-by sigmoid(shared_gate . x), GLM-4.5 and DeepSeek an ungated one. The routing weights and the
+by sigmoid(shared_gate . x), GLM-4.5 and DeepSeek an ungated one. GPT-OSS (`expert_bias`)
+adds biases to the router's logits and to each expert's gate/up (inside the backend's op,
+before its clamped SwiGLU) and down projections (the routed sum of the chosen experts' down
+biases, added here). The routing weights and the
 sum stay in float32 until the layer's output (transformers rounds Qwen's weights to the model
 dtype first; vLLM, like this, does not).
 
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.layers.backends.base import Backend
+from jaxllm.layers.experts import ClampedSwiGLU
 from jaxllm.models.dense import DenseLayers, gated_mlp
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.params import constant, dummy_weight
@@ -44,6 +48,11 @@ class MoeLayers(DenseLayers):
                          ("layers", expert, "embed", None, mlp), 1, first=2)
         self._projection(seed, prefix, "experts_down", (L, X, F, E),
                          ("layers", expert, mlp, "embed"), 1, first=2)
+        if cfg.expert_bias:  # GPT-OSS: the router's logits and every expert's projections
+            self.router_logit_bias = constant(0.0, (L, X), ("layers", None), dt)
+            self.experts_gate_up_bias = constant(0.0, (L, X, 2, F),
+                                                 ("layers", expert, None, mlp), dt)
+            self.experts_down_bias = constant(0.0, (L, X, E), ("layers", expert, "embed"), dt)
         shared = cfg.shared_expert_intermediate_size
         if shared:  # named as the dense MLP's: the backends treat them alike
             self._gated_mlp(seed, L, prefix, shared)
@@ -64,18 +73,27 @@ class MoeLayers(DenseLayers):
         cfg, f32 = self.cfg, jnp.float32
         # Through the backend's projections, as the experts are: on the CPU backend the native
         # matmul, whose rows do not depend on the batch (XLA's dot may sum them by shape).
-        project = lambda name: backend.project(  # noqa: E731
-            x, w[name], layer, n=self.widths()[name], out_dtype=f32)
+        project = lambda name, bias=None: backend.project(  # noqa: E731
+            x, w[name], layer, n=self.widths()[name], out_dtype=f32, bias=bias)
         if cfg.router_f32:  # DeepSeek: the router's input and weights in float32
             logits = backend.project(x.astype(f32), w["router"], layer, n=cfg.num_experts,
                                      out_dtype=f32)
         else:
-            logits = project("router")
+            logits = project("router", w.get("router_logit_bias"))
         weights, ids = route(cfg, logits, w.get("router_bias"))
+        activation = (cfg.activation if cfg.swiglu_clamp is None
+                      else ClampedSwiGLU(*cfg.swiglu_clamp))
+        bias = {"gate_up_bias": w["experts_gate_up_bias"]} if cfg.expert_bias else {}
         out = backend.moe(x, ids.astype(jnp.int32), weights, w["experts_gate_up"],
                           w["experts_down"], layer, experts=cfg.num_experts,
-                          ffn=cfg.moe_intermediate_size, activation=cfg.activation,
-                          dtype=x.dtype, expert_parallel=cfg.expert_parallel)
+                          ffn=cfg.moe_intermediate_size, activation=activation,
+                          dtype=x.dtype, expert_parallel=cfg.expert_parallel, **bias)
+        if cfg.expert_bias:  # sum_k weight_k * down_bias[expert_k], outside the experts
+            # (elementwise in k's order, as the experts' sum: a row's result never depends on
+            # the batch's shape, as a dot's order might)
+            b = w["experts_down_bias"]
+            out = out + sum(weights[:, j, None] * b[ids[:, j]].astype(f32)
+                            for j in range(ids.shape[1]))
         if cfg.shared_expert_intermediate_size:
             shared = gated_mlp(backend, self.widths(), w, x, layer, cfg.activation).astype(f32)
             if cfg.shared_expert_gated:
@@ -105,11 +123,15 @@ def route(cfg: ModelConfig, logits: jax.Array, bias: Optional[jax.Array] = None
       Mixtral/Qwen  softmax over all experts, top k (renormalized with `norm_topk_prob`)
       DeepSeek-V2   softmax; 'greedy' top k, or 'group_limited_greedy': the topk_group groups
                     with the highest single score kept, the others' scores zeroed, top k
+      GPT-OSS       ('topk_softmax') the top k logits, a softmax over them
       DeepSeek-V3   sigmoid; the bias added for the choice only: the topk_group groups with
                     the highest sum of their two best biased scores kept (others -inf), top k
                     of the biased scores, weighted by the unbiased ones, renormalized (+1e-20)
     then times routed_scaling_factor. bias: [X] (V3's e_score_correction_bias)."""
     k = cfg.num_experts_per_tok
+    if cfg.scoring_func == "topk_softmax":
+        top, ids = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1), ids
     if cfg.scoring_func == "sigmoid":
         scores = jax.nn.sigmoid(logits)
     else:

@@ -92,11 +92,13 @@ def constant(value: float, shape, axes, dtype) -> nnx.Param:
 
 
 def rms_norm(x: jax.Array, w: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """RMSNorm over the last axis in float32; Gemma's (1 + w) scales in float32 too, Llama's w
-    after casting back (both as transformers does it)."""
+    """RMSNorm over the last axis in float32; Gemma's (1 + w) and GPT-OSS's w scale in float32
+    too, Llama's w after casting back (each as transformers does it)."""
     xf = x.astype(jnp.float32)
     ms = rowsum(xf * xf)[..., None] / x.shape[-1]  # jnp.mean's order varied with the row count
     y = xf * jax.lax.rsqrt(ms + cfg.rms_norm_eps)
     if cfg.norm_offset:
         return (y * (cfg.norm_offset + w.astype(jnp.float32))).astype(x.dtype)
+    if cfg.norm_scale_f32:
+        return (w.astype(jnp.float32) * y).astype(x.dtype)
     return w * y.astype(x.dtype)

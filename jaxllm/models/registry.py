@@ -158,6 +158,25 @@ def _phi3(c) -> dict:  # Llama's math; fused checkpoint tensors and LongRoPE liv
     return {}
 
 
+def _gpt_oss(c) -> dict:
+    """GPT-OSS: attention with biases (`attention_bias`) and sinks over alternating sliding and
+    full layers (`layer_types`), every layer's MLP a top-k router (softmax over the chosen
+    logits) with biased experts and a clamped SwiGLU; MXFP4 expert weights are dequantized at
+    load."""
+    qc = getattr(c, "quantization_config", None)
+    qc = qc if qc is None or isinstance(qc, dict) else qc.to_dict()
+    method = (qc or {}).get("quant_method")
+    if method not in (None, "mxfp4"):
+        raise ConfigError(f"GPT-OSS quantization method {method!r} is not supported (float or "
+                          "'mxfp4' checkpoints only)")
+    return dict(attention_sinks=True, expert_bias=True,
+                moe_layers=(True,) * c.num_hidden_layers, num_experts=c.num_local_experts,
+                num_experts_per_tok=c.num_experts_per_tok,
+                moe_intermediate_size=c.intermediate_size, scoring_func="topk_softmax",
+                swiglu_clamp=(float(c.swiglu_alpha), float(c.swiglu_limit)),
+                mxfp4_experts=method == "mxfp4", norm_scale_f32=True)
+
+
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -176,6 +195,7 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "OlmoeForCausalLM": _olmoe,
     "Phi3ForCausalLM": _phi3,
     "Gemma3ForConditionalGeneration": _gemma3,  # its language model only (loader/weights.py)
+    "GptOssForCausalLM": _gpt_oss,
 }
 
 

@@ -55,8 +55,9 @@ class Backend:
         LoraBatch, split the fused parts)."""
         raise NotImplementedError
 
-    def gated_activation(self, gate_up: jax.Array, activation: str, dtype) -> jax.Array:
-        """float32 gate/up [T, 2, F] -> activation(gate) * up [T, F] in dtype."""
+    def gated_activation(self, gate_up: jax.Array, activation, dtype) -> jax.Array:
+        """float32 gate/up [T, 2, F] -> activation(gate) * up [T, F] in dtype (activation: a
+        name of reference.ACTIVATIONS, or a callable (gate_up, dtype) -> [T, F])."""
         raise NotImplementedError
 
     def gated_project(self, x: jax.Array, w: jax.Array, layer, *, n: int, activation: str,
@@ -67,8 +68,8 @@ class Backend:
         return self.gated_activation(gate_up.reshape(x.shape[0], 2, n), activation, dtype)
 
     def moe(self, x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate_up: jax.Array,
-            w_down: jax.Array, layer, *, experts: int, ffn: int, activation: str, dtype,
-            expert_parallel: bool) -> jax.Array:
+            w_down: jax.Array, layer, *, experts: int, ffn: int, activation, dtype,
+            expert_parallel: bool, gate_up_bias: Optional[jax.Array] = None) -> jax.Array:
         """The routed experts of a mixture-of-experts layer: x [T, E], each token's top-k
         expert ids [T, k] (int32) and routing weights [T, k] (float32), the stacked experts
         w_gate_up [X, E, 2, F] and w_down [X, F, E] -> sum_k weight * expert(x), float32
@@ -76,7 +77,9 @@ class Backend:
         whole stack in the backend's layout for `resident` ones (then `layer` picks it; X =
         `experts`, F = `ffn`, which such a layout may not show). expert_parallel: the experts
         are sharded over the mesh's `model` axis (else each expert's F is); see
-        `jaxllm.layers.experts`."""
+        `jaxllm.layers.experts`. activation: a name, or a callable (float32 gate/up [N, 2, F],
+        dtype) -> [N, F] (`jaxllm.layers.experts.ClampedSwiGLU`). gate_up_bias: [X, 2, F],
+        added to each expert's gate/up sums before the activation (None: no biases)."""
         raise NotImplementedError
 
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,

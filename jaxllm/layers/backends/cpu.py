@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxllm.layers.attention import KVCache, native_cpu_attention
 from jaxllm.layers.backends.reference import ReferenceBackend, from_bits
-from jaxllm.layers.experts import experts_sorted
+from jaxllm.layers.experts import experts_sorted, row_experts
 from jaxllm.layers.quantization import QuantizedWeight, QuantSpec
 from pallas_kernels.activation import kernel_cpu as activation_cpu
 from pallas_kernels.grouped_matmul import kernel_cpu as grouped_cpu
@@ -111,7 +111,7 @@ class CpuBackend(ReferenceBackend):
         return super().gated_project(x, w, layer, n=n, activation=activation, dtype=dtype)
 
     def gated_activation(self, gate_up, activation, dtype):
-        if self.native_matmul and activation == "silu":
+        if self.native_matmul and isinstance(activation, str) and activation == "silu":
             return activation_cpu.silu_and_mul(gate_up, dtype)
         return super().gated_activation(gate_up, activation, dtype)
 
@@ -125,22 +125,26 @@ class CpuBackend(ReferenceBackend):
                                                                       dtype)
 
     def moe(self, x, ids, weights, w_gate_up, w_down, layer, *, experts, ffn, activation, dtype,
-            expert_parallel):
+            expert_parallel, gate_up_bias=None):
         if isinstance(w_gate_up, QuantizedWeight):  # the XLA experts on their widened weights
             return ReferenceBackend().moe(x, ids, weights, w_gate_up, w_down, layer,
                                           experts=experts, ffn=ffn, activation=activation,
-                                          dtype=dtype, expert_parallel=expert_parallel)
+                                          dtype=dtype, expert_parallel=expert_parallel,
+                                          gate_up_bias=gate_up_bias)
         if not self.native_matmul:
             return super().moe(x, ids, weights, w_gate_up, w_down, layer, experts=experts,
                                ffn=ffn, activation=activation, dtype=dtype,
-                               expert_parallel=expert_parallel)
+                               expert_parallel=expert_parallel, gate_up_bias=gate_up_bias)
         # One device (`resolve_backend`): every expert is here, whatever expert_parallel says.
         run = partial(grouped_cpu.grouped_matmul, layer=layer)
 
         def up(xs, sizes):  # SiLU in the kernel, on the gate/up sums while they are in cache
-            if activation == "silu":
+            if activation == "silu" and gate_up_bias is None:
                 return run(xs, w_gate_up, sizes, n=ffn, out_dtype=dtype, gated=True)
             gate_up = run(xs, w_gate_up, sizes, n=2 * ffn).reshape(-1, 2, ffn)
+            if gate_up_bias is not None:  # each sorted row's expert's bias
+                gate_up = gate_up + gate_up_bias[row_experts(sizes, gate_up.shape[0])].astype(
+                    jnp.float32)
             return self.gated_activation(gate_up, activation, dtype)
 
         return experts_sorted(x, ids, weights, experts, up,

@@ -85,6 +85,8 @@ class ReferenceBackend(Backend):
         return (y if bias is None else y + bias.reshape(n)).astype(out_dtype)
 
     def gated_activation(self, gate_up, activation, dtype):
+        if callable(activation):  # e.g. GPT-OSS's ClampedSwiGLU
+            return activation(gate_up, dtype)
         if activation == "silu":
             return activation_ref.silu_and_mul(gate_up, dtype)
         gate_up = gate_up.astype(dtype)
@@ -115,7 +117,7 @@ class ReferenceBackend(Backend):
         return ragged_dot(lhs, rhs, group_sizes)
 
     def moe(self, x, ids, weights, w_gate_up, w_down, layer, *, experts, ffn, activation,
-            dtype, expert_parallel):
+            dtype, expert_parallel, gate_up_bias=None):
         # Quantized experts are widened whole, then run as float ones (a grouped matmul that
         # reads them quantized is a later part).
         if isinstance(w_gate_up, QuantizedWeight):
@@ -124,32 +126,37 @@ class ReferenceBackend(Backend):
         if isinstance(w_down, QuantizedWeight):
             w_down = dequantize_experts(w_down, ffn, x.shape[1], dtype)
 
-        def run(x, ids, weights, w_gate_up, w_down):  # the experts' weights: slices
+        def run(x, ids, weights, w_gate_up, w_down, bias):  # the experts' weights: slices
             name = self.moe_impl(*ids.shape, w_gate_up.shape[0], dtype)
             act = lambda gu: self.gated_activation(gu, activation, dtype)  # noqa: E731
+            kw = {} if bias is None else {"gate_up_bias": bias}
             if name == "ragged":
                 return experts_ragged(x, ids, weights, w_gate_up, w_down, act,
-                                      self.grouped_matmul)
-            return EXPERT_IMPLS[name](x, ids, weights, w_gate_up, w_down, act)
+                                      self.grouped_matmul, **kw)
+            return EXPERT_IMPLS[name](x, ids, weights, w_gate_up, w_down, act, **kw)
 
         n = 1 if self.mesh is None else self.mesh.shape["model"]
         split = w_gate_up.shape[0 if expert_parallel else 3]
         if n == 1 or split % n:  # one device, or replicated (left to XLA's partitioner)
-            return run(x, ids, weights, w_gate_up, w_down)
+            return run(x, ids, weights, w_gate_up, w_down, gate_up_bias)
 
         # Tokens stay replicated (each device has the whole batch after attention): every
         # device runs its shard of the experts (or of every expert's FFN) and a psum adds the
         # partial sums. Ids of experts held elsewhere fall outside the local range and count
         # for nothing there.
-        def shard(x, ids, weights, w_gate_up, w_down):
+        def shard(x, ids, weights, w_gate_up, w_down, *bias):
             if expert_parallel:
                 ids = ids - jax.lax.axis_index("model") * w_gate_up.shape[0]
-            return jax.lax.psum(run(x, ids, weights, w_gate_up, w_down), "model")
+            return jax.lax.psum(run(x, ids, weights, w_gate_up, w_down, *bias or (None,)),
+                                "model")
 
-        specs = ((P("model"), P("model")) if expert_parallel
-                 else (P(None, None, None, "model"), P(None, "model", None)))
-        return jax.shard_map(shard, mesh=self.mesh, in_specs=(P(), P(), P(), *specs),
-                             out_specs=P(), check_vma=False)(x, ids, weights, w_gate_up, w_down)
+        specs = ((P("model"), P("model"), P("model")) if expert_parallel
+                 else (P(None, None, None, "model"), P(None, "model", None),
+                       P(None, None, "model")))  # the gate/up bias [X, 2, F] as the weights
+        bias = () if gate_up_bias is None else (gate_up_bias,)
+        return jax.shard_map(shard, mesh=self.mesh,
+                             in_specs=(P(), P(), P(), *specs[:2 + len(bias)]), out_specs=P(),
+                             check_vma=False)(x, ids, weights, w_gate_up, w_down, *bias)
 
     def attention(self, q, k, v, cache: KVCache, layer, md: AttentionMetadata, *, sm_scale,
                   sliding_window=None, soft_cap: Optional[float] = None, sinks=None):

@@ -4,9 +4,11 @@ from jaxllm.entrypoints.openai_parsers import pick
 from jaxllm.entrypoints.openai_parsers.reasoning_parsers.base import ReasoningParser
 from jaxllm.entrypoints.openai_parsers.reasoning_parsers.deepseek_r1 import (
     DeepSeekR1ReasoningParser)
+from jaxllm.entrypoints.openai_parsers.reasoning_parsers.gpt_oss import GptOssReasoningParser
 from jaxllm.entrypoints.openai_parsers.reasoning_parsers.qwen3 import Qwen3ReasoningParser
 
-REASONING_PARSERS = {p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
+REASONING_PARSERS = {p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser,
+                                         GptOssReasoningParser)}
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:

@@ -3,13 +3,14 @@
 from jaxllm.entrypoints.openai_parsers import pick
 from jaxllm.entrypoints.openai_parsers.tool_parsers.base import (ExtractedToolCalls, ToolCall,
                                                                  ToolParser)
+from jaxllm.entrypoints.openai_parsers.tool_parsers.gpt_oss import GptOssToolParser
 from jaxllm.entrypoints.openai_parsers.tool_parsers.hermes import HermesToolParser
 from jaxllm.entrypoints.openai_parsers.tool_parsers.llama3_json import Llama3JsonToolParser
 from jaxllm.entrypoints.openai_parsers.tool_parsers.mistral import MistralToolParser
 from jaxllm.entrypoints.openai_parsers.tool_parsers.pythonic import PythonicToolParser
 
 TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                                    PythonicToolParser)}
+                                    PythonicToolParser, GptOssToolParser)}
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
