@@ -96,6 +96,15 @@ class ModelConfig:
     attention_multiplier: Optional[float] = None  # Granite: the softmax scale itself
     logits_scaling: float = 1.0         # Granite: logits divided by it
     qk_norm_whole: bool = False         # OLMoE: q/k RMSNorm over all heads' width at once
+    # Llama 4 (jaxllm/models/llama4.py); nope_layers empty = not Llama 4. Per layer: no RoPE
+    # (NoPE) and the attention chunk (0 = none); the NoPE layers' temperature tuning
+    # (floor_scale, attn_scale); the weightless q/k norm of RoPE layers; the routing weight
+    # scaling the expert's input instead of its output (top-1).
+    nope_layers: tuple[bool, ...] = ()
+    attention_chunk: tuple[int, ...] = ()
+    attn_temperature: Optional[tuple[float, float]] = None
+    qk_l2_norm: bool = False
+    router_scales_input: bool = False
 
     @property
     def kv_values_per_token(self) -> int:
