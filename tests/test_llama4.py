@@ -149,3 +149,99 @@ def test_llama4_refusals():
         ModelConfig.from_hf(config(layer_types=["sliding_attention"] * 4))
     cfg = ModelConfig.from_hf(config(attention_chunk_size=None))
     assert cfg.attention_chunk == (0, 0, 0, 0)  # no chunk size: every layer full attention
+
+
+@pytest.mark.slow  # ~60 s: the engine's programs
+def test_llama4_engine_equals_transformers_and_one_by_one(make_llama4, monkeypatch):
+    """Through the engine: continuous batching with chunked prefill (16-token steps, so a
+    prompt's chunks and its attention chunks of 8 fall differently), prefix caching and
+    preemption (a cache of 48 blocks of 4 tokens for 13 prompts of up to 88 + 12 tokens) give
+    transformers' greedy tokens, and the same tokens as one request at a time."""
+    from test_engine import GREEDY, NEW, hf_greedy, mixed_prompts, small_llm, token_ids
+
+    monkeypatch.setenv("JAXLLM_FAIL_ON_RECOMPILE", "1")
+    path = make_llama4(**TEXT)
+    prompts = mixed_prompts(10, seed=5, hi=48)
+    prompts += [prompts[0] + p for p in mixed_prompts(3, seed=6)]  # shared prefixes
+    expected = hf_greedy(path, prompts, NEW)
+    # 48 blocks: 4 layers x 4 tokens x 2 KV heads x 16 values x K and V, float32.
+    llm = small_llm(path, max_num_batched_tokens=16, enable_prefix_caching=True,
+                    max_model_len=128, kv_cache_memory_bytes=48 * 4 * 4 * 2 * 16 * 2 * 4)
+    batch = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                   use_tqdm=False))
+    assert batch == expected
+    singles = [token_ids(llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False))[0]
+               for p in prompts[:2]]
+    assert singles == expected[:2]
+    assert llm.llm_engine.kv_cache_manager.prefix_cache_hits > 0
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.slow  # the XLA reference and the Pallas GPU kernel (interpreted) are slow on CPU
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_llama4_other_backends(backend, make_llama4, load, greedy):
+    path = make_llama4(**TEXT)
+    model, _, _ = load(path, attention_backend=backend)
+    assert model.backend.name == backend
+    assert_greedy_matches_transformers(path, model, _prompts(PROMPT_LENS), greedy)
+
+
+@pytest.mark.slow  # a subprocess on 2 virtual devices, 2 loads
+def test_llama4_tensor_parallel_matches_one_device(make_llama4):
+    """tp=2 (heads, the dense FFNs and every expert's FFN split over `model`) gives one
+    device's logits (atol 1e-4) and greedy tokens."""
+    from conftest import run_with_host_devices
+
+    proc = run_with_host_devices(2, [__file__, make_llama4(**TEXT)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    base, tp2 = runs["tp1"], runs["tp2"]
+    assert not base["sharded"] and any("experts" in p for p in tp2["sharded"])
+    for key in ("prefill", "steps"):
+        np.testing.assert_allclose(np.array(tp2[key]), np.array(base[key]), atol=1e-4, rtol=0,
+                                   err_msg=key)
+    assert tp2["tokens"] == base["tokens"]
+
+
+def _parallel_child(path: str) -> dict:
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from conftest import greedy_record, load_tiny, sharded_params
+
+    prompts = _prompts((7, 19), seed=1)
+    report = {}
+    for name, tp in (("tp1", 1), ("tp2", 2)):
+        model, _, _ = load_tiny(path, tp=tp)
+        report[name] = {"sharded": sharded_params(model), **greedy_record(model, prompts, 24)}
+    return report
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_llama4_step_exports_with_chunked_attention(platform):
+    """The whole step of a Llama 4 model exports for TPU and CUDA on a 2-way mesh (test_export's
+    step): the platform's attention kernel, no CPU-only call, and the per-layer attention
+    chunks (8 on the RoPE layer, 0 on the NoPE one of each group) reach the program."""
+    import re
+
+    from transformers import Llama4TextConfig
+
+    from jaxllm.config import EngineArgs
+    from jaxllm.models.model_config import ModelConfig
+    from test_export import CPU_ONLY, KERNEL, exported_step
+
+    hf = Llama4TextConfig(**dict(TEXT, hidden_size=128, head_dim=32))
+    hf.architectures = ["Llama4ForCausalLM"]
+    cfg = ModelConfig.from_hf(hf, EngineArgs(model="tiny", dtype="bfloat16")
+                              .create_engine_config().model)
+    text = exported_step(platform, 2, cfg).mlir_module()
+    assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {KERNEL[platform]}
+    assert not [name for name in CPU_ONLY if name in text]
+    assert "dense<[8, 0]> : tensor<2xi32>" in text
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(json.dumps(_parallel_child(sys.argv[1])))
