@@ -133,7 +133,7 @@ def test_llama4_multimodal_checkpoint_text_only(make_llama4, load, greedy):
         np.testing.assert_allclose(ours, want, atol=1e-4, rtol=0)
 
 
-def test_llama4_refusals():
+def test_llama4_refusals(make_llama4, load):
     from transformers import Llama4TextConfig
 
     from jaxllm.models.model_config import ModelConfig
@@ -149,6 +149,8 @@ def test_llama4_refusals():
         ModelConfig.from_hf(config(layer_types=["sliding_attention"] * 4))
     cfg = ModelConfig.from_hf(config(attention_chunk_size=None))
     assert cfg.attention_chunk == (0, 0, 0, 0)  # no chunk size: every layer full attention
+    with pytest.raises(ConfigError, match="enable-lora"):
+        load(make_llama4(**TEXT), enable_lora=True)
 
 
 @pytest.mark.slow  # ~60 s: the engine's programs
@@ -218,7 +220,7 @@ def _parallel_child(path: str) -> dict:
     return report
 
 
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("platform", [pytest.param("tpu", marks=pytest.mark.slow), "cuda"])
 def test_llama4_step_exports_with_chunked_attention(platform):
     """The whole step of a Llama 4 model exports for TPU and CUDA on a 2-way mesh (test_export's
     step): the platform's attention kernel, no CPU-only call, and the per-layer attention

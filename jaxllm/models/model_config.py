@@ -194,6 +194,9 @@ class ModelConfig:
         fields["count_expert_load"] = bool(options.enable_expert_load_metrics)
         fields["quant"] = quant_spec(checkpoint_quant, options.quantization)
         fields["lora"] = options.lora
+        if options.lora is not None and fields.get("nope_layers"):
+            raise ConfigError("--enable-lora: Llama 4 adapters are not supported (the loader "
+                              "reorders q_proj/k_proj rows for RoPE, adapters are not)")
         return cls(**fields)
 
 
