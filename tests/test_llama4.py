@@ -243,6 +243,26 @@ def test_llama4_step_exports_with_chunked_attention(platform):
     assert "dense<[8, 0]> : tensor<2xi32>" in text
 
 
+@pytest.mark.slow  # ~11 s: a bf16 program and two transformers models
+def test_llama4_bfloat16_error_is_transformers_bfloat16_error(make_llama4, load, greedy):
+    """bfloat16 (vLLM's default for float32 checkpoints) strays from float32 transformers no
+    more than transformers' own bfloat16 model does."""
+    from test_models import ATOL, _hf_model
+
+    path = make_llama4(**TEXT)
+    model, cfg, _ = load(path, dtype="bfloat16")
+    assert cfg.dtype == "bfloat16"
+    prompts = _prompts((9, 20))
+    prefill, _, _ = greedy(model, prompts, 1)
+    hf, hf_bf16 = _hf_model(path), _hf_model(path).to(torch.bfloat16)
+    for ours, prompt in zip(prefill, prompts):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0].numpy()
+            theirs = hf_bf16(torch.tensor([prompt])).logits[0].float().numpy()
+        err, their_err = np.abs(ours - want).max(), np.abs(theirs - want).max()
+        assert their_err > ATOL and err <= 1.5 * their_err + 0.02
+
+
 if __name__ == "__main__":
     import sys
 
