@@ -267,3 +267,31 @@ if __name__ == "__main__":
     import sys
 
     print(json.dumps(_parallel_child(sys.argv[1])))
+
+
+@pytest.mark.parametrize("parser,output", [
+    ("llama4_pythonic", '<|python_start|>[get_weather(city="Paris", unit="celsius"), '
+     'get_time(zone="CET")]<|python_end|>'),
+    ("llama4_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
+     '"celsius"}}; {"name": "get_time", "parameters": {"zone": "CET"}}'),
+])
+def test_llama4_tool_parsers(parser, output):
+    """vLLM's two Llama 4 tool-call formats, whole and streamed token by token."""
+    from jaxllm.entrypoints.openai_parsers.tool_parsers import get_tool_parser
+
+    want = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "CET"})]
+    got = get_tool_parser(parser)().extract(output)
+    assert not got.content and [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == want
+    p, calls, text = get_tool_parser(parser)(), {}, ""
+    for i in range(0, len(output), 3):
+        new = output[:i + 3]
+        for d in [p.extract_delta(text, new, new[len(text):])] + ([p.flush(new)]
+                                                                   if len(new) == len(output)
+                                                                   else []):
+            assert not (d or {}).get("content")
+            for tc in (d or {}).get("tool_calls", []):
+                c = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+                c["name"] += tc.get("function", {}).get("name") or ""
+                c["arguments"] += tc.get("function", {}).get("arguments") or ""
+        text = new
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == want
