@@ -205,6 +205,24 @@ def test_llama4_tensor_parallel_matches_one_device(make_llama4):
     assert tp2["tokens"] == base["tokens"]
 
 
+@pytest.mark.slow  # a subprocess on 2 virtual devices, two engines
+def test_llama4_pipeline_stages_match_one_device(make_llama4, monkeypatch):
+    """Pipeline parallel 2 with the stages split inside the dense group (layers [0], [1, 3]):
+    each stage's NoPE flags and attention chunks are its own layers' (test_pipeline_parallel's
+    engine child: chunked prefill, prompts crossing chunks of 8), same tokens as one device."""
+    import os
+
+    from conftest import run_with_host_devices
+
+    monkeypatch.setenv("JAXLLM_PP_LAYER_PARTITION", "1,3")
+    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_pipeline_parallel.py")
+    proc = run_with_host_devices(2, [child, make_llama4(**TEXT), "moe"], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["layers"] == [1, 3]
+    assert report["pp2"] == report["base"] and len(report["base"]) == 3
+
+
 def _parallel_child(path: str) -> dict:
     import os
     import sys
