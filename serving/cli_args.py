@@ -156,7 +156,8 @@ def lora_modules(args: argparse.Namespace, served_model_names: list[str],
 
 # vLLM's names; tests/test_chat_tools.py checks them against the parser registries (importing
 # those here would make `jaxllm serve --help` import the package).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai", "llama4_json",
+                     "llama4_pythonic")
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 HARMONY_PARSERS = ("openai", "openai_gptoss")  # GPT-OSS's (jaxllm/entrypoints/harmony.py)
 CONTENT_FORMATS = ("auto", "string", "openai")

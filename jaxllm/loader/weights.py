@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from jaxllm.loader.mxfp4 import dequantized_experts
 from jaxllm.loader.quantized import Target, quantized_targets, storage_cast
 from jaxllm.models.decoder import MOE_KINDS, Decoder, layer_groups
+from jaxllm.models.llama4 import deinterleave_rows
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.parallel.mesh import named_sharding
 
@@ -83,6 +84,12 @@ def _float_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
                       ("self_attn.v_proj.bias", "qkv_bias", (0, G + 1, 0), (K * D,), bias_in(1))]
     if cfg.o_bias:
         per_layer.append(("self_attn.o_proj.bias", "o_bias", (0,), (E,), same))
+    if cfg.nope_layers:  # Llama 4's (even, odd) rotary pairs -> apply_rope's (i, i + D/2)
+        per_layer = [(name, param, start, shape,
+                      lambda x, fn=fn, n=shape[0] // D: fn(deinterleave_rows(x, n, D)))
+                     if name.startswith(("self_attn.q_proj.", "self_attn.k_proj."))
+                     else (name, param, start, shape, fn)
+                     for name, param, start, shape, fn in per_layer]
     if cfg.qk_norm:
         per_layer += [("self_attn.q_norm.weight", "q_norm", (0,), (D,), same),
                       ("self_attn.k_norm.weight", "k_norm", (0,), (D,), same)]
@@ -100,7 +107,8 @@ def _float_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
 
     for g, group in enumerate(layer_groups(cfg)):
         mlp = (MOE_LAYOUTS.get(cfg.architecture, _moe_mlp)(cfg, gate_up)
-               if group.kind in MOE_KINDS else _gated_mlp("mlp.", F, E, gate_up))
+               if group.kind in MOE_KINDS
+               else _gated_mlp(MLP_PREFIX.get(cfg.architecture, "mlp."), F, E, gate_up))
         attention = _mla_layer(cfg) if group.kind.startswith("mla") else per_layer
         for i in range(group.first, group.first + group.count):
             for name, param, start, shape, fn in attention + mlp:
@@ -220,8 +228,27 @@ def _gpt_oss_mlp(cfg: ModelConfig, gate_up: Callable) -> list:
             ("mlp.experts.down_proj_bias", "experts_down_bias", (0, 0), (X, E), same)]
 
 
+
+def _llama4_moe_mlp(cfg: ModelConfig, gate_up: Callable) -> list:
+    """Llama 4's feed_forward: router [X, E], the experts stacked as [in, out] matrices
+    (experts.gate_up_proj [X, E, 2F]: gate columns, then up; experts.down_proj [X, F, E]) and
+    the shared expert's three projections."""
+    E, X, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    p = "feed_forward."
+    return [(f"{p}router.weight", "router", (0, 0), (X, E), lambda x: x.T),
+            (f"{p}experts.gate_up_proj", "experts_gate_up", (0, 0, 0, 0), (X, E, 2 * F),
+             lambda x: x.reshape(X, E, 2, F)),
+            (f"{p}experts.down_proj", "experts_down", (0, 0, 0), (X, F, E), lambda x: x),
+            *_gated_mlp(f"{p}shared_expert.", cfg.shared_expert_intermediate_size, E, gate_up)]
+
+
 # Architectures whose MoE tensors are not named and shaped as Mixtral's or Qwen's.
-MOE_LAYOUTS = {"GraniteMoeForCausalLM": _granite_moe_mlp, "GptOssForCausalLM": _gpt_oss_mlp}
+MOE_LAYOUTS = {"GraniteMoeForCausalLM": _granite_moe_mlp, "GptOssForCausalLM": _gpt_oss_mlp,
+               "Llama4ForCausalLM": _llama4_moe_mlp,
+               "Llama4ForConditionalGeneration": _llama4_moe_mlp}
+# Architectures whose dense MLP is not under `mlp.`.
+MLP_PREFIX = {"Llama4ForCausalLM": "feed_forward.",
+              "Llama4ForConditionalGeneration": "feed_forward."}
 
 
 def _phi3_fused(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
@@ -272,8 +299,17 @@ def _language_model_name(name: str):
     return name  # anything else is checked against the targets as it is
 
 
+def _llama4_text_name(name: str):
+    """A Llama 4 multimodal checkpoint's name -> the text model's (None: its vision model,
+    skipped); otherwise as Gemma 3's."""
+    if name.startswith(("vision_model.", "model.vision_model.")):
+        return None
+    return _language_model_name(name)
+
+
 # Multimodal architectures loaded text-only: checkpoint name -> text model name (or None).
-TEXT_NAMES = {"Gemma3ForConditionalGeneration": _language_model_name}
+TEXT_NAMES = {"Gemma3ForConditionalGeneration": _language_model_name,
+              "Llama4ForConditionalGeneration": _llama4_text_name}
 
 
 def _renamed(tensors: Iterable, origin: Callable, rename: Callable) -> tuple[Iterable, Callable]:

@@ -22,6 +22,7 @@ from jaxllm.layers.attention import AttentionMetadata, KVCache
 from jaxllm.layers.backends.base import Backend
 from jaxllm.layers.backends.reference import ACTIVATIONS, ReferenceBackend
 from jaxllm.layers.lora import lora_batch
+from jaxllm.models import llama4
 from jaxllm.models.dense import DenseLayers
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.mla import MlaLayers, MlaMoeLayers
@@ -154,8 +155,11 @@ class Decoder(nnx.Module):
                 continue
             rope_ids = jnp.asarray([specs.index(s) for s in cfg.rope[a:b]], jnp.int32)
             windows = jnp.asarray(cfg.sliding_window[a:b], jnp.int32) if windowed else None
-            h, caches[i] = layers(self.backend, h, caches[i], md, (cos, sin, rope_ids, windows),
-                                  a - g.first, b - g.first, lora)
+            rope = (cos, sin, rope_ids, windows)
+            if cfg.nope_layers:  # Llama 4's per-layer NoPE and attention chunk
+                rope += (llama4.layer_inputs(cfg, a, b, positions),)
+            h, caches[i] = layers(self.backend, h, caches[i], md, rope, a - g.first,
+                                  b - g.first, lora)
         return h, tuple(caches)
 
     def apply_final_norm(self, h: jax.Array) -> jax.Array:

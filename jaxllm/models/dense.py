@@ -23,6 +23,7 @@ from jaxllm.layers.quantization import QuantizedWeight
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.layers.lora import LORA_PROJECTIONS, LoraBatch
 from jaxllm.models.params import constant, lora_slots, projection, rms_norm, with_quantized
+from jaxllm.models import llama4
 from jaxllm.models.rope import apply_rope
 
 
@@ -113,19 +114,22 @@ class DenseLayers(nnx.Module):
         return gated_mlp(backend, self.widths(), w, x, layer, self.cfg.activation, lora), None
 
     def layer(self, backend: Backend, w: dict, h: jax.Array, cache: KVCache, layer,
-              md: AttentionMetadata, cos, sin, window, lora
+              md: AttentionMetadata, cos, sin, window, lora, local: Optional[dict] = None
               ) -> tuple[jax.Array, KVCache, Optional[jax.Array]]:
-        """One layer (its weights w) over hidden states h [T, E]: (h, cache, routes)."""
-        return _layer(self, backend, w, h, cache, layer, md, cos, sin, window, lora)
+        """One layer (its weights w) over hidden states h [T, E]: (h, cache, routes).
+        local: Llama 4's inputs of this layer (jaxllm/models/llama4.py), else None."""
+        return _layer(self, backend, w, h, cache, layer, md, cos, sin, window, lora, local)
 
     def __call__(self, backend: Backend, h: jax.Array, cache: KVCache, md: AttentionMetadata,
                  rope: tuple, start: int, end: int, lora: Optional[LoraBatch] = None
                  ) -> tuple[jax.Array, KVCache]:
         """Run the group's layers [start, end) (local indices) over hidden states h [T, E].
         rope: (cos, sin) tables per distinct RoPE setting, then each of those layers' table
-        index and sliding window (None when no layer has one). lora: each token's adapter
-        slot (`LoraBatch`; None: no adapters in this model)."""
-        cos, sin, rope_ids, windows = rope
+        index and sliding window (None when no layer has one), and for Llama 4
+        `llama4.layer_inputs`. lora: each token's adapter slot (`LoraBatch`; None: no adapters
+        in this model)."""
+        cos, sin, rope_ids, windows, *extra = rope
+        per_layer, temp = extra[0] if extra else (None, None)
         weights = with_quantized({k: v[...] for k, v in vars(self).items()
                                   if isinstance(v, nnx.Param)})
         # Read in place by the backend (indexed by layer), not sliced per layer by the scan;
@@ -138,15 +142,17 @@ class DenseLayers(nnx.Module):
 
         def body(carry, xs):
             h, cache = carry
-            w, layer, rope_id, window = xs
+            w, layer, rope_id, window, here = xs
             w = {**{k: v if isinstance(v, QuantizedWeight) else backend.weight(v)
                     for k, v in w.items()}, **resident}
+            local = {} if here is None else {"local": dict(here, temp=temp)}
             h, cache, routes = self.layer(backend, w, h, cache, layer, md, cos[rope_id],
-                                          sin[rope_id], window, lora)
+                                          sin[rope_id], window, lora, **local)
             return (h, cache), routes
 
         layers = jnp.arange(start, end, dtype=jnp.int32)
-        (h, cache), routes = jax.lax.scan(body, (h, cache), (weights, layers, rope_ids, windows))
+        (h, cache), routes = jax.lax.scan(body, (h, cache),
+                                          (weights, layers, rope_ids, windows, per_layer))
         if routes is not None:  # [end - start, T, k]: only MoE layers that count them route
             self.record_routes(routes, md.slot_mapping >= 0, start)
         return h, cache
@@ -181,7 +187,7 @@ def project(backend: Backend, w: dict, name: str, x: jax.Array, layer, n: int, o
 
 
 def _layer(group: DenseLayers, backend: Backend, w: dict, h: jax.Array, cache: KVCache, layer,
-           md: AttentionMetadata, cos, sin, window, lora
+           md: AttentionMetadata, cos, sin, window, lora, local: Optional[dict] = None
            ) -> tuple[jax.Array, KVCache, Optional[jax.Array]]:
     cfg, widths = group.cfg, group.widths()
     T, dt = h.shape[0], h.dtype
@@ -199,11 +205,15 @@ def _layer(group: DenseLayers, backend: Backend, w: dict, h: jax.Array, cache: K
     if cfg.qk_norm_whole:
         q = rms_norm(q.reshape(T, -1), w["q_norm"].reshape(-1), cfg).reshape(T, K * G, D)
         k = rms_norm(k.reshape(T, -1), w["k_norm"].reshape(-1), cfg).reshape(T, K, D)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if local is None:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    else:  # Llama 4: NoPE or RoPE per layer (traced), its norm and temperature
+        q, k = llama4.qk(cfg, q, k, cos, sin, local)
     sinks = w["sinks"].reshape(K * G).astype(jnp.float32) if cfg.attention_sinks else None
     o, cache = backend.attention(q, k, v, cache, layer, md, sm_scale=cfg.sm_scale,
                                  sliding_window=window, soft_cap=cfg.attn_logit_softcap,
-                                 sinks=sinks)
+                                 sinks=sinks,
+                                 attention_chunk=None if local is None else local["chunk"])
     a = project_("o", o.reshape(T, K * G * D), bias=w["o_bias"] if cfg.o_bias else None)
     if cfg.sandwich_norms:
         a = rms_norm(a, w["post_attn_norm"], cfg)

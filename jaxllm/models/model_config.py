@@ -105,6 +105,15 @@ class ModelConfig:
     swiglu_clamp: Optional[tuple[float, float]] = None  # (alpha, limit)
     mxfp4_experts: bool = False
     norm_scale_f32: bool = False        # GPT-OSS: RMSNorm scales in float32, then rounds
+    # Llama 4 (jaxllm/models/llama4.py); nope_layers empty = not Llama 4. Per layer: no RoPE
+    # (NoPE) and the attention chunk (0 = none); the NoPE layers' temperature tuning
+    # (floor_scale, attn_scale); the weightless q/k norm of RoPE layers; the routing weight
+    # scaling the expert's input instead of its output (top-1).
+    nope_layers: tuple[bool, ...] = ()
+    attention_chunk: tuple[int, ...] = ()
+    attn_temperature: Optional[tuple[float, float]] = None
+    qk_l2_norm: bool = False
+    router_scales_input: bool = False
 
     @property
     def kv_values_per_token(self) -> int:
@@ -199,6 +208,9 @@ class ModelConfig:
             checkpoint_quant = None
         fields["quant"] = quant_spec(checkpoint_quant, options.quantization)
         fields["lora"] = options.lora
+        if options.lora is not None and fields.get("nope_layers"):
+            raise ConfigError("--enable-lora: Llama 4 adapters are not supported (the loader "
+                              "reorders q_proj/k_proj rows for RoPE, adapters are not)")
         return cls(**fields)
 
 

@@ -84,7 +84,10 @@ class MoeLayers(DenseLayers):
         activation = (cfg.activation if cfg.swiglu_clamp is None
                       else ClampedSwiGLU(*cfg.swiglu_clamp))
         bias = {"gate_up_bias": w["experts_gate_up_bias"]} if cfg.expert_bias else {}
-        out = backend.moe(x, ids.astype(jnp.int32), weights, w["experts_gate_up"],
+        xe = x
+        if cfg.router_scales_input:  # Llama 4 (top-1): the weight scales the expert's input
+            xe, weights = x * weights.astype(x.dtype), jnp.ones_like(weights)
+        out = backend.moe(xe, ids.astype(jnp.int32), weights, w["experts_gate_up"],
                           w["experts_down"], layer, experts=cfg.num_experts,
                           ffn=cfg.moe_intermediate_size, activation=activation,
                           dtype=x.dtype, expert_parallel=cfg.expert_parallel, **bias)

@@ -27,7 +27,9 @@ def stage_config(cfg: ModelConfig, start: int, end: int) -> ModelConfig:
     """cfg with layers [start, end) only."""
     return dataclasses.replace(cfg, num_layers=end - start, rope=cfg.rope[start:end],
                                sliding_window=cfg.sliding_window[start:end],
-                               moe_layers=cfg.moe_layers[start:end])
+                               moe_layers=cfg.moe_layers[start:end],
+                               nope_layers=cfg.nope_layers[start:end],
+                               attention_chunk=cfg.attention_chunk[start:end])
 
 
 def split_stage(model: Decoder, start: int, end: int, mesh: Mesh) -> Decoder:

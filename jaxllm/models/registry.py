@@ -175,6 +175,35 @@ def _gpt_oss(c) -> dict:
                 moe_intermediate_size=c.intermediate_size, scoring_func="topk_softmax",
                 swiglu_clamp=(float(c.swiglu_alpha), float(c.swiglu_limit)),
                 mxfp4_experts=method == "mxfp4", norm_scale_f32=True)
+def _llama4(c) -> dict:
+    """Llama 4 text (jaxllm/models/llama4.py): NoPE layers with temperature tuning, chunked
+    local attention on the RoPE layers, the RoPE layers' q/k L2 norm; MoE layers (`moe_layers`,
+    which transformers derives from interleave_moe_layer_step) of top-1 sigmoid routing that
+    scales the expert's input, plus an ungated shared expert; dense layers of
+    intermediate_size_mlp."""
+    n = c.num_hidden_layers
+    if c.num_experts_per_tok != 1:  # the weight scales each expert's input: one per token
+        raise ConfigError(f"Llama 4 num_experts_per_tok={c.num_experts_per_tok} is not "
+                          "supported (1 only)")
+    if len(c.no_rope_layers) < n:
+        raise ConfigError(f"Llama 4 no_rope_layers has {len(c.no_rope_layers)} entries for "
+                          f"{n} layers")
+    kinds = set(c.layer_types) - {"full_attention", "chunked_attention"}
+    if kinds:
+        raise ConfigError(f"Llama 4 layer_types {sorted(kinds)} are not supported")
+    chunk = c.attention_chunk_size or 0
+    moe = set(c.moe_layers)
+    return dict(
+        intermediate_size=c.intermediate_size_mlp,
+        nope_layers=tuple(not c.no_rope_layers[i] for i in range(n)),
+        attention_chunk=tuple(chunk if t == "chunked_attention" else 0 for t in c.layer_types),
+        attn_temperature=((float(c.floor_scale), float(c.attn_scale))
+                          if c.attn_temperature_tuning else None),
+        qk_l2_norm=bool(c.use_qk_norm), router_scales_input=True,
+        moe_layers=tuple(i in moe for i in range(n)), num_experts=c.num_local_experts,
+        num_experts_per_tok=1, moe_intermediate_size=c.intermediate_size,
+        shared_expert_intermediate_size=c.intermediate_size, shared_expert_gated=False,
+        scoring_func="sigmoid")
 
 
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
@@ -196,6 +225,8 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "Phi3ForCausalLM": _phi3,
     "Gemma3ForConditionalGeneration": _gemma3,  # its language model only (loader/weights.py)
     "GptOssForCausalLM": _gpt_oss,
+    "Llama4ForCausalLM": _llama4,
+    "Llama4ForConditionalGeneration": _llama4,  # its language model only (loader/weights.py)
 }
 
 

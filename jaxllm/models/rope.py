@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxllm.config import ConfigError
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,7 @@ class RopeSpec:
     long_factor: tuple[float, ...] = ()   # longrope: ... and beyond it
     use_long: bool = False  # longrope: long factors (`for_max_model_len` decides)
     partial_rotary_factor: float = 1.0  # Phi-4-mini: only this leading fraction of head_dim
+    rope_proportion: float = 1.0  # proportional (Gemma 4): the fraction of pairs that rotate
 
     @classmethod
     def from_hf(cls, params: dict, max_position_embeddings: int) -> "RopeSpec":
@@ -51,6 +52,9 @@ class RopeSpec:
         partial = float(params.get("partial_rotary_factor") or 1.0)
         if not 0 < partial <= 1:
             raise ConfigError(f"partial_rotary_factor={partial} must be in (0, 1]")
+        proportion = 1.0
+        if rope_type == "proportional":  # its factor keeps the tables whole-head (below)
+            partial, proportion = 1.0, partial
         factor = params.get("factor")
         if factor is None and rope_type == "longrope":  # as transformers: the extension ratio
             factor = max_position_embeddings / params["original_max_position_embeddings"]
@@ -75,6 +79,7 @@ class RopeSpec:
             short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
             long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
             partial_rotary_factor=partial,
+            rope_proportion=proportion,
         )
 
     def for_max_model_len(self, max_model_len: int) -> "RopeSpec":
@@ -131,6 +136,8 @@ def inv_freq_and_scale(spec: RopeSpec, head_dim: int) -> tuple[np.ndarray, float
         return _yarn(spec, dim)
     if t == "longrope":
         return _longrope(spec, dim)
+    if t == "proportional":  # transformers' _compute_proportional_rope_parameters
+        return _proportional(spec, dim), 1.0
     raise ValueError(f"RoPE type {t!r} is not supported")
 
 
@@ -174,6 +181,18 @@ def _longrope(spec: RopeSpec, dim: int) -> tuple[np.ndarray, float]:
         attn = 1.0 if spec.factor <= 1 else math.sqrt(1 + math.log(spec.factor) / math.log(orig))
     inv = np.float32(1.0) / (np.asarray(ext, np.float32) * _wavelength_factors(spec.theta, dim))
     return inv.astype(np.float32), float(attn)
+
+
+def _proportional(spec: RopeSpec, dim: int) -> np.ndarray:
+    """Gemma 4's full-attention RoPE: the first rope_proportion of the dim // 2 pairs rotate
+    at theta ** (-2i / dim) (the whole head's exponents, not the rotated part's), the rest at
+    frequency zero (cos 1, sin 0: unrotated), all divided by `factor`. Unlike
+    partial_rotary_factor's leading channels, the rotated channels are the first ones of each
+    rotate-half half."""
+    angles = int(spec.rope_proportion * dim // 2)
+    inv = np.zeros(dim // 2, np.float32)
+    inv[:angles] = _base_inv_freq(spec.theta, dim)[:angles]
+    return (inv / np.float32(spec.factor)).astype(np.float32)
 
 
 def rope_tables(specs: tuple[RopeSpec, ...], head_dim: int, positions: jax.Array, dtype

@@ -30,7 +30,7 @@ from jax import lax
 from pallas_kernels.ragged_paged_attention import block_sizes
 
 # Layout of the int32 `meta` vector handed to both variants.
-META_NUM_SEQS, META_LAYER, META_WINDOW = 0, 1, 2
+META_NUM_SEQS, META_LAYER, META_WINDOW, META_CHUNK = 0, 1, 2, 3
 
 
 class Span(NamedTuple):
@@ -44,17 +44,40 @@ class Span(NamedTuple):
     kb_hi: Any
 
 
-def seq_span(q_start, q_end, kv_len, t0, t1, window, keys_per_step: int) -> Span:
-    """The rows and keys of a sequence inside a query block; `window` None = full attention."""
+def seq_span(q_start, q_end, kv_len, t0, t1, window, keys_per_step: int, chunk=None) -> Span:
+    """The rows and keys of a sequence inside a query block; `window` None = full attention,
+    `chunk` None = no chunked local attention (both may be <= 0 at run time: none). The first
+    row's window and chunk start before any later row's, so they bound the block's keys."""
     delta = kv_len - q_end
     lo, hi = jnp.maximum(q_start, t0), jnp.minimum(q_end, t1)
     key_end = hi + delta
     key_start = kb_lo = 0
     if window is not None:
         key_start = jnp.where(window > 0, jnp.maximum(lo + delta - window + 1, 0), 0)
+    if chunk is not None:
+        key_start = jnp.maximum(key_start, jnp.where(chunk > 0, chunk_start(lo + delta, chunk), 0))
+    if window is not None or chunk is not None:
         kb_lo = lax.div(key_start, keys_per_step)
     kb_hi = jnp.where(hi > lo, lax.div(key_end + keys_per_step - 1, keys_per_step), kb_lo)
     return Span(lo, hi, delta, key_start, key_end, kb_lo, kb_hi)
+
+
+def visible(kpos, qpos, window, chunk):
+    """The causal mask, narrowed by the sliding window and the attention chunk where the
+    kernel was built with them (None: statically absent; <= 0 at run time: none)."""
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= (window <= 0) | (kpos > qpos - window)
+    if chunk is not None:
+        mask &= (chunk <= 0) | (kpos >= chunk_start(qpos, chunk))
+    return mask
+
+
+def chunk_start(pos, chunk):
+    """The first position of pos's attention chunk (the divisor kept >= 1 for chunk <= 0,
+    which the callers mask off)."""
+    c = jnp.maximum(chunk, 1)
+    return lax.div(pos, c) * c
 
 
 def compute_dtype(q_dtype, cache_dtype):
@@ -97,6 +120,7 @@ def ragged_paged_attention(
     variant: Optional[str] = None,
     interpret: Any = None,
     sinks: Optional[jax.Array] = None,
+    attention_chunk=None,
 ) -> jax.Array:
     """Attention output [T, Hq, D] in q's dtype; arguments as in the reference.
 
@@ -105,7 +129,8 @@ def ragged_paged_attention(
     (smaller query blocks for decode-only steps). variant: 'tpu' | 'gpu' | None (by backend).
     interpret: None = when the backend is CPU; the TPU variant also takes
     `pltpu.InterpretParams`. sinks: None or float32 [Hq] (the reference's attention sinks);
-    both variants.
+    attention_chunk: None or an int32 scalar, the reference's chunked local attention; both
+    variants take both.
     """
     variant = variant or default_variant()
     if interpret is None:
@@ -130,8 +155,10 @@ def ragged_paged_attention(
     first_seq = jnp.minimum(
         jnp.searchsorted(cu_q_lens[1:], jnp.arange(nqb) * blk.queries, side="right"), n)
     window = 0 if sliding_window is None else sliding_window
+    chunk = 0 if attention_chunk is None else attention_chunk
     meta = jnp.stack([n, jnp.asarray(layer, jnp.int32).reshape(()),
-                      jnp.asarray(window, jnp.int32).reshape(())])
+                      jnp.asarray(window, jnp.int32).reshape(()),
+                      jnp.asarray(chunk, jnp.int32).reshape(())])
 
     extra = {}
     if sinks is not None:  # one sink per row, in the rows' layout: the running max starts there
@@ -143,7 +170,7 @@ def ragged_paged_attention(
         kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32), blocks=blk,
         sm_scale=float(sm_scale) * _float_or(k_scale, 1.0), v_scale=_float_or(v_scale, 1.0),
         soft_cap=_float_or(soft_cap, None),
-        has_window=sliding_window is not None,
+        has_window=sliding_window is not None, has_chunk=attention_chunk is not None,
         compute_dtype=compute_dtype(q.dtype, k_cache.dtype), interpret=interpret, **extra)
     out = out.reshape(hkv, t_pad, blk.group, d)[:, :T, :g].transpose(1, 0, 2, 3)
     return out.reshape(T, hq, d)

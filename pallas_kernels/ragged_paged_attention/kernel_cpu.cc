@@ -6,7 +6,8 @@
 //   q [T, Hq, D] f32, k/v [T, Hkv, D] f32 (this step's), k/v cache [L, NB, Hkv, BS, D] f32 or
 //   bf16 (written rounded to nearest even, read converted in registers: half the bytes),
 //   layer [], slot_mapping [T] (block * BS + offset; < 0: padding), kv_lens [S],
-//   block_tables [S, B], cu_q_lens [S + 1], num_seqs [1], window [] (<= 0: none);
+//   block_tables [S, B], cu_q_lens [S + 1], num_seqs [1], window [] (<= 0: none), chunk []
+//   (Llama 4's chunked local attention, <= 0: none: a query sees only keys of its own chunk);
 //   sinks [Hq] or [0] (none: attention sinks, one logit per query head in the softmax's
 //   denominator: a query's running maximum starts at its head's sink and its sum at 1);
 //   attrs sm_scale, soft_cap (0: none); results out [T, Hq, D] (f32, or bf16 rounded to nearest
@@ -43,7 +44,7 @@ struct Step {
   float* out;        // [T, Hq, D], or
   uint16_t* out16;   // bf16 (one of the two is null)
   int64_t Hq, Hkv, G, BS, B, D;
-  int32_t window;
+  int32_t window, chunk;
   float sm_scale, soft_cap;
   const float* sinks;  // [Hq], or null: none
 };
@@ -61,10 +62,12 @@ static Span SpanOf(const Step<C>& st, int64_t s, int64_t i0, int64_t i1) {
   return {first, len - q_len + i0, len - q_len + i1 - 1};
 }
 
-// The first key a query at pos sees: 0, or its sliding window's first.
+// The first key a query at pos sees: 0, or its sliding window's first, or its attention
+// chunk's first, whichever is later (non-decreasing in pos: a task's first query bounds all).
 template <typename C>
 static inline int64_t FirstKey(const Step<C>& st, int64_t pos) {
-  return st.window > 0 ? std::max<int64_t>(0, pos - st.window + 1) : 0;
+  const int64_t w = st.window > 0 ? std::max<int64_t>(0, pos - st.window + 1) : 0;
+  return st.chunk > 0 ? std::max<int64_t>(w, pos / st.chunk * st.chunk) : w;
 }
 
 // Row o of out (f32, or bf16 rounded to nearest even): a query head's sums acc [D] / sum.
@@ -358,13 +361,14 @@ static void Attend(ffi::ThreadPool& pool, const float* q, const float* k_new,
                    const float* v_new, C* k_cache, C* v_cache, int64_t l, const int32_t* slots,
                    const int32_t* lens, const int32_t* tables, const int32_t* cu, int64_t n,
                    float* out, uint16_t* out16, int64_t T, int64_t Hq, int64_t Hkv, int64_t NB,
-                   int64_t BS, int64_t B, int64_t D, int32_t window, float sm_scale,
+                   int64_t BS, int64_t B, int64_t D, int32_t window, int32_t chunk,
+                   float sm_scale,
                    float soft_cap, const float* sinks) {
   const int64_t page = Hkv * BS * D;  // values per page of one layer
   C *kc = k_cache + l * NB * page, *vc = v_cache + l * NB * page;
   WriteKV(pool, k_new, v_new, slots, T, NB, Hkv, BS, D, kc, vc);
   const Step<C> st{q, kc, vc, lens, tables, cu, out, out16, Hq, Hkv, Hq / Hkv, BS, B, D, window,
-                   sm_scale, soft_cap, sinks};
+                   chunk, sm_scale, soft_cap, sinks};
   if (out16 != nullptr)
     std::memset(out16, 0, sizeof(uint16_t) * T * Hq * D);
   else
@@ -427,6 +431,7 @@ static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
                                      ffi::Buffer<ffi::S32> block_tables,
                                      ffi::Buffer<ffi::S32> cu_q_lens,
                                      ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
+                                     ffi::Buffer<ffi::S32> chunk,
                                      ffi::Buffer<ffi::F32> sinks,
                                      ffi::Result<ffi::AnyBuffer> out,
                                      ffi::Result<ffi::AnyBuffer> k_out,
@@ -468,7 +473,7 @@ static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
            slots.typed_data(), kv_lens.typed_data(), block_tables.typed_data(), cu, n,
            out16 ? nullptr : out->typed_data<float>(),
            out16 ? static_cast<uint16_t*>(out->untyped_data()) : nullptr, T, Hq, Hkv, NB, BS, B,
-           D, window.typed_data()[0], sm_scale,
+           D, window.typed_data()[0], chunk.typed_data()[0], sm_scale,
            soft_cap, sinks.element_count() ? sinks.typed_data() : nullptr);
   };
   if (dtype == ffi::F32)
@@ -494,6 +499,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // chunk
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sinks [Hq] or [0]
                                   .Ret<ffi::AnyBuffer>()         // out, f32 or bf16
                                   .Ret<ffi::AnyBuffer>()         // k_cache, aliased

@@ -42,8 +42,8 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: ja
                            v_cache: jax.Array, layer, slot_mapping: jax.Array,
                            kv_lens: jax.Array, block_tables: jax.Array, cu_q_lens: jax.Array,
                            num_seqs: jax.Array, *, sm_scale: float, sliding_window=None,
-                           soft_cap: Optional[float] = None, sinks: Optional[jax.Array] = None
-                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                           soft_cap: Optional[float] = None, sinks: Optional[jax.Array] = None,
+                           attention_chunk=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The reference's `write_kv` (this step's k/v [T, Hkv, D] into their slots) followed by
     its `ragged_paged_attention`, in one call: (out [T, Hq, D] in q's dtype, k_cache, v_cache).
 
@@ -52,11 +52,13 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: ja
     computed in float32 (with a bf16 cache on AMX tiles, q and the probabilities are rounded
     to bfloat16 for the products: `bf16_tiles`). sliding_window may be traced (per layer).
     sinks: None or float32 [Hq], the reference's attention sinks (those calls run on vectors,
-    never on AMX tiles).
+    never on AMX tiles). attention_chunk: None or an int32 scalar (may be traced), the
+    reference's chunked local attention.
     """
     if not available():
         raise RuntimeError("the CPU paged attention kernel could not be built (see the log)")
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+    chunk = jnp.asarray(0 if attention_chunk is None else attention_chunk, jnp.int32)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     out_dtype = q.dtype if q.dtype in (jnp.float32, jnp.bfloat16) else jnp.float32
     call = jax.ffi.ffi_call(
@@ -66,7 +68,7 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: ja
         input_output_aliases={3: 1, 4: 2})
     out, k_cache, v_cache = call(
         f32(q), f32(k), f32(v), k_cache, v_cache, jnp.asarray(layer, jnp.int32),
-        slot_mapping, kv_lens, block_tables, cu_q_lens, num_seqs, window,
+        slot_mapping, kv_lens, block_tables, cu_q_lens, num_seqs, window, chunk,
         jnp.zeros((0,), jnp.float32) if sinks is None else f32(sinks),
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0))
     return out.astype(q.dtype), k_cache, v_cache  # rounded in the kernel if bf16

@@ -21,15 +21,17 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.ragged_paged_attention import block_sizes
 from pallas_kernels.ragged_paged_attention.block_sizes import Blocks
 from pallas_kernels.ragged_paged_attention.kernel import (
-    META_LAYER, META_NUM_SEQS, META_WINDOW, seq_span)
+    META_CHUNK, META_LAYER, META_NUM_SEQS, META_WINDOW, seq_span, visible)
 
 
 def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
-            queries, group, pages, sm_scale, v_scale, soft_cap, has_window, compute_dtype):
+            queries, group, pages, sm_scale, v_scale, soft_cap, has_window, has_chunk,
+            compute_dtype):
     sink_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     h, i = pl.program_id(0), pl.program_id(1)
     num_seqs, layer = meta_ref[META_NUM_SEQS], meta_ref[META_LAYER]
     window = meta_ref[META_WINDOW] if has_window else None
+    chunk = meta_ref[META_CHUNK] if has_chunk else None
     rows, lanes = q_ref.shape
     bs, d = k_ref.shape[3:]
     table_width = tables_ref.shape[1]
@@ -45,7 +47,7 @@ def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref, q_ref, k_ref, 
 
     def attend_seq(carry):
         s, m, l, acc = carry
-        sp = seq_span(cu_ref[s], cu_ref[s + 1], kv_lens_ref[s], t0, t1, window, keys)
+        sp = seq_span(cu_ref[s], cu_ref[s + 1], kv_lens_ref[s], t0, t1, window, keys, chunk)
         qpos = tok + sp.delta
 
         def step(kb, state):
@@ -63,9 +65,7 @@ def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref, q_ref, k_ref, 
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
             kp = kpos[None, :]
-            mask = (tok >= sp.lo) & (tok < sp.hi) & (kp <= qpos)
-            if has_window:
-                mask &= (window <= 0) | (kp > qpos - window)
+            mask = (tok >= sp.lo) & (tok < sp.hi) & visible(kp, qpos, window, chunk)
             scores = jnp.where(mask, scores, -jnp.inf)
 
             m_new = jnp.maximum(m_prev, scores.max(axis=1))
@@ -88,8 +88,8 @@ def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref, q_ref, k_ref, 
 
 
 def attend(rows, k_cache, v_cache, meta, first_seq, cu_q_lens, kv_lens, block_tables, *,
-           blocks: Blocks, sm_scale, v_scale, soft_cap, has_window, compute_dtype,
-           interpret, sinks=None) -> jax.Array:
+           blocks: Blocks, sm_scale, v_scale, soft_cap, has_window, has_chunk,
+           compute_dtype, interpret, sinks=None) -> jax.Array:
     """rows [Hkv, T_pad * group, D] -> attention rows of the same shape (see kernel.py);
     sinks: None or float32 [Hkv, T_pad * group], each row's sink logit."""
     hkv, n_rows, d = rows.shape
@@ -99,6 +99,7 @@ def attend(rows, k_cache, v_cache, meta, first_seq, cu_q_lens, kv_lens, block_ta
     kernel = functools.partial(
         _kernel, queries=blocks.queries, group=blocks.group, pages=blocks.pages,
         sm_scale=sm_scale, v_scale=v_scale, soft_cap=soft_cap, has_window=has_window,
+        has_chunk=has_chunk,
         compute_dtype=compute_dtype)
     whole = pl.BlockSpec(memory_space=pl.ANY)
     q_spec = pl.BlockSpec((None, tile, lanes), lambda h, i: (h, i, 0))

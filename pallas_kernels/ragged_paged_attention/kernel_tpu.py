@@ -5,8 +5,8 @@ prefetched into SMEM, so page ids are known before any vector work. The stacked 
 HBM (`pl.ANY`); each KV step copies `pages` whole [BS, D] slabs `cache[layer, page, head]`
 into one slot of a 2-slot VMEM buffer while the other slot is being computed on. Whole slabs
 keep the DMA a plain strided copy (no ref reshape, which also keeps the interpreter working).
-Pages a step does not need (past the causal end, before the window) are not fetched; their
-stale slots are masked. Each grid step primes its own first copy, so steps are independent
+Pages a step does not need (past the causal end, before the window or the attention chunk) are
+not fetched; their stale slots are masked. Each grid step primes its own first copy, so steps are independent
 ("parallel"): megacore may split them.
 """
 
@@ -22,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention.block_sizes import Blocks
 from pallas_kernels.ragged_paged_attention.kernel import (
-    META_LAYER, META_NUM_SEQS, META_WINDOW, seq_span)
+    META_CHUNK, META_LAYER, META_NUM_SEQS, META_WINDOW, seq_span, visible)
 
 LANES = 128  # running max / sum are kept lane-replicated, the layout TPU vregs want
 
@@ -39,12 +39,13 @@ def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref,  # SMEM (scala
             q_ref, k_hbm, v_hbm,                                     # q tile in VMEM; caches
             *refs,  # [sinks tile,] out tile, then scratch: k_buf, v_buf, sems, m, l, acc
             queries, group, pages, table_width, num_seq_slots, sm_scale, v_scale, soft_cap,
-            has_window, compute_dtype):
+            has_window, has_chunk, compute_dtype):
     sink_ref = refs[0] if len(refs) == 8 else None
     o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs[-7:]
     h, i = pl.program_id(0), pl.program_id(1)
     num_seqs, layer = meta_ref[META_NUM_SEQS], meta_ref[META_LAYER]
     window = meta_ref[META_WINDOW] if has_window else None
+    chunk = meta_ref[META_CHUNK] if has_chunk else None
     rows, d = q_ref.shape
     bs = k_buf.shape[2]
     keys = pages * bs
@@ -53,7 +54,7 @@ def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref,  # SMEM (scala
 
     def span(s):
         s = jnp.minimum(s, num_seq_slots - 1)  # callers may probe one past the last sequence
-        return seq_span(cu_ref[s], cu_ref[s + 1], kv_lens_ref[s], t0, t1, window, keys)
+        return seq_span(cu_ref[s], cu_ref[s + 1], kv_lens_ref[s], t0, t1, window, keys, chunk)
 
     def live(s):  # sequence s is real and owns rows at or after this block's start
         return (s < num_seqs) & (cu_ref[jnp.minimum(s, num_seq_slots)] < t1)
@@ -92,9 +93,7 @@ def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref,  # SMEM (scala
         tok = t0 + lax.div(lax.broadcasted_iota(jnp.int32, (rows, keys), 0), group)
         kpos = kb * keys + lax.broadcasted_iota(jnp.int32, (rows, keys), 1)
         qpos = tok + sp.delta
-        mask = (tok >= sp.lo) & (tok < sp.hi) & (kpos <= qpos)
-        if has_window:
-            mask &= (window <= 0) | (kpos > qpos - window)
+        mask = (tok >= sp.lo) & (tok < sp.hi) & visible(kpos, qpos, window, chunk)
         scores = jnp.where(mask, scores, -jnp.inf)
 
         m_prev, l_prev = m_ref[...][:, :1], l_ref[...][:, :1]
@@ -133,8 +132,8 @@ def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref,  # SMEM (scala
 
 
 def attend(rows, k_cache, v_cache, meta, first_seq, cu_q_lens, kv_lens, block_tables, *,
-           blocks: Blocks, sm_scale, v_scale, soft_cap, has_window, compute_dtype,
-           interpret, sinks=None) -> jax.Array:
+           blocks: Blocks, sm_scale, v_scale, soft_cap, has_window, has_chunk,
+           compute_dtype, interpret, sinks=None) -> jax.Array:
     """rows [Hkv, T_pad * group, D] -> attention rows of the same shape (see kernel.py);
     sinks: None or float32 [Hkv, T_pad * group], each row's sink logit."""
     hkv, n_rows, d = rows.shape
@@ -144,7 +143,7 @@ def attend(rows, k_cache, v_cache, meta, first_seq, cu_q_lens, kv_lens, block_ta
     kernel = functools.partial(
         _kernel, queries=blocks.queries, group=blocks.group, pages=blocks.pages,
         table_width=table_width, num_seq_slots=num_seq_slots, sm_scale=sm_scale,
-        v_scale=v_scale, soft_cap=soft_cap, has_window=has_window,
+        v_scale=v_scale, soft_cap=soft_cap, has_window=has_window, has_chunk=has_chunk,
         compute_dtype=compute_dtype)
     q_spec = pl.BlockSpec((None, tile, d), lambda h, i, *_: (h, i, 0))
     buf = (2, blocks.pages, bs, d)

@@ -11,7 +11,9 @@ Layout (shared by the reference, the Pallas kernels and the model runner):
                                         sequences repeat the last value)
   num_seqs      int32 [1]               sequences past this are padding and ignored
 Query i of sequence s sits at position kv_lens[s] - q_len[s] + i and sees keys at positions
-<= its own (causal), and > position - sliding_window when a window is given.
+<= its own (causal), and > position - sliding_window when a window is given, and, with an
+attention_chunk C (Llama 4's chunked local attention), only keys of its own chunk: positions
+>= (position // C) * C.
   sinks         float32 [Hq] or None    attention sinks (GPT-OSS): one learned logit per query
                                         head that joins the softmax's denominator and adds no
                                         value, so a head can attend to "nothing"
@@ -36,6 +38,12 @@ ArrayOrInt = Union[jax.Array, int]
 def _dequant(x: jax.Array, scale: Optional[float]) -> jax.Array:
     x = x.astype(jnp.float32)
     return x if scale is None else x * scale
+
+
+def chunk_start(pos, chunk):
+    """The first position of the attention chunk holding `pos` (chunk <= 0: read as 1, the
+    caller masks that case off; it keeps the division defined)."""
+    return pos // jnp.maximum(chunk, 1) * jnp.maximum(chunk, 1)
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, layer: ArrayOrInt, k: jax.Array,
@@ -74,6 +82,7 @@ def ragged_paged_attention(
     k_scale: Optional[float] = None,
     v_scale: Optional[float] = None,
     sinks: Optional[jax.Array] = None,
+    attention_chunk: Optional[ArrayOrInt] = None,
     q_tile: int = 8,
     tiles_per_group: int = 8,
     chunk_blocks: Optional[int] = None,
@@ -81,6 +90,9 @@ def ragged_paged_attention(
     """Attention output [T, Hq, D] in q's dtype. See the module docstring for the layout.
 
     sliding_window: None or <= 0 means full attention; may be a traced scalar (per layer).
+    attention_chunk: None or <= 0 means no chunking; may be a traced scalar (per layer). A
+      query sees only keys of its own chunk of that many positions (it combines with a window:
+      the later of the two starts wins).
     q_tile: queries per tile (a sequence's queries are split into tiles of this many).
     tiles_per_group: tiles processed together per loop step.
     chunk_blocks: pages per online-softmax step (default: ~256 keys per step).
@@ -112,6 +124,7 @@ def ragged_paged_attention(
     tile_q0 = (j - (tile_end[tile_seq] - tiles_per_seq[tile_seq])) * qt
 
     window = None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32)
+    local = None if attention_chunk is None else jnp.asarray(attention_chunk, jnp.int32)
 
     def group(gi, out):
         jj = jnp.minimum(gi * tg + jnp.arange(tg), n_tiles_max - 1)
@@ -125,9 +138,12 @@ def ragged_paged_attention(
         tables = block_tables[seq]
         hi = (jnp.max(jnp.where(live, qpos, -1)) + C) // C  # causal: no key past the last query
         lo = 0
+        first = jnp.min(jnp.where(live, qpos, jnp.iinfo(jnp.int32).max))
         if window is not None:
-            first = jnp.min(jnp.where(live, qpos, jnp.iinfo(jnp.int32).max))
             lo = jnp.where(window > 0, jnp.maximum(first - window + 1, 0) // C, 0)
+            lo = jnp.minimum(lo, hi)
+        if local is not None:  # the group's first query's chunk starts before any later one's
+            lo = jnp.maximum(lo, jnp.where(local > 0, chunk_start(first, local) // C, 0))
             lo = jnp.minimum(lo, hi)
 
         def chunk(i, carry):
@@ -144,6 +160,9 @@ def ragged_paged_attention(
             mask = (kpos[None, None, :] <= qpos[:, :, None]) & live[:, :, None]  # [tg, qt, C]
             if window is not None:
                 mask &= (window <= 0) | (kpos[None, None, :] > qpos[:, :, None] - window)
+            if local is not None:
+                start = chunk_start(qpos, local)[:, :, None]
+                mask &= (local <= 0) | (kpos[None, None, :] >= start)
             s = s.reshape(tg, hkv, g, qt, C)
             s = jnp.where(mask[:, None, None], s, -jnp.inf).reshape(tg, hkv, g * qt, C)
             m_new = jnp.maximum(m, s.max(-1))

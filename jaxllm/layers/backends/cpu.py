@@ -151,15 +151,15 @@ class CpuBackend(ReferenceBackend):
                               lambda h, sizes: run(h, w_down, sizes, n=x.shape[1]))
 
     def attention(self, q, k, v, cache, layer, md, *, sm_scale, sliding_window=None,
-                  soft_cap=None, sinks=None):
+                  soft_cap=None, sinks=None, attention_chunk=None):
         if not native_cpu_attention(self.name, cache.k.dtype):
             return super().attention(q, k, v, cache, layer, md, sm_scale=sm_scale,
                                      sliding_window=sliding_window, soft_cap=soft_cap,
-                                     sinks=sinks)
+                                     sinks=sinks, attention_chunk=attention_chunk)
         out, kc, vc = attention_cpu.ragged_paged_attention(
             q, k, v, cache.k, cache.v, layer, md.slot_mapping, md.kv_lens, md.block_tables,
             md.cu_q_lens, md.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-            soft_cap=soft_cap, sinks=sinks)
+            soft_cap=soft_cap, sinks=sinks, attention_chunk=attention_chunk)
         return out, KVCache(kc, vc)
 
     def logits(self, hidden, w, vocab):

@@ -41,19 +41,20 @@ class PallasBackend(ReferenceBackend):
 
     def attend(self, q, kc, vc, layer, md: AttentionMetadata, *, sliding_window=None, **kw):
         sinks = kw.pop("sinks", None)  # an argument, so that shard_map splits it over heads
+        chunk = kw.pop("attention_chunk", None)
 
-        def attend(q, kc, vc, layer, window, sinks, *metadata):
+        def attend(q, kc, vc, layer, window, sinks, chunk, *metadata):
             def variant(name, interpret):
                 return lambda *a: kernel.ragged_paged_attention(
-                    *a[:-2], sliding_window=a[-2], sinks=a[-1], variant=name,
-                    interpret=interpret, **kw)
+                    *a[:-3], sliding_window=a[-3], sinks=a[-2], attention_chunk=a[-1],
+                    variant=name, interpret=interpret, **kw)
             return lax.platform_dependent(
-                q, kc, vc, layer, *metadata, window, sinks, tpu=variant("tpu", False),
+                q, kc, vc, layer, *metadata, window, sinks, chunk, tpu=variant("tpu", False),
                 cuda=variant("gpu", False), rocm=variant("gpu", False),
                 default=variant("gpu", True))
 
-        args = (q, kc, vc, layer, sliding_window, sinks, md.kv_lens, md.block_tables, md.cu_q_lens,
-                md.num_seqs)
+        args = (q, kc, vc, layer, sliding_window, sinks, chunk, md.kv_lens, md.block_tables,
+                md.cu_q_lens, md.num_seqs)
         n = 1 if self.mesh is None else self.mesh.shape["model"]
         if n == 1 or kc.shape[2] % n:  # one device, or KV heads replicated (do not divide)
             return attend(*args)

@@ -159,9 +159,12 @@ class ReferenceBackend(Backend):
                              check_vma=False)(x, ids, weights, w_gate_up, w_down, *bias)
 
     def attention(self, q, k, v, cache: KVCache, layer, md: AttentionMetadata, *, sm_scale,
-                  sliding_window=None, soft_cap: Optional[float] = None, sinks=None):
+                  sliding_window=None, soft_cap: Optional[float] = None, sinks=None,
+                  attention_chunk=None):
         kc, vc = write_kv(cache.k, cache.v, layer, k, v, md.slot_mapping)
         kw = {} if sinks is None else {"sinks": sinks}
+        if attention_chunk is not None:
+            kw["attention_chunk"] = attention_chunk
         return self.attend(q, kc, vc, layer, md, sm_scale=sm_scale, sliding_window=sliding_window,
                            soft_cap=soft_cap, **kw), KVCache(kc, vc)
 

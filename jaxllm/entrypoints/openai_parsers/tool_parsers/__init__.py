@@ -5,12 +5,15 @@ from jaxllm.entrypoints.openai_parsers.tool_parsers.base import (ExtractedToolCa
                                                                  ToolParser)
 from jaxllm.entrypoints.openai_parsers.tool_parsers.gpt_oss import GptOssToolParser
 from jaxllm.entrypoints.openai_parsers.tool_parsers.hermes import HermesToolParser
-from jaxllm.entrypoints.openai_parsers.tool_parsers.llama3_json import Llama3JsonToolParser
+from jaxllm.entrypoints.openai_parsers.tool_parsers.llama3_json import (Llama3JsonToolParser,
+                                                                        Llama4JsonToolParser)
 from jaxllm.entrypoints.openai_parsers.tool_parsers.mistral import MistralToolParser
-from jaxllm.entrypoints.openai_parsers.tool_parsers.pythonic import PythonicToolParser
+from jaxllm.entrypoints.openai_parsers.tool_parsers.pythonic import (Llama4PythonicToolParser,
+                                                                     PythonicToolParser)
 
 TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                                    PythonicToolParser, GptOssToolParser)}
+                                    PythonicToolParser, GptOssToolParser,
+                                    Llama4JsonToolParser, Llama4PythonicToolParser)}
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:

@@ -25,3 +25,9 @@ class Llama3JsonToolParser(ToolParser):
         if not text.startswith((BOT, "{"), len(text) - len(body)):
             return Scan(text)
         return read_calls(Scan(""), text, start, ";", final, ("parameters", "arguments"))
+
+
+class Llama4JsonToolParser(Llama3JsonToolParser):
+    """vLLM's `llama4_json`: Llama 4's JSON tool calls, in Llama 3's format (vLLM registers
+    one parser under both names)."""
+    name = "llama4_json"

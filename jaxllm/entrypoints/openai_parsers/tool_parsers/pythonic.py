@@ -93,3 +93,9 @@ def _literal(node):
     value = ast.literal_eval(node)
     json.dumps(value)  # tuples become lists; sets and bytes raise TypeError
     return value
+
+
+class Llama4PythonicToolParser(PythonicToolParser):
+    """vLLM's `llama4_pythonic`: Llama 4's calls in <|python_start|>[...]<|python_end|>, which
+    `pythonic` reads already."""
+    name = "llama4_pythonic"
