@@ -64,7 +64,8 @@ def encoding():
     try:
         import openai_harmony as h
     except ImportError as e:
-        raise HarmonyUnavailable("the harmony format needs the openai-harmony package") from e
+        raise HarmonyUnavailable("the harmony format needs the openai-harmony package "
+                                 "(pip install 'jaxllm[harmony]')") from e
     if not os.environ.get(ENV):
         folder = _offline_vocabulary()
         if folder is not None:
