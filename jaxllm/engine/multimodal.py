@@ -36,7 +36,7 @@ def image_processor(config, model_config) -> Optional["ImageProcessor"]:
                           "is not implemented with a pipeline")
     processor = AutoImageProcessor.from_pretrained(config.load.model)
     return ImageProcessor(processor, model_config.vision,
-                          getattr(config.model, "limit_mm_per_prompt", {}).get("image"))
+                          (config.model.limit_mm_per_prompt or {}).get("image"))
 
 
 def image_hash(image) -> str:

@@ -35,6 +35,13 @@ class ImageEncoder:
         self._encode = jax.jit(
             lambda state, patches, inp: nnx.merge(graphdef, state).encode_images(patches, inp))
 
+    @classmethod
+    def of(cls, graphdef, model_config) -> "ImageEncoder | None":
+        """The encoder of a vision-language model (None for a text-only one)."""
+        if model_config.vision is None:
+            return None
+        return cls(graphdef, model_config.vision, model_config.jnp_dtype)
+
     def _embeddings(self, state, pixels: np.ndarray, grid: tuple) -> np.ndarray:
         n = len(pixels)
         N = max(MIN_PATCHES, 1 << (n - 1).bit_length())

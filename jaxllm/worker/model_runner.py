@@ -86,8 +86,7 @@ class ModelRunner:
             mm=(model_config.hidden_size, model_config.jnp_dtype) if model_config.vision else None)
         self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
         self.graphdef, state = nnx.split(model)
-        self.encoder = (ImageEncoder(self.graphdef, model_config.vision, model_config.jnp_dtype)
-                        if model_config.vision else None)  # a vision-language model's images
+        self.encoder = ImageEncoder.of(self.graphdef, model_config)  # images (None: text only)
         self._relayout = backend.relayout
         self.state = backend.relayout(state, model_config)  # the weights as its ops read them
         self._offloaded = None  # sleep mode: the weights' host copy and shardings
