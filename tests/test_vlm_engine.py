@@ -5,6 +5,9 @@ prefix caching keyed by the image's content."""
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 
 import vlm_checkpoints as vc
@@ -108,3 +111,29 @@ def test_bad_image_inputs_are_refused_by_name(llm):
         with pytest.raises(ValueError, match=message):
             llm.generate({"prompt": vc.PROMPT, "multi_modal_data": data}, _greedy(),
                          use_tqdm=False)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_equals_one_device(ckpt, llm):
+    """Two virtual devices (the tower replicated, the decoder sharded): the same tokens."""
+    from conftest import run_with_host_devices
+
+    proc = run_with_host_devices(2, [__file__, ckpt[0]])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tp2 = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert tp2 == [list(o.outputs[0].token_ids) for o in llm.generate(_two_prompts(), _greedy(),
+                                                                       use_tqdm=False)]
+
+
+def _two_prompts():
+    return [{"prompt": vc.PROMPT, "multi_modal_data": {"image": IMAGES[0]}},
+            {"prompt": TWO, "multi_modal_data": {"image": IMAGES}}]
+
+
+if __name__ == "__main__":  # the tensor-parallel run (python this_file CHECKPOINT)
+    from jaxllm import LLM
+
+    tp_llm = LLM(sys.argv[1], dtype="float32", max_model_len=128, max_num_seqs=4,
+                 max_num_batched_tokens=16, block_size=4, tensor_parallel_size=2)
+    outs = tp_llm.generate(_two_prompts(), _greedy(), use_tqdm=False)
+    print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
