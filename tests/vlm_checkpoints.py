@@ -46,18 +46,19 @@ def image_processor():
                                     patch_size=14, merge_size=2, temporal_patch_size=2)
 
 
-def config(tok, **vision):
+def config(tok, text_overrides=None, **vision):
     import transformers as tr
 
-    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    text = {**dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                     "mrope_section": [2, 3, 3]},
                 bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
-    vis = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=14,
-               spatial_merge_size=2, temporal_patch_size=2, window_size=56, out_hidden_size=64,
-               fullatt_block_indexes=[1], hidden_act="silu", **vision)
+                pad_token_id=tok.pad_token_id, tie_word_embeddings=False),
+            **(text_overrides or {})}
+    vis = {**dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                  out_hidden_size=64, fullatt_block_indexes=[1], hidden_act="silu"), **vision}
     cfg = tr.Qwen2_5_VLConfig(
         text_config=text, vision_config=vis, tie_word_embeddings=False,
         image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
