@@ -38,18 +38,23 @@ def _reference(hf, text, images):
     px = vc.image_processor()(images=images, return_tensors="np") if images else None
     grids = px["image_grid_thw"] if px else []
     ids = vc.expand(tok.encode(text), grids, hf.config.image_token_id)
-    tokens, _ = vc.hf_generate(hf, ids, px and px["pixel_values"], px and grids, NEW)
+    tokens, logits = vc.hf_generate(hf, ids, px and px["pixel_values"], px and grids, NEW)
+    _reference.logits[tuple(ids)] = logits
     return ids, tokens
 
 
-def _greedy():
+_reference.logits = {}  # prompt ids -> transformers' logits at each generated position
+
+
+def _greedy(logprobs=None):
     from jaxllm import SamplingParams
 
-    return SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=logprobs)
 
 
 def test_batch_of_image_and_text_prompts_matches_transformers(ckpt, llm):
-    """One image, two images of different sizes, text only: one batch, chunked prefill."""
+    """One image, two images of different sizes, text only: one batch, chunked prefill; the
+    tokens and their logprobs."""
     hf = ckpt[1]
     cases = [(vc.PROMPT, IMAGES[:1]), (TWO, IMAGES), (TEXT, [])]
     refs = [_reference(hf, text, imgs) for text, imgs in cases]
@@ -58,10 +63,16 @@ def test_batch_of_image_and_text_prompts_matches_transformers(ckpt, llm):
     assert second[0] < 16 <= second[-1]  # the first 16-token chunk ends inside image 2
     prompts = [{"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
                for text, imgs in cases]
-    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    import numpy as np
+    import torch
+
+    outs = llm.generate(prompts, _greedy(logprobs=0), use_tqdm=False)
     for (ids, tokens), out in zip(refs, outs):
         assert out.prompt_token_ids == ids
         assert list(out.outputs[0].token_ids) == tokens
+        ref = torch.log_softmax(torch.as_tensor(_reference.logits[tuple(ids)]), -1).numpy()
+        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+        np.testing.assert_allclose(got, ref[np.arange(NEW), tokens], atol=2e-4)
     alone = llm.generate([prompts[1]], _greedy(), use_tqdm=False)[0]
     assert list(alone.outputs[0].token_ids) == refs[1][1]
 
