@@ -114,10 +114,13 @@ def test_chat_with_image_parts(ckpt, llm):
 
 
 def test_bad_image_inputs_are_refused_by_name(llm):
+    from PIL import Image
+
     bad = [({"image": "not an image"}, "is a str, not a PIL.Image"),
            ({"video": IMAGES[0]}, "'video' is not supported"),
            ({"image_embeds": IMAGES[0]}, "'image_embeds' is not supported"),
-           ({"image": IMAGES}, "1 image placeholder")]
+           ({"image": IMAGES}, "1 image placeholder"),
+           ({"image": Image.new("RGB", (5, 1200))}, "image 0: .*aspect ratio")]
     for data, message in bad:
         with pytest.raises(ValueError, match=message):
             llm.generate({"prompt": vc.PROMPT, "multi_modal_data": data}, _greedy(),

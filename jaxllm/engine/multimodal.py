@@ -113,8 +113,11 @@ class ImageProcessor:
                 out.append(t)
                 continue
             digest = image_hash(images[k])
-            pv, grid = self._pixels(images[k].convert("RGB") if images[k].mode != "RGB"
-                                    else images[k], digest)
+            try:
+                pv, grid = self._pixels(images[k].convert("RGB") if images[k].mode != "RGB"
+                                        else images[k], digest)
+            except Exception as e:  # an image the processor cannot take (aspect ratio...)
+                raise ValueError(f"image {k}: the image processor refused it: {e}") from None
             n = num_image_tokens(grid, self.spec)
             pixels.append(pv)
             grids.append(grid)
