@@ -19,7 +19,7 @@ from jaxllm.engine_config import (QUANTIZATION_METHODS, ConfigError, EngineConfi
                                   check_data_parallel, check_lora, check_pipeline,
                                   check_kv_offloading, check_sleep_mode,
                                   engine_config_from,
-                                  flag_name)
+                                  flag_name, mm_limits)
 from jaxllm.json_object import json_object
 from jaxllm.spec_decode.config import SpeculativeConfig
 
@@ -250,6 +250,9 @@ class EngineArgs:
                                          "(LAST, MEAN, CLS, ALL) and use_activation "
                                          "(normalize).",
                                          parse=json_object, default=None)
+    limit_mm_per_prompt: Optional[dict] = _arg(
+        'JSON: most images in one prompt, e.g. \'{"image": 2}\' (vision-language models; '
+        "video and audio are not implemented: only 0 for them).", parse=mm_limits, default=None)
 
     # --- derived -----------------------------------------------------------------------------
     def __post_init__(self):

@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from jaxllm.json_object import json_object
 from jaxllm.spec_decode.config import SpeculativeConfig
 
 
@@ -76,6 +77,7 @@ class ModelOptions:
     pooler_config: Optional[dict] = None
     quantization: Optional[str] = None  # --quantization (the checkpoint's own when None)
     lora: Optional["LoRAConfig"] = None  # --enable-lora: the layers hold adapter slots
+    limit_mm_per_prompt: Optional[dict] = None  # --limit-mm-per-prompt: {"image": most images}
 
 
 @dataclass(frozen=True)
@@ -289,3 +291,14 @@ def check_data_parallel(args: Any, bad: Callable[[str, str], None]) -> None:
     if start + local > n:
         bad("data_parallel_size_local", f"ranks {start} .. {start + local - 1} go past "
             f"--data-parallel-size {n}")
+
+
+def mm_limits(value) -> dict:
+    """--limit-mm-per-prompt: {modality: most items}, images only (others must be 0)."""
+    limits = json_object(value)
+    for key, n in limits.items():
+        if key not in ("image", "video", "audio") or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{key!r}: {n!r} is not a modality (image) with a count >= 0")
+        if key != "image" and n:
+            raise ValueError(f"{key!r} input is not implemented (only images); give 0 or drop it")
+    return limits

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+import numpy as np
+
 from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling_params import SamplingParams
 
@@ -40,6 +42,30 @@ class SequenceStatus(enum.IntEnum):
                 SequenceStatus.FINISHED_ERROR: "error"}.get(self)
 
 
+@dataclass(frozen=True, eq=False)
+class ImageInputs:
+    """A prompt's images, preprocessed on the host (jaxllm/engine/multimodal.py): what the
+    runner's encoder step, the M-RoPE positions and the prefix cache read."""
+    pixel_values: tuple       # per image: float32 [patches, patch values]
+    grids: tuple              # per image: its (t, h, w) patch grid
+    hashes: tuple             # per image: its content hash (hex str)
+    starts: tuple             # per image: the prompt index of its first placeholder token
+    num_tokens: tuple         # per image: its placeholder tokens (merged patches)
+    positions: Any            # int32 [3, prompt length]: the M-RoPE positions of the prompt
+    delta: int                # token i past the prompt is at position i + delta (3 axes)
+    hash_tokens: tuple        # the prompt, each image's tokens replaced by its key (< 0): what
+    # the prefix cache hashes and compares, so a block holding an image is keyed by its content
+
+    def rope_positions(self, start: int, n: int):
+        """[3, n] positions of tokens start .. start + n - 1 (the prompt's, then i + delta)."""
+        P = self.positions.shape[1]
+        out = np.empty((3, n), np.int32)
+        k = max(0, min(P - start, n))
+        out[:, :k] = self.positions[:, start:start + k]
+        out[:, k:] = np.arange(start + k, start + n) + self.delta
+        return out
+
+
 @dataclass
 class Sequence:
     seq_id: str
@@ -63,6 +89,7 @@ class Sequence:
     # Set by the engine for metrics.
     first_token_time: Optional[float] = None
     lora_request: Optional[LoRARequest] = None  # the adapter it runs with (None: the base model)
+    mm: Optional[ImageInputs] = None  # its prompt's images (vision-language models)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from jaxllm.entrypoints.media import MediaPolicy
+
 
 def _json_list(value: str) -> list:
     out = json.loads(value)
@@ -89,6 +91,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         'its `model` field.')
     add_limit_args(parser)
     add_chat_output_args(parser)
+    add_media_args(parser)
     return parser
 
 
@@ -203,9 +206,10 @@ def chat_output_settings(args: argparse.Namespace) -> dict:
                 encoding()
             except HarmonyUnavailable as e:
                 raise ValueError(f"{flag} {value}: {e}") from None
-    return {name: getattr(args, name) for name in (
+    return {**{name: getattr(args, name) for name in (
         "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
-        "exclude_tools_when_tool_choice_none", "chat_template_content_format")}
+        "exclude_tools_when_tool_choice_none", "chat_template_content_format")},
+        "media": media_policy(args)}
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -299,3 +303,21 @@ def config_file_args(parser: argparse.ArgumentParser, path: str) -> list[str]:
         else:
             args += [flag, str(value)]
     return args
+
+
+def add_media_args(parser: argparse.ArgumentParser) -> None:
+    """Where chat image parts may come from (data: URLs always), as `vllm serve`."""
+    g = parser.add_argument_group("images")
+    g.add_argument("--allowed-local-media-path", default=None,
+                   help="Let image_url parts name file:// paths under this folder (refused "
+                        "otherwise).")
+    g.add_argument("--allowed-media-domains", nargs="+", default=[],
+                   help="Let image_url parts be fetched over http(s) from these host names "
+                        "(no network fetch otherwise).")
+
+
+def media_policy(args: argparse.Namespace) -> MediaPolicy:
+    path = getattr(args, "allowed_local_media_path", None)
+    if path is not None and not os.path.isdir(path):
+        raise ValueError(f"--allowed-local-media-path {path!r} is not a folder")
+    return MediaPolicy(path, tuple(d.lower() for d in getattr(args, "allowed_media_domains", [])))

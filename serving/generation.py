@@ -69,8 +69,9 @@ async def submit(state: ServingState, prompts: list[Prompt], params: list[Sampli
     try:
         for rid, prompt, sp in zip(ids, prompts, params):
             state.log_request(rid, prompt.text, prompt.token_ids, sp)
-            gens.append(state.engine.generate(prompt.token_ids, sp, rid, priority=priority,
-                                              **adapter))
+            gens.append(state.engine.generate(getattr(prompt, "engine_prompt", None)
+                                              or prompt.token_ids, sp,
+                                              rid, priority=priority, **adapter))
         firsts = [asyncio.ensure_future(_first(g)) for g in gens]
         await asyncio.wait(firsts, return_when=asyncio.FIRST_EXCEPTION)
         for task in firsts:

@@ -16,6 +16,7 @@ other calls cost one check each. What one operation does is beyond its reach:
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from functools import partial
 from typing import Callable, Optional, TypeVar, Union
 
 from jaxllm.entrypoints.chat_utils import normalize_messages, render_chat_prompt
+from jaxllm.entrypoints.media import load_image
 from serving.errors import APIError
 from serving.state import ServingState
 
@@ -34,6 +36,9 @@ TEMPLATE_FILE = "<template>"
 class Prompt:
     token_ids: list[int]
     text: Optional[str]  # None for token-id prompts until decoded (only echo needs it)
+    # With images: what the engine gets (the ids with one placeholder per image, and the
+    # images); token_ids are then the expanded ids, as the engine will count them.
+    engine_prompt: Optional[dict] = None
 
 
 def split_prompts(prompt: Union[str, list[str], list[int], list[list[int]]]) -> list:
@@ -77,6 +82,9 @@ def truncated(state: ServingState, prompt: Prompt, keep: Optional[int]) -> Promp
                        f"({state.max_model_len}). Please select a smaller truncation size.",
                        param="truncate_prompt_tokens")
     keep = state.max_model_len if keep == -1 else keep
+    if prompt.engine_prompt is not None:
+        raise APIError("truncate_prompt_tokens is not supported with images (it could cut an "
+                       "image's tokens)", param="truncate_prompt_tokens")
     if len(prompt.token_ids) <= keep:
         return prompt
     return Prompt(prompt.token_ids[-keep:], None)
@@ -117,23 +125,47 @@ async def chat_prompt(state: ServingState, req, tools: Optional[list] = None
         raise APIError("Chat template is passed with request, but --trust-request-chat-template "
                        "is not set. Refused request with untrusted chat template.",
                        param="chat_template")
+    images = [] if state.images is not None else None  # a vision-language model's parts
     try:
-        messages = normalize_messages(req.messages)
-        render = partial(render_chat_prompt, tokenizer, messages,
+        messages = normalize_messages(req.messages, images=None if images is None else [])
+        # with images, the request's own parts (the normalized messages have none left)
+        render = partial(render_chat_prompt, tokenizer,
+                         messages if images is None else req.messages,
                          chat_template=req.chat_template or state.chat_template,
                          add_generation_prompt=req.add_generation_prompt,
                          continue_final_message=req.continue_final_message, tools=tools,
                          chat_template_kwargs=req.chat_template_kwargs,
                          content_format=state.chat_template_content_format,
-                         template_source=_template_source(state, req))
+                         template_source=_template_source(state, req), images=images,
+                         image_placeholder=state.images.placeholder if images is not None
+                         else "")
         text = await state.in_tokenizer_thread(call_with_deadline, render,
                                                limits.chat_template_timeout)
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
     add_special = bool(req.add_special_tokens)
     prompt = Prompt(await state.encode(text, add_special), text)
+    if images:  # read and preprocessed off the event loop and the tokenizer thread
+        prompt = await asyncio.to_thread(_with_images, state, prompt, images)
     check_token_ids(state, prompt.token_ids)
     return prompt, messages
+
+
+def _with_images(state: ServingState, prompt: Prompt, refs: list) -> Prompt:
+    """The prompt with its images read (jaxllm/entrypoints/media.py), counted against
+    --limit-mm-per-prompt and preprocessed: the engine's expansion of it, which the engine
+    repeats from the processor's cache."""
+    limit = state.images.max_images
+    if limit is not None and len(refs) > limit:
+        raise APIError(f"{len(refs)} images in one request; at most {limit} are allowed "
+                       f"(--limit-mm-per-prompt)", param="messages")
+    try:
+        images = [load_image(r, state.media, where=f"image {i}") for i, r in enumerate(refs)]
+        ids, _ = state.images.expand(prompt.token_ids, images)
+    except ValueError as e:
+        raise APIError(str(e), param="messages") from None
+    return Prompt(ids, prompt.text, {"prompt_token_ids": prompt.token_ids,
+                                     "multi_modal_data": {"image": images}})
 
 
 def _template_source(state: ServingState, req) -> str:

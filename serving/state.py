@@ -20,6 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from jaxllm.entrypoints.media import MediaPolicy
 from serving.errors import APIError
 from serving.lora_adapters import LoRAAdapters
 from serving.metrics import ServerMetrics
@@ -173,6 +174,10 @@ class ServingState:
     # LoRA adapters served under their own names (--lora-modules, /v1/load_lora_adapter).
     lora: Optional[LoRAAdapters] = None
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses
+    # A vision-language model's image processor (jaxllm/engine/multimodal.py; None: text
+    # only), and where images may come from (--allowed-local-media-path, ...).
+    images: Any = None
+    media: MediaPolicy = field(default_factory=MediaPolicy)
     # One thread: tokenizing long prompts stays off the event loop, and HF tokenizers are not
     # safe to share between threads.
     _tokenizer_thread: ThreadPoolExecutor = field(
@@ -190,6 +195,8 @@ class ServingState:
         if tokenizer is not None:
             limits.max_prompt_chars = max_model_len * longest_token_chars(tokenizer)
         kwargs.setdefault("lora", LoRAAdapters(names))
+        kwargs.setdefault("images", getattr(getattr(getattr(engine, "engine", None), "input_processor", None),
+                                            "images", None))
         return cls(engine=engine, served_model_names=names, model_path=args.model,
                    tokenizer=tokenizer, max_model_len=max_model_len,
                    vocab_size=engine.model_config.vocab_size, max_logprobs=args.max_logprobs,

@@ -106,6 +106,9 @@ class DataParallelEngine:
             _no_lora()
         if request_id in self._replica_of:
             raise ValueError(f"request id {request_id!r} is already running")
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            raise ValueError("multi_modal_data: images are not implemented with "
+                             "--data-parallel-size > 1 (serve the model with one replica)")
         # tokenized once, here: the router reads the ids the replica will run
         text, ids = self.process_prompt(prompt, params.truncate_prompt_tokens if params else None)
         # A replica found lost here never started the request: route it again (the API

@@ -18,6 +18,7 @@ from jaxllm.engine.input_processor import InputProcessor, PromptType
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.kv_offload import host_tier
 from jaxllm.engine.lora_slots import LoRASlots
+from jaxllm.engine.multimodal import image_processor
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sleep_mode import SleepMode
@@ -74,7 +75,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config, max_logprobs=sc.max_logprobs,
             eos_token_ids=self.eos_token_ids, structured_outputs=config.structured_outputs,
-            priority_scheduling=sc.policy == "priority", seed=config.model.seed)
+            priority_scheduling=sc.policy == "priority", seed=config.model.seed,
+            images=image_processor(config, self.model_config))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sleep_mode = SleepMode(
             config.enable_sleep_mode, self.runner, self.kv_cache_manager,

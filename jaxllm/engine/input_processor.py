@@ -19,6 +19,7 @@ from jaxllm.engine.grammar import Grammars
 from jaxllm.layers.sampling_tensors import EXTRA_PENALTY_IDS
 from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.sequence import ImageInputs
 
 PromptType = Union[str, list[int], dict]
 
@@ -36,13 +37,16 @@ class EngineRequest:
     priority: int = 0
     arrival_time: float = 0.0
     lora_request: Optional[LoRARequest] = None
+    mm: Optional[ImageInputs] = None  # the prompt's images (vision-language models)
 
 
 class InputProcessor:
     def __init__(self, tokenizer, model_config, *, max_logprobs: int, eos_token_ids: frozenset,
                  structured_outputs: Optional[dict] = None, priority_scheduling: bool = False,
-                 seed: int = 0):
-        """structured_outputs: --structured-outputs-config (the grammar backend's defaults)."""
+                 seed: int = 0, images=None):
+        """structured_outputs: --structured-outputs-config (the grammar backend's defaults).
+        images: a vision-language model's ImageProcessor (jaxllm/engine/multimodal.py)."""
+        self.images = images
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
         self.max_model_len = model_config.max_model_len
@@ -57,7 +61,12 @@ class InputProcessor:
                        ) -> tuple[Optional[str], list[int]]:
         """Text and token ids of a prompt given as text, token ids, or a vLLM prompt dict;
         truncate_prompt_tokens=k keeps its last k tokens (-1: max_model_len), as vLLM."""
-        text, ids = None, None
+        text, ids, _ = self._prompt(prompt, truncate_prompt_tokens)
+        return text, ids
+
+    def _prompt(self, prompt: PromptType, truncate_prompt_tokens: Optional[int]
+                ) -> tuple[Optional[str], list[int], Optional[ImageInputs]]:
+        text, ids, mm = None, None, None
         if isinstance(prompt, dict):
             ids = prompt.get("prompt_token_ids")
             text = prompt.get("prompt")
@@ -73,6 +82,14 @@ class InputProcessor:
                                  "pass prompt_token_ids")
             ids = self.tokenizer.encode(text)
         ids = [int(i) for i in ids]
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            if self.images is None:
+                raise ValueError("multi_modal_data: this model takes no images (a text-only "
+                                 "architecture)")
+            if truncate_prompt_tokens is not None:
+                raise ValueError("truncate_prompt_tokens is not supported with images (it "
+                                 "could cut an image's tokens)")
+            ids, mm = self.images.expand(ids, self.images.images_of(prompt["multi_modal_data"]))
         limit = self.max_model_len
         keep = limit if truncate_prompt_tokens == -1 else truncate_prompt_tokens
         if keep is not None and len(ids) > keep:
@@ -86,7 +103,7 @@ class InputProcessor:
         if len(ids) > limit:
             raise ValueError(f"The prompt (length {len(ids)}) is longer than the maximum model "
                              f"length of {limit}. Make it shorter, or raise --max-model-len.")
-        return text, ids
+        return text, ids, mm
 
     def process(self, request_id: str, prompt: PromptType,
                 params: Optional[SamplingParams] = None, priority: int = 0,
@@ -105,7 +122,7 @@ class InputProcessor:
         if extra > EXTRA_PENALTY_IDS:
             raise ValueError(f"logit_bias and stop_token_ids name {extra} tokens; at most "
                              f"{EXTRA_PENALTY_IDS} are supported.")
-        text, ids = self.process_prompt(prompt, params.truncate_prompt_tokens)
+        text, ids, mm = self._prompt(prompt, params.truncate_prompt_tokens)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
         if not self.priority_scheduling and priority != 0:
@@ -114,4 +131,4 @@ class InputProcessor:
                       else int(self._rng.integers(2**31 - 1)) for i in range(params.n))
         return EngineRequest(request_id, text, ids, params, seeds, self.eos_token_ids, grammar,
                              priority, time.monotonic() if arrival_time is None else arrival_time,
-                             lora_request)
+                             lora_request, mm)

@@ -298,10 +298,11 @@ class KVCacheManager:
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple:
         s, e = i * self.block_size, (i + 1) * self.block_size
-        p = seq.prompt_token_ids
+        # images: their tokens as their content's key, so only the same image hits
+        p = seq.prompt_token_ids if seq.mm is None else seq.mm.hash_tokens
         tokens = p[s:e]
         if e > len(p):
-            tokens = tokens + seq.output_token_ids[max(s - len(p), 0):e - len(p)]
+            tokens = (*tokens, *seq.output_token_ids[max(s - len(p), 0):e - len(p)])
         return tuple(tokens)
 
     def _seq_root_hash(self, seq: Sequence):

@@ -71,7 +71,7 @@ class OutputProcessor:
                            arrival_time=req.arrival_time, priority=req.priority, seed=seed,
                            computes_prompt_logprobs=i == 0 and p.prompt_logprobs is not None,
                            grammar=req.grammar.matcher() if req.grammar is not None else None,
-                           lora_request=req.lora_request)
+                           lora_request=req.lora_request, mm=req.mm)
             detok = None
             if self.tokenizer is not None and p.detokenize:
                 detok = IncrementalDetokenizer(

@@ -22,6 +22,12 @@ from typing import Any, Iterable, Optional
 logger = logging.getLogger("jaxllm")
 
 TEXT_PART_TYPES = ("text", "input_text")
+# Image parts a vision-language model takes: an image_url ({"url": ...}), a PIL image
+# ("image_pil", as vLLM's LLM.chat), or "image" holding either.
+IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
+# Parts refused by name until their modality is built.
+_UNBUILT_PARTS = {"input_audio": "audio", "audio_url": "audio", "video_url": "video",
+                  "image_embeds": "image embeddings"}
 # Arguments apply_chat_template takes from us; chat_template_kwargs may not override them.
 _RESERVED_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template",
                     "add_generation_prompt", "continue_final_message", "tokenize", "return_dict"}
@@ -54,11 +60,15 @@ def content_format_of(template: Optional[str], content_format: str = "auto") -> 
     return "openai" if template and _LOOPS_OVER_CONTENT.search(template) else "string"
 
 
-def normalize_messages(messages: Iterable[Any], content_format: str = "string") -> list[dict]:
+def normalize_messages(messages: Iterable[Any], content_format: str = "string",
+                       images: Optional[list] = None, image_placeholder: str = "") -> list[dict]:
     """Plain dicts for the template. Content becomes a string (text parts joined, newline
     separated: vLLM's 'string' format) or, for 'openai', a list of text parts. Image and audio
     parts are refused, since no model here takes them. Assistant tool calls get their
-    `arguments` JSON text as an object, which is what chat templates iterate over (as vLLM)."""
+    `arguments` JSON text as an object, which is what chat templates iterate over (as vLLM).
+    images: a vision-language model's list, which gets each image part's image or URL in
+    order; the part stays an {"type": "image"} part ('openai') or becomes
+    `image_placeholder` in the text ('string')."""
     out = []
     for i, message in enumerate(messages):
         if hasattr(message, "model_dump"):
@@ -66,9 +76,13 @@ def normalize_messages(messages: Iterable[Any], content_format: str = "string") 
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"messages[{i}] must be an object with a string 'role'")
         message = dict(message)
-        text = _content_text(message.get("content"), i)
-        message["content"] = ([{"type": "text", "text": text}] if content_format == "openai"
-                              else text)
+        parts = _content_parts(message.get("content"), i, images)
+        if content_format == "openai" and any(p["type"] == "image" for p in parts):
+            message["content"] = parts
+        else:
+            text = "\n".join(p.get("text", image_placeholder) for p in parts)
+            message["content"] = ([{"type": "text", "text": text}]
+                                  if content_format == "openai" else text)
         if message.get("tool_calls") is not None:
             message["tool_calls"] = _tool_calls(message["tool_calls"], i)
         out.append(message)
@@ -97,23 +111,42 @@ def _tool_calls(calls: Any, i: int) -> list[dict]:
     return out
 
 
-def _content_text(content: Any, i: int) -> str:
+def _content_parts(content: Any, i: int, images: Optional[list]) -> list[dict]:
+    """A message's content as text and image parts (images appended to `images`)."""
     if content is None:
-        return ""
+        return [{"type": "text", "text": ""}]
     if isinstance(content, str):
-        return content
+        return [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise ValueError(f"messages[{i}].content must be a string or a list of content parts")
-    texts = []
+    parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _UNBUILT_PARTS:
+            raise ValueError(f"messages[{i}].content: {kind!r} parts are not supported "
+                             f"({_UNBUILT_PARTS[kind]} input is not implemented)")
+        if kind in IMAGE_PART_TYPES and images is not None:
+            images.append(_image_ref(part, kind, i))
+            parts.append({"type": "image"})
+            continue
         if kind not in TEXT_PART_TYPES:
             raise ValueError(f"messages[{i}].content: part type {kind!r} is not supported "
-                             f"(text only)")
+                             + ("(text only: this model takes no images)"
+                                if kind in IMAGE_PART_TYPES else "(text and images only)"))
         if not isinstance(part.get("text"), str):
             raise ValueError(f"messages[{i}].content: a text part needs a string 'text'")
-        texts.append(part["text"])
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def _image_ref(part: dict, kind: str, i: int) -> Any:
+    """An image part's PIL image or URL string (jaxllm/entrypoints/media.py reads it)."""
+    value = part.get(kind)
+    if kind == "image_url":
+        value = value.get("url") if isinstance(value, dict) else value
+    if value is None:
+        raise ValueError(f"messages[{i}].content: an {kind!r} part needs its {kind!r} value")
+    return value
 
 
 def render_chat_prompt(tokenizer, messages: Iterable[Any], *,
@@ -123,7 +156,8 @@ def render_chat_prompt(tokenizer, messages: Iterable[Any], *,
                         tools: Optional[list[dict]] = None,
                         chat_template_kwargs: Optional[dict] = None,
                         content_format: str = "auto",
-                        template_source: Optional[str] = None) -> str:
+                        template_source: Optional[str] = None,
+                        images: Optional[list] = None, image_placeholder: str = "") -> str:
     """The prompt text for `messages`; tokenize it without adding special tokens again.
     `content_format` is vLLM's --chat-template-content-format (auto, string or openai).
     `template_source` names the template in the warning about dropped tools (say, "the chat
@@ -142,7 +176,8 @@ def render_chat_prompt(tokenizer, messages: Iterable[Any], *,
         raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
     template = chat_template or tokenizer.chat_template
     conversation = normalize_messages(messages, content_format_of(
-        template if isinstance(template, str) else None, content_format))
+        template if isinstance(template, str) else None, content_format), images,
+        image_placeholder)
     render = partial(tokenizer.apply_chat_template, conversation, chat_template=chat_template,
                      add_generation_prompt=add_generation_prompt,
                      continue_final_message=continue_final_message, tokenize=False, **kwargs)

@@ -93,18 +93,27 @@ class LLM:
         jaxllm.entrypoints.openai_parsers)."""
         from jaxllm.entrypoints.chat_utils import render_chat_prompt
 
+        from jaxllm.entrypoints.media import load_image
+
         tok = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
+        # a vision-language model's images: image parts (PIL images or data: URLs) go with it
+        vision = getattr(getattr(self.llm_engine, "input_processor", None), "images", None)
         for conv in conversations:
+            images = [] if vision is not None else None
             text = render_chat_prompt(tok, conv, chat_template=chat_template,
                                       add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message,
                                       tools=tools, chat_template_kwargs=chat_template_kwargs,
-                                      content_format=chat_template_content_format)
+                                      content_format=chat_template_content_format,
+                                      images=images,
+                                      image_placeholder=vision.placeholder if vision else "")
             # The template already holds any BOS: do not add special tokens again (as vLLM).
             prompts.append({"prompt": text,
                             "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+            if images:
+                prompts[-1]["multi_modal_data"] = {"image": [load_image(r) for r in images]}
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 

@@ -22,6 +22,7 @@ from jaxllm.loader.quantized import Target, quantized_targets, storage_cast
 from jaxllm.models.decoder import MOE_KINDS, Decoder, layer_groups
 from jaxllm.models.llama4 import deinterleave_rows
 from jaxllm.models.model_config import ModelConfig
+from jaxllm.models.qwen2_5_vl import checkpoint_name, vision_targets
 from jaxllm.parallel.mesh import named_sharding
 
 # Tensors some checkpoints carry that the model recomputes or never needs.
@@ -40,6 +41,8 @@ def hf_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
     """Every tensor name a checkpoint of this model must provide, and where it goes (a
     quantized model's projection tensors: `quantized_targets`)."""
     targets = _float_targets(cfg)
+    if cfg.vision is not None:
+        targets.update(_vision_targets(cfg))
     if cfg.architecture in FUSED_LAYOUTS or cfg.architecture in MOE_LAYOUTS:
         if cfg.quant is not None:
             raise CheckpointError(f"quantized {cfg.architecture} checkpoints (fused or stacked "
@@ -307,9 +310,24 @@ def _llama4_text_name(name: str):
     return _language_model_name(name)
 
 
-# Multimodal architectures loaded text-only: checkpoint name -> text model name (or None).
+
+# Multimodal architectures loaded text-only: checkpoint name -> text model name (or None);
+# and those with their vision tower, names normalized.
 TEXT_NAMES = {"Gemma3ForConditionalGeneration": _language_model_name,
-              "Llama4ForConditionalGeneration": _llama4_text_name}
+              "Llama4ForConditionalGeneration": _llama4_text_name,
+              "Qwen2_5_VLForConditionalGeneration": checkpoint_name}
+
+
+def _vision_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
+    """The vision tower's tensors (jaxllm/models/qwen2_5_vl.py): stacked blocks by layer."""
+    out = {}
+    for name, (param, layer, fn, rank) in vision_targets(cfg.vision).items():
+        if layer is None:
+            out[name] = [Target(("vision", param), (0,) * rank, None, fn)]
+        else:
+            out[name] = [Target(("vision", param), (layer,) + (0,) * rank, None,
+                                lambda x, fn=fn: fn(x)[None])]
+    return out
 
 
 def _renamed(tensors: Iterable, origin: Callable, rename: Callable) -> tuple[Iterable, Callable]:

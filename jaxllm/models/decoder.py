@@ -28,6 +28,7 @@ from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.mla import MlaLayers, MlaMoeLayers
 from jaxllm.models.moe import MoeLayers
 from jaxllm.models.params import constant, dummy_weight, rms_norm
+from jaxllm.models.qwen2_5_vl import VisionInputs, VisionTower
 from jaxllm.models.rope import rope_tables
 
 GROUP_KINDS = {"dense": DenseLayers, "moe": MoeLayers, "mla": MlaLayers, "mla_moe": MlaMoeLayers}
@@ -79,14 +80,21 @@ class Decoder(nnx.Module):
         self.final_norm = constant(1.0 - cfg.norm_offset, (E,), ("embed",), dt) if last else None
         self.lm_head = (None if cfg.tie_word_embeddings or not last
                         else dummy_weight(seed, "lm_head", (V, E), ("vocab", "embed"), dt))
+        # A vision-language model's image encoder (its embeddings enter at the first stage).
+        self.vision = VisionTower(cfg.vision, seed, dt) if cfg.vision and first else None
 
     def __call__(self, kv_caches: tuple[KVCache, ...], token_ids: jax.Array, positions: jax.Array,
-                 md: AttentionMetadata, lora_slots: Optional[jax.Array] = None
+                 md: AttentionMetadata, lora_slots: Optional[jax.Array] = None,
+                 mm_embeds: Optional[tuple[jax.Array, jax.Array]] = None
                  ) -> tuple[jax.Array, tuple[KVCache, ...]]:
         """The whole forward: final hidden states [T, E] and the updated caches. lora_slots:
         each token's LoRA adapter slot, int32 [T] (-1: the base model), when the model was
-        built with slots (cfg.lora)."""
+        built with slots (cfg.lora). mm_embeds: (embeddings [T, E], mask bool [T]) of a
+        vision-language model's step: the masked tokens (image placeholders) take the given
+        embedding instead of their token's. positions: [3, T] with M-RoPE (cfg.mrope_section)."""
         h = self.embed_tokens(token_ids)
+        if mm_embeds is not None:
+            h = jnp.where(mm_embeds[1][:, None], mm_embeds[0].astype(h.dtype), h)
         h, kv_caches = self.run_layers(h, kv_caches, positions, md, lora_slots=lora_slots)
         return self.apply_final_norm(h), kv_caches
 
@@ -146,7 +154,7 @@ class Decoder(nnx.Module):
         lora = None if lora_slots is None else lora_batch(lora_slots, cfg.lora.max_loras)
         end = cfg.num_layers if end is None else end
         specs = tuple(dict.fromkeys(cfg.rope))  # distinct RoPE settings (Gemma 3: local/global)
-        cos, sin = rope_tables(specs, cfg.head_dim, positions, h.dtype)
+        cos, sin = rope_tables(specs, cfg.head_dim, positions, h.dtype, cfg.mrope_section)
         windowed = any(cfg.sliding_window)
         caches = list(kv_caches)
         for i, (g, layers) in enumerate(zip(self.groups, self.layers)):
@@ -161,6 +169,11 @@ class Decoder(nnx.Module):
             h, caches[i] = layers(self.backend, h, caches[i], md, rope, a - g.first,
                                   b - g.first, lora)
         return h, tuple(caches)
+
+    def encode_images(self, patches: jax.Array, inputs: VisionInputs) -> jax.Array:
+        """Pixel patches [N, C·t·p·p] of a step's images -> their token embeddings
+        [N / merge_unit, E] (jaxllm/models/qwen2_5_vl.py)."""
+        return self.vision(patches, inputs)
 
     def apply_final_norm(self, h: jax.Array) -> jax.Array:
         return rms_norm(h, self.final_norm[...], self.cfg)

@@ -20,8 +20,9 @@ from jaxllm.config import ConfigError
 from jaxllm.engine_config import LoRAConfig, ModelOptions
 from jaxllm.layers.quantization import QuantSpec
 from jaxllm.models.quant_config import quant_spec
-from jaxllm.models.registry import arch_features
+from jaxllm.models.registry import VISION_TOWERS, arch_features
 from jaxllm.models.rope import RopeSpec
+from jaxllm.models.vision_spec import VisionSpec
 
 # vLLM's keys for the model's context length; the smallest present wins.
 _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
@@ -114,6 +115,11 @@ class ModelConfig:
     attn_temperature: Optional[tuple[float, float]] = None
     qk_l2_norm: bool = False
     router_scales_input: bool = False
+    # Vision-language models (jaxllm/models/qwen2_5_vl.py): M-RoPE's split of the rotary
+    # frequencies over (temporal, height, width) positions (() = 1-D positions), and the
+    # vision tower (None = text only).
+    mrope_section: tuple[int, ...] = ()
+    vision: Optional[VisionSpec] = None
 
     @property
     def kv_values_per_token(self) -> int:
@@ -149,6 +155,7 @@ class ModelConfig:
         for key, value in overrides.items():
             setattr(c, key, value)
         checkpoint_quant = getattr(c, "quantization_config", None)
+        top = c
         if hasattr(c, "get_text_config"):
             top, archs = c, getattr(c, "architectures", None)
             c = c.get_text_config()
@@ -193,6 +200,8 @@ class ModelConfig:
             o_bias=bias,
         )
         fields.update(features)
+        if arch in VISION_TOWERS:  # images in: the tower's settings from the top config
+            fields["vision"] = VISION_TOWERS[arch](top)
         if options.enable_expert_parallel and not fields.get("num_experts"):
             raise ConfigError(f"--enable-expert-parallel: {arch} has no mixture-of-experts "
                               "layers to shard")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from jaxllm.config import ConfigError
+from jaxllm.models.vision_spec import VisionSpec, mrope_section
 
 
 def _llama(c) -> dict:  # also Mistral: bias flags and sliding window come from the config
@@ -227,6 +228,12 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "GptOssForCausalLM": _gpt_oss,
     "Llama4ForCausalLM": _llama4,
     "Llama4ForConditionalGeneration": _llama4,  # its language model only (loader/weights.py)
+    "Qwen2_5_VLForConditionalGeneration": lambda c: dict(_qwen2(c), mrope_section=mrope_section(c)),
+}
+
+# Architectures with a vision tower: top-level config -> ModelConfig.vision.
+VISION_TOWERS: dict[str, Callable[[object], object]] = {
+    "Qwen2_5_VLForConditionalGeneration": VisionSpec.from_hf,
 }
 
 

@@ -195,11 +195,21 @@ def _proportional(spec: RopeSpec, dim: int) -> np.ndarray:
     return (inv / np.float32(spec.factor)).astype(np.float32)
 
 
-def rope_tables(specs: tuple[RopeSpec, ...], head_dim: int, positions: jax.Array, dtype
-                ) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [len(specs), T, head_dim // 2] in `dtype` for each distinct spec."""
+def rope_tables(specs: tuple[RopeSpec, ...], head_dim: int, positions: jax.Array, dtype,
+                mrope_section: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [len(specs), T, head_dim // 2] in `dtype` for each distinct spec. M-RoPE
+    (Qwen2.5-VL): positions [3, T] (temporal, height, width) and `mrope_section` the number of
+    frequencies each axis drives, in that order."""
     inv, scale = zip(*(inv_freq_and_scale(s, head_dim) for s in specs))
-    freqs = positions.astype(jnp.float32)[None, :, None] * jnp.asarray(np.stack(inv))[:, None, :]
+    if mrope_section:  # frequency j rotates by the position on its section's axis
+        if positions.ndim == 1:  # text only: the same position on the three axes
+            positions = jnp.broadcast_to(positions, (3, positions.shape[0]))
+        axis = np.repeat(np.arange(3), mrope_section)
+        pos = positions.astype(jnp.float32)[axis].T  # [T, head_dim // 2]
+        freqs = pos[None] * jnp.asarray(np.stack(inv))[:, None, :]
+    else:
+        freqs = (positions.astype(jnp.float32)[None, :, None]
+                 * jnp.asarray(np.stack(inv))[:, None, :])
     scale = jnp.asarray(scale, jnp.float32)[:, None, None]
     return (jnp.cos(freqs) * scale).astype(dtype), (jnp.sin(freqs) * scale).astype(dtype)
 

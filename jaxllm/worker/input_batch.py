@@ -43,6 +43,9 @@ class StepInputs(NamedTuple):
     prev_tokens: Any      # int32 [num_rows]: the previous step's samples (device array)
     from_prev: Any        # int32 [T]: row of prev_tokens to take the token from, -1 = none
     lora_slots: Any = None  # int32 [T]: each token's LoRA adapter slot, -1 = none (None: no LoRA)
+    # A vision-language model's (embeddings [T, E], bool mask [T]): the image tokens' rows
+    # (None: a text-only model). Its positions are then M-RoPE's, int32 [3, T].
+    mm_embeds: Any = None
 
 
 @dataclass
@@ -69,10 +72,12 @@ class InputBatcher:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
                  max_model_len: int, enforce_eager: bool, decode_programs: bool,
                  num_rows: Optional[int] = None, num_speculative_tokens: int = 0,
-                 lora: bool = False):
+                 lora: bool = False, mm: Optional[tuple[int, Any]] = None):
         """num_rows: sampled rows per step (max_num_seqs, times 1 + k with k drafts each).
-        lora: the model has LoRA slots (each token's slot is an input)."""
+        lora: the model has LoRA slots (each token's slot is an input). mm: a vision-language
+        model's (hidden size, dtype) of image embeddings (M-RoPE positions, embedding rows)."""
         self.max_num_seqs = max_num_seqs
+        self.mm = mm
         self.lora = lora
         self.num_rows = num_rows or max_num_seqs
         self.block_size = block_size
@@ -104,10 +109,11 @@ class InputBatcher:
                        *((T, self.decode_programs) for T in self.decode_buckets)})
 
     def prepare(self, sched: SchedulerOutput, prev_seqs: list[Sequence],
-                prev_tokens) -> PreparedStep:
+                prev_tokens, mm_rows: Optional[dict] = None) -> PreparedStep:
         """Flat padded arrays for the scheduled sequences. prev_seqs are the rows of
         prev_tokens: an input token still PENDING (sampled by the step before, not read yet) is
-        taken from there on the device."""
+        taken from there on the device. mm_rows: {seq_id: (prompt indices, embeddings)} of the
+        image tokens the step computes (jaxllm/worker/encoder.py)."""
         items = sched.scheduled
         num_tokens = sum(it.num_tokens for it in items)
         decode_only = num_tokens == len(items)
@@ -115,7 +121,8 @@ class InputBatcher:
         T = num_tokens if self.enforce_eager else bucket(num_tokens, buckets)
         S, bs = self.max_num_seqs, self.block_size
         token_ids = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
+        positions = np.zeros((3, T) if self.mm else T, np.int32)
+        mm_embeds = self._mm_padding(T)
         slots = np.full(T, -1, np.int32)
         kv_lens = np.zeros(S, np.int32)
         tables = np.zeros((S, self.blocks_per_seq), np.int32)
@@ -135,7 +142,7 @@ class InputBatcher:
                 token_ids[t] = token
                 if token == PENDING:
                     from_prev[t] = prev_rows[seq.seq_id]
-                positions[t] = start
+                positions[..., t] = start + (seq.mm.delta if seq.mm is not None else 0)
                 slots[t] = it.block_ids[start // bs] * bs + start % bs
                 kv_lens[i] = start + 1
                 tables[i, :len(it.block_ids)] = it.block_ids
@@ -150,7 +157,11 @@ class InputBatcher:
             if token_ids[t + known - 1] == PENDING:  # only the last output token is in flight
                 from_prev[t + known - 1] = prev_rows[seq.seq_id]
             pos = np.arange(start, start + n, dtype=np.int32)
-            positions[t:t + n] = pos
+            positions[..., t:t + n] = pos if seq.mm is None else seq.mm.rope_positions(start, n)
+            if mm_rows and seq.seq_id in mm_rows:
+                at, emb = mm_rows[seq.seq_id]
+                mm_embeds[0][t + at - start] = emb
+                mm_embeds[1][t + at - start] = True
             blocks = np.asarray(it.block_ids, np.int32)
             slots[t:t + n] = blocks[pos // bs] * bs + pos % bs
             kv_lens[i] = start + n
@@ -170,8 +181,14 @@ class InputBatcher:
         logits_indices = np.zeros(self.num_rows, np.int32)
         logits_indices[:len(rows)] = [r[1] for r in rows]
         inputs = StepInputs(token_ids, positions, md, logits_indices, prev_tokens, from_prev,
-                            lora_slots)
+                            lora_slots, mm_embeds)
         return PreparedStep(inputs, [r[0] for r in rows], prompt_rows)
+
+    def _mm_padding(self, T: int):
+        """No image rows: zero embeddings, an all-False mask (None: a text-only model)."""
+        if self.mm is None:
+            return None
+        return np.zeros((T, self.mm[0]), self.mm[1]), np.zeros(T, bool)
 
     def padding(self, T: int, decode_only: bool, prev_tokens) -> StepInputs:
         """All-padding inputs of T tokens (nothing is written): what programs are traced with."""
@@ -180,8 +197,9 @@ class InputBatcher:
                                np.zeros((S, self.blocks_per_seq), np.int32),
                                np.zeros(S + 1, np.int32), np.zeros(1, np.int32),
                                decode_only=decode_only)
-        return StepInputs(z, z, md, np.zeros(self.num_rows, np.int32), prev_tokens, z,
-                          np.full(T, -1, np.int32) if self.lora else None)
+        return StepInputs(z, np.zeros((3, T), np.int32) if self.mm else z, md,
+                          np.zeros(self.num_rows, np.int32), prev_tokens, z,
+                          np.full(T, -1, np.int32) if self.lora else None, self._mm_padding(T))
 
 
 def prompt_logprob_targets(T: int, prompt_rows: list[PromptRows]):

@@ -47,6 +47,7 @@ from jaxllm.layers.sampling_tensors import (EXTRA_PENALTY_IDS, SamplingTensors, 
 from jaxllm.sequence import SchedulerOutput, Sequence
 from jaxllm.spec_decode.acceptance import num_accepted
 from jaxllm.worker.compile_manager import CompileManager, ProgramKey
+from jaxllm.worker.encoder import ImageEncoder
 from jaxllm.worker.executable_cache import ExecutableCache
 from jaxllm.worker.kv_transfer import HostKVStore
 from jaxllm.worker.memory_tiers import MemoryTiers
@@ -81,9 +82,11 @@ class ModelRunner(MemoryTiers):
             # Decode steps get programs of their own (decode tiling) unless the attention is
             # the same for every step: then a decode step of T tokens runs the bucket T one.
             decode_programs=backend.decode_programs(kv_cache_dtype), num_rows=self.num_rows,
-            num_speculative_tokens=num_speculative_tokens, lora=model_config.lora is not None)
+            num_speculative_tokens=num_speculative_tokens, lora=model_config.lora is not None,
+            mm=(model_config.hidden_size, model_config.jnp_dtype) if model_config.vision else None)
         self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
         self.graphdef, state = nnx.split(model)
+        self.encoder = ImageEncoder.of(self.graphdef, model_config)  # images (None: text only)
         self._relayout = backend.relayout
         self.state = backend.relayout(state, model_config)  # the weights as its ops read them
         self._offloaded = None  # sleep mode: the weights' host copy and shardings
@@ -171,7 +174,7 @@ class ModelRunner(MemoryTiers):
 
     # --- the jitted functions ----------------------------------------------------------------
     def _forward_fn(self, state, kv_cache, token_ids, positions, md, logits_indices,
-                    prev_tokens, from_prev, lora_slots=None):
+                    prev_tokens, from_prev, lora_slots=None, mm_embeds=None):
         model = nnx.merge(self.graphdef, state)
         token_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], token_ids)
         load = None
@@ -179,7 +182,7 @@ class ModelRunner(MemoryTiers):
             hidden, kv_cache, load = model.forward_counting_experts(kv_cache, token_ids,
                                                                     positions, md, lora_slots)
         else:
-            hidden, kv_cache = model(kv_cache, token_ids, positions, md, lora_slots)
+            hidden, kv_cache = model(kv_cache, token_ids, positions, md, lora_slots, mm_embeds)
         return hidden[logits_indices], hidden, kv_cache, load
 
     def _sample_fn(self, state, rows, num_rows, tensors):
@@ -220,8 +223,9 @@ class ModelRunner(MemoryTiers):
     def _prepare(self, sched: SchedulerOutput, prev: Optional[Inflight]):
         if sched.kv_transfers:  # KV to and from the host tier, before the step writes
             self.kv_cache = self.kv_store.apply(self.kv_cache, sched.kv_transfers)
+        mm_rows = self.encoder.step_rows(sched, self.state) if self.encoder else None
         return self.input_batch.prepare(sched, prev.seqs if prev is not None else [],
-                                        self._prev_tokens(prev))
+                                        self._prev_tokens(prev), mm_rows)
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         return SamplingTensors.from_seqs(seqs, pad_to=self.num_rows,
@@ -297,8 +301,8 @@ class ModelRunner(MemoryTiers):
         waiting for it; step 0's in-flight input tokens come from prev, the step dispatched
         before. Returns the steps' Inflights, each holding its step's tokens on the device."""
         stack = lambda *xs: np.stack([np.asarray(x) for x in xs])  # noqa: E731
-        inputs = [s.inputs._replace(prev_tokens=None) for s in steps]
-        token_ids, positions, md, logits_indices, _, from_prev, lora_slots = jax.tree.map(
+        inputs = [s.inputs._replace(prev_tokens=None, mm_embeds=None) for s in steps]
+        token_ids, positions, md, logits_indices, _, from_prev, lora_slots, _ = jax.tree.map(
             stack, *inputs)
         num_rows = np.array([len(s.inflight.seqs) for s in steps], np.int32)
         tensors = jax.tree.map(stack, *[s.tensors for s in steps])

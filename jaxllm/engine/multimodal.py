@@ -1,0 +1,134 @@
+"""Images in a prompt, on the host: checked, preprocessed with the checkpoint's transformers
+image processor (the PIL one here: torchvision does not import beside torch 2.13, and no video
+processor is needed for images), hashed by content, and their placeholder tokens expanded.
+
+A prompt names each image with one placeholder token (Qwen2.5-VL's `<|image_pad|>`, which its
+chat template writes between `<|vision_start|>` and `<|vision_end|>`); it becomes as many
+tokens as the image has merged patches. The result, an `ImageInputs`, rides on the request's
+sequences: the runner encodes the pixels, the decoder reads the M-RoPE positions, and the
+prefix cache keys the image tokens by the image's content hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Optional
+
+import numpy as np
+
+from jaxllm.config import ConfigError
+from jaxllm.models.qwen2_5_vl import mrope_positions, num_image_tokens
+from jaxllm.sequence import ImageInputs
+
+# Modalities a prompt's multi_modal_data may name; only images are implemented.
+_NOT_IMPLEMENTED = ("video", "audio", "image_embeds")
+
+
+def image_processor(config, model_config) -> Optional["ImageProcessor"]:
+    """A vision-language model's ImageProcessor (None for a text-only model): the checkpoint's
+    transformers image processor (its preprocessor_config.json)."""
+    if model_config.vision is None:
+        return None
+    from transformers import AutoImageProcessor
+
+    if config.parallel.pipeline_parallel_size > 1:
+        raise ConfigError(f"--pipeline-parallel-size: {model_config.architecture} with images "
+                          "is not implemented with a pipeline")
+    processor = AutoImageProcessor.from_pretrained(config.load.model)
+    return ImageProcessor(processor, model_config.vision,
+                          (config.model.limit_mm_per_prompt or {}).get("image"))
+
+
+def image_hash(image) -> str:
+    """The content hash of a PIL image: its mode, size and pixels (one pixel changes it)."""
+    h = hashlib.sha256(f"{image.mode}:{image.size}".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+def _key(digest: str) -> int:
+    """An image's token key in the prefix cache's view of the prompt: negative (no real token
+    id is), from its content hash."""
+    return -1 - int(digest[:15], 16)
+
+
+class ImageProcessor:
+    """Images of one vision-language model: `expand` turns (token ids, images) into the
+    expanded token ids and their `ImageInputs`."""
+
+    def __init__(self, processor, spec, max_images: Optional[int] = None):
+        """spec: the model's VisionSpec; max_images: --limit-mm-per-prompt's image count."""
+        self.processor = processor
+        # what a string-content chat template gets in place of an image part
+        self.placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+        self.spec = spec
+        self.max_images = max_images
+        self._cache: dict[str, tuple] = {}  # content hash -> (pixel values, grid), recent ones
+
+    def images_of(self, data: Any) -> list:
+        """The images of a prompt's multi_modal_data (an image or a list), checked."""
+        from PIL import Image
+
+        if not isinstance(data, dict):
+            raise ValueError("multi_modal_data must be a dict, e.g. {'image': PIL.Image}")
+        for key in data:
+            if key in _NOT_IMPLEMENTED:
+                raise ValueError(f"multi_modal_data {key!r} is not supported (images only)")
+            if key != "image":
+                raise ValueError(f"unknown multi_modal_data key {key!r} (supported: 'image')")
+        images = data.get("image")
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        for i, im in enumerate(images):
+            if not isinstance(im, Image.Image):
+                raise ValueError(f"multi_modal_data image {i} is a {type(im).__name__}, not a "
+                                 "PIL.Image")
+        if self.max_images is not None and len(images) > self.max_images:
+            raise ValueError(f"{len(images)} images in one prompt; at most {self.max_images} "
+                             "are allowed (--limit-mm-per-prompt)")
+        return images
+
+    def _pixels(self, image, digest: str) -> tuple[np.ndarray, tuple]:
+        hit = self._cache.get(digest)
+        if hit is None:
+            out = self.processor(images=[image], return_tensors="np")
+            hit = (np.asarray(out["pixel_values"], np.float32),
+                   tuple(int(x) for x in out["image_grid_thw"][0]))
+            if len(self._cache) >= 64:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[digest] = hit
+        return hit
+
+    def expand(self, ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
+        """Each image's one placeholder token -> its merged-patch count of them."""
+        tok = self.spec.image_token_id
+        found = sum(1 for i in ids if i == tok)
+        if found != len(images):
+            raise ValueError(f"the prompt has {found} image placeholder(s) (token {tok}) for "
+                             f"{len(images)} image(s); put one placeholder per image (the chat "
+                             "template does)")
+        pixels, grids, hashes, starts, counts = [], [], [], [], []
+        out, k = [], 0
+        for t in ids:
+            if t != tok:
+                out.append(t)
+                continue
+            digest = image_hash(images[k])
+            try:
+                pv, grid = self._pixels(images[k].convert("RGB") if images[k].mode != "RGB"
+                                        else images[k], digest)
+            except Exception as e:  # an image the processor cannot take (aspect ratio...)
+                raise ValueError(f"image {k}: the image processor refused it: {e}") from None
+            n = num_image_tokens(grid, self.spec)
+            pixels.append(pv)
+            grids.append(grid)
+            hashes.append(digest)
+            starts.append(len(out))
+            counts.append(n)
+            out += [tok] * n
+            k += 1
+        positions, delta = mrope_positions(out, grids, self.spec)
+        keyed = list(out)
+        for digest, s, n in zip(hashes, starts, counts):
+            keyed[s:s + n] = [_key(digest)] * n
+        return out, ImageInputs(tuple(pixels), tuple(grids), tuple(hashes), tuple(starts),
+                                tuple(counts), positions, delta, tuple(keyed))

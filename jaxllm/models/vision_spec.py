@@ -1,0 +1,80 @@
+"""What the model config says about a vision tower and its multimodal rotary positions: plain
+values (hashable, so the model stays a static jit argument), read from a transformers config.
+
+Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`) is the one tower implemented
+(jaxllm/models/qwen2_5_vl.py); other multimodal architectures are refused or loaded text-only
+by the registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxllm.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionSpec:
+    """A Qwen2.5-VL vision transformer: patch embedding (a Conv3d of stride = kernel, i.e. one
+    matmul per patch), `depth` pre-norm blocks, windowed except `fullatt_block_indexes`, and a
+    2x2 patch merger projecting to the language model's width."""
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    window_size: int
+    out_hidden_size: int
+    fullatt_block_indexes: tuple[int, ...]
+    activation: str
+    rope_theta: float
+    image_token_id: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_values(self) -> int:
+        """Values of one flattened patch (channels x temporal x patch x patch)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size ** 2
+
+    @classmethod
+    def from_hf(cls, top) -> "VisionSpec":
+        """From a Qwen2.5-VL top-level config (its `vision_config` and token ids)."""
+        v = top.vision_config
+        rope = getattr(v, "rope_parameters", None) or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ConfigError(f"Qwen2.5-VL vision rope_type {rope['rope_type']!r} is not "
+                              "supported (axial only)")
+        if v.hidden_size % v.num_heads or (v.hidden_size // v.num_heads) % 4:
+            raise ConfigError(f"vision hidden_size {v.hidden_size} over {v.num_heads} heads "
+                              "must give a head_dim divisible by 4 (axial RoPE)")
+        return cls(depth=v.depth, hidden_size=v.hidden_size,
+                   intermediate_size=v.intermediate_size, num_heads=v.num_heads,
+                   in_channels=v.in_channels, patch_size=v.patch_size,
+                   temporal_patch_size=v.temporal_patch_size,
+                   spatial_merge_size=v.spatial_merge_size, window_size=v.window_size,
+                   out_hidden_size=v.out_hidden_size,
+                   fullatt_block_indexes=tuple(v.fullatt_block_indexes),
+                   activation=v.hidden_act, rope_theta=float(rope.get("rope_theta", 10000.0)),
+                   image_token_id=int(top.image_token_id))
+
+
+def mrope_section(text_config) -> tuple[int, ...]:
+    """The M-RoPE split of head_dim // 2 rotary frequencies into (temporal, height, width)."""
+    params = getattr(text_config, "rope_parameters", None) or {}
+    section = tuple(int(s) for s in params.get("mrope_section") or ())
+    half = (getattr(text_config, "head_dim", None)
+            or text_config.hidden_size // text_config.num_attention_heads) // 2
+    if len(section) != 3 or sum(section) != half:
+        raise ConfigError(f"mrope_section {list(section)} must be three sizes summing to "
+                          f"head_dim // 2 = {half}")
+    return section
