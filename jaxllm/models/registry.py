@@ -158,6 +158,32 @@ def _phi3(c) -> dict:  # Llama's math; fused checkpoint tensors and LongRoPE liv
     return {}
 
 
+def _qwen3_next(c) -> dict:
+    """Qwen3-Next: gated DeltaNet layers where layer_types says linear_attention, gated full
+    attention (q/k norms, partial rotary) in the others; zero-centred norms; the Qwen MoE MLP
+    with a gated shared expert where `_sparse_layers` says (else the dense one)."""
+    types = list(c.layer_types)
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise ConfigError(f"{c.architectures[0]}: layer_types {unknown} are not supported")
+    if getattr(c, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"{c.architectures[0]}: hidden_act={c.hidden_act!r} is not "
+                          "supported (the DeltaNet's convolution and gate are SiLU)")
+    if c.linear_num_value_heads % c.linear_num_key_heads:
+        raise ConfigError(f"linear_num_value_heads={c.linear_num_value_heads} is not a "
+                          f"multiple of linear_num_key_heads={c.linear_num_key_heads}")
+    out = dict(qk_norm=True, norm_offset=1.0, qkv_bias=False, o_bias=False,
+               linear_layers=tuple(t == "linear_attention" for t in types),
+               linear_num_k_heads=c.linear_num_key_heads,
+               linear_num_v_heads=c.linear_num_value_heads,
+               linear_k_dim=c.linear_key_head_dim, linear_v_dim=c.linear_value_head_dim,
+               linear_conv_kernel=c.linear_conv_kernel_dim)
+    if getattr(c, "num_experts", 0):
+        out.update(_qwen_moe(c),
+                   shared_expert_intermediate_size=c.shared_expert_intermediate_size)
+    return out
+
+
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -175,7 +201,8 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "GraniteMoeForCausalLM": _granite_moe,
     "OlmoeForCausalLM": _olmoe,
     "Phi3ForCausalLM": _phi3,
-    "Gemma3ForConditionalGeneration": _gemma3,  # its language model only (loader/weights.py)
+    "Gemma3ForConditionalGeneration": _gemma3,
+    "Qwen3NextForCausalLM": _qwen3_next,  # its language model only (loader/weights.py)
 }
 
 

@@ -107,11 +107,12 @@ def _heads(q, k, v):
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, rec_state, slots, fresh, cu_q_lens, num_seqs
                                ) -> tuple[jax.Array, jax.Array]:
-    """One token per sequence (a decode step: row s is sequence s's token; rows past
-    num_seqs are padding) -> (out [T, Hv, Dv] in v's dtype, rec_state updated)."""
+    """At most one row per sequence (a decode step; other rows are padding) -> (out
+    [T, Hv, Dv] in v's dtype, rec_state updated)."""
     T, N = q.shape[0], rec_state.shape[0]
-    rows = _slot_rows(slots, N, num_seqs)[:T]
-    fresh = fresh[:T]
+    seq, _ = _seq_of_tokens(T, cu_q_lens, num_seqs)
+    rows = jnp.concatenate([_slot_rows(slots, N, num_seqs), jnp.full((1,), N, jnp.int32)])[seq]
+    fresh = jnp.concatenate([fresh, jnp.ones((1,), bool)])[seq]
     qf, kf, vf = _heads(q, k, v)
     h = jnp.where(fresh[:, None, None, None], 0, rec_state[jnp.minimum(rows, N - 1)])
     h = h * jnp.exp(g.astype(jnp.float32))[..., None, None]
