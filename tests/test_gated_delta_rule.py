@@ -111,8 +111,8 @@ def test_recurrent_decode_and_decays(g_scale, g_shift):
     out, state = run_chunked(*parts, state, [2, 0, -1], [True, True, True], cu, ns)
     outs = [[np.asarray(out)[:70]], [np.asarray(out)[70:71]]]
     for i in range(steps):
-        rows = [np.stack([s[j][n + i] for s, n in zip(seqs, lens)] + [s[j][0] * 0 for s in seqs[:1]])
-                for j in range(5)]
+        rows = [np.stack([s[j][n + i] for s, n in zip(seqs, lens)] + [seqs[0][j][0] * 0])
+                for j in range(5)]  # one padding row
         cu, ns = pack([1, 1], 3, 3)
         out, state = recurrent(*map(jnp.asarray, rows), jnp.asarray(state),
                                                     jnp.asarray([2, 0, -1], jnp.int32),

@@ -79,3 +79,91 @@ def test_ragged_prefill_and_decode_match_transformers(qwen3_next, load):
         np.testing.assert_allclose(np.stack(steps[i]), want_steps, atol=ATOL, rtol=0,
                                    err_msg=f"decode steps of prompt {i}")
         assert tokens[i] == want_tokens, f"greedy tokens of prompt {i}"
+
+
+# --- through the engine ---------------------------------------------------------------------
+
+def _engine_prompts():
+    from test_engine import mixed_prompts
+    # 10 prompts, one of 150 tokens: with a 16-token step budget every prompt but the
+    # shortest is split over steps (chunked prefill, at points set by what else runs) beside
+    # the other sequence's decoding row.
+    return mixed_prompts(9, seed=5, hi=70) + [mixed_prompts(1, seed=6, lo=150, hi=151)[0]]
+
+
+@pytest.fixture(scope="module")
+def engine_case(qwen3_next):
+    from test_engine import NEW, hf_greedy
+    path = qwen3_next()
+    prompts = _engine_prompts()
+    return path, prompts, hf_greedy(path, prompts, NEW)
+
+
+def _llm(path, **kw):
+    """Few programs (token bucket 16, decode buckets 1 and 2): compiles dominate the cost."""
+    from test_engine import small_llm
+    return small_llm(path, **{"max_num_seqs": 2, "max_num_batched_tokens": 16,
+                              "max_model_len": 256, **kw})
+
+
+def test_engine_continuous_batching_equals_transformers_and_one_by_one(engine_case, caplog):
+    """Sequences join and leave 2 state slots (reused), prompts split by chunked prefill with
+    decodes in the same steps: transformers' greedy tokens; one request at a time the same.
+    Prefix caching is off for the model, with a start-up message saying why."""
+    from test_engine import GREEDY, token_ids
+    path, prompts, expected = engine_case
+    with caplog.at_level("WARNING", logger="jaxllm"):
+        llm = _llm(path)
+    assert "Prefix caching is disabled for Qwen3NextForCausalLM" in caplog.text
+    eng = llm.llm_engine
+    assert not eng.kv_cache_manager.enable_prefix_caching
+    batch = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                   use_tqdm=False))
+    assert batch == expected
+    assert eng.kv_cache_manager.state_slots.num_free == 2  # every slot given back
+    singles = [token_ids(llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False))[0]
+               for p in (prompts[-1], prompts[0])]
+    assert singles == [expected[-1], expected[0]]
+
+
+@pytest.mark.slow  # its own engine and programs (~40 s)
+def test_engine_preemption_recomputes_the_state(engine_case):
+    """Too few KV blocks for 4 running sequences: preempted sequences give their state slot
+    back and are recomputed from their first token; still transformers' tokens."""
+    from test_engine import GREEDY, token_ids
+    path, prompts, expected = engine_case
+    llm = _llm(path, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=80)
+    batch = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                   use_tqdm=False))
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert batch == expected
+
+
+@pytest.mark.parametrize("kw,flag", [
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                              "prompt_lookup_max": 3}), "--speculative-config"),
+    (dict(kv_offloading_size=0.01), "--kv-offloading-size"),
+])
+def test_unbuilt_features_are_refused_by_name(qwen3_next, kw, flag):
+    from jaxllm.config import ConfigError
+    with pytest.raises(ConfigError, match=flag):
+        _llm(qwen3_next(), **kw)
+
+
+def test_pipeline_parallel_is_refused_by_name(qwen3_next):
+    """(On the start-up rule itself: one CPU device cannot make a two-stage engine.)"""
+    import dataclasses
+
+    from jaxllm.config import ConfigError, EngineArgs
+    from jaxllm.engine.hybrid import hybrid_engine_config
+    from jaxllm.models.model_config import ModelConfig
+    from transformers import AutoConfig
+
+    path = qwen3_next()
+    mc = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+    config = EngineArgs(model=path).create_engine_config()
+    pp = dataclasses.replace(config, parallel=dataclasses.replace(
+        config.parallel, pipeline_parallel_size=2))
+    with pytest.raises(ConfigError, match="--pipeline-parallel-size=2: Qwen3NextForCausalLM"):
+        hybrid_engine_config(pp, mc)
+    assert hybrid_engine_config(config, mc).cache.enable_prefix_caching is False

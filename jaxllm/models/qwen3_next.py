@@ -24,6 +24,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jaxllm.config import ConfigError
 from jaxllm.layers.attention import AttentionMetadata, KVCache
 from jaxllm.layers.backends.base import Backend
 from jaxllm.models.dense import DenseLayers, project
@@ -47,6 +48,13 @@ def state_shapes(cfg: ModelConfig, layers: int, slots: int) -> KVCache:
     return KVCache((layers, slots, 1, C, W - 1), (layers, slots, Hv, Dk, Dv))
 
 
+def _refuse_unbuilt(cfg: ModelConfig) -> None:
+    if cfg.quant is not None or cfg.lora is not None:
+        raise ConfigError(f"{cfg.architecture}: "
+                          f"{'quantized weights' if cfg.quant else 'LoRA adapters'} are not "
+                          "supported for its linear- and gated-attention layers")
+
+
 def sequence_fresh(md: AttentionMetadata) -> jax.Array:
     """bool [S]: the sequence's first token this step is its position 0 (its state starts at
     zero, whatever its slot holds)."""
@@ -57,6 +65,7 @@ class GdnLayers(DenseLayers):
     """`count` consecutive gated DeltaNet layers with the dense MLP."""
 
     def _init_attention(self, cfg: ModelConfig, seed: int, L: int, prefix: str) -> None:
+        _refuse_unbuilt(cfg)
         E, dt = cfg.hidden_size, cfg.jnp_dtype
         Hk, Hv, Dk, Dv, C, W = gdn_dims(cfg)
         r = Hv // Hk
@@ -106,9 +115,12 @@ class GdnLayers(DenseLayers):
         g = -jnp.exp(w["A_log"].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + w["dt_bias"].astype(jnp.float32))
         args = (q, k, v, g, beta, cache.v[layer], slots, fresh, md.cu_q_lens, md.num_seqs)
-        one_each = jnp.max(md.cu_q_lens[1:] - md.cu_q_lens[:-1]) <= 1
-        o, rec = jax.lax.cond(one_each, lambda: gdn.gated_delta_rule_recurrent(*args),
-                              lambda: gdn.gated_delta_rule_chunked(*args))
+        if T == 1 or md.decode_only:  # one token per sequence: no program for prompts
+            o, rec = gdn.gated_delta_rule_recurrent(*args)
+        else:  # decode steps take the recurrent form in any program
+            one_each = jnp.max(md.cu_q_lens[1:] - md.cu_q_lens[:-1]) <= 1
+            o, rec = jax.lax.cond(one_each, lambda: gdn.gated_delta_rule_recurrent(*args),
+                                  lambda: gdn.gated_delta_rule_chunked(*args))
         o = gated_rms_norm(o, z.reshape(T, Hv, Dv), w["gdn_norm"], cfg.rms_norm_eps)
         h = h + project_("gdn_out", o.reshape(T, Hv * Dv))
         cache = KVCache(cache.k.at[layer].set(conv_state[:, None].astype(cache.k.dtype)),
@@ -130,6 +142,7 @@ class GatedAttnLayers(DenseLayers):
     """`count` consecutive full-attention layers with an output gate, dense MLP."""
 
     def _init_attention(self, cfg: ModelConfig, seed: int, L: int, prefix: str) -> None:
+        _refuse_unbuilt(cfg)
         super()._init_attention(cfg, seed, L, prefix)
         self._projection(seed, prefix, "attn_gate",
                          (L, cfg.hidden_size, cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim),

@@ -14,7 +14,7 @@ Layout (as pallas_kernels/ragged_paged_attention/reference.py for the ragged par
   cu_q_lens, num_seqs                   as the paged attention's
 The recurrence per head, each token t (S the state, q scaled by Dk^-1/2, q and k L2-normed):
   S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
-`gated_delta_rule_chunked` computes it 64 tokens at a time (the WY form: one triangular solve
+`gated_delta_rule_chunked` computes it 64 tokens at a time (the WY form: one unit-triangular inverse
 per chunk for the intra-chunk part, one state update per chunk), each sequence's chunks
 aligned to its own first token; `gated_delta_rule_recurrent` is the one-token update that
 decode steps run. Both read each sequence's state from its slot and write the state after its
@@ -33,7 +33,7 @@ def _seq_of_tokens(T: int, cu_q_lens: jax.Array, num_seqs: jax.Array):
     """Each row's sequence and its offset in the sequence's rows of this step; rows past the
     last sequence get sequence index S (padding)."""
     t = jnp.arange(T, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1
+    seq = jnp.searchsorted(cu_q_lens, t, side="right", method="compare_all").astype(jnp.int32) - 1
     S = cu_q_lens.shape[0] - 1
     seq = jnp.where((seq < num_seqs[0]) & (seq < S), seq, S)
     start = jnp.concatenate([cu_q_lens, cu_q_lens[-1:]])[seq]
@@ -157,18 +157,24 @@ def gated_delta_rule_chunked(q, k, v, g, beta, rec_state, slots, fresh, cu_q_len
     kb, vb = kc * bc[..., None], vc * bc[..., None]
     hi = jax.lax.Precision.HIGHEST
     a = jnp.einsum("nhtd,nhsd->nhts", kb, kc, precision=hi) * pair
-    system = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool), -1), a, 0) + jnp.eye(chunk)
-    solve = jax.lax.linalg.triangular_solve
-    u = solve(system, vb, left_side=True, lower=True, unit_diagonal=True)
-    w = solve(system, kb * jnp.exp(cum)[..., None], left_side=True, lower=True,
-              unit_diagonal=True)
+    # (I + A)^-1 for the strictly lower A of the chunk's "UT" system, as the product
+    # (I - A)(I + A^2)(I + A^4)...: A is nilpotent (A^chunk = 0), so this is the whole Neumann
+    # series, in matmuls only (no triangular solve: XLA:CPU runs that as a LAPACK call).
+    a = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool), -1), a, 0)
+    eye = jnp.eye(chunk, dtype=a.dtype)
+    inv, power = eye - a, a
+    for _ in range(max(chunk - 1, 1).bit_length() - 1):
+        power = jnp.einsum("nhts,nhsr->nhtr", power, power, precision=hi)
+        inv = jnp.einsum("nhts,nhsr->nhtr", inv, eye + power, precision=hi)
+    u = jnp.einsum("nhts,nhsv->nhtv", inv, vb, precision=hi)
+    w = jnp.einsum("nhts,nhsd->nhtd", inv, kb * jnp.exp(cum)[..., None], precision=hi)
     attn = jnp.einsum("nhtd,nhsd->nhts", qc, kc, precision=hi) * pair
     q_dec = qc * jnp.exp(cum)[..., None]
     k_dec = kc * jnp.exp(cum[..., -1:] - cum)[..., None]
     chunk_decay = jnp.exp(cum[..., -1])                         # [NC, H]
     # Chunk c's sequence, whether it is that sequence's first chunk, and its slot.
     c = jnp.arange(NC)
-    c_seq = jnp.clip(jnp.searchsorted(first_chunk, c, side="right") - 1, 0, S)
+    c_seq = jnp.clip(jnp.searchsorted(first_chunk, c, side="right", method="compare_all") - 1, 0, S)
     c_live = c < first_chunk[-1]
     rows = jnp.concatenate([_slot_rows(slots, N, num_seqs), jnp.full((1,), N, jnp.int32)])
     c_rows = jnp.where(c_live, rows[c_seq], N)
