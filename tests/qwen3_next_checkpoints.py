@@ -16,18 +16,21 @@ DENSE = dict(vocab_size=512, hidden_size=48, intermediate_size=64, num_hidden_la
                               "partial_rotary_factor": 0.25})
 
 
-def make_qwen3_next(tmp_path_factory, tok, cache: dict, **kw) -> str:
-    """A float32 Qwen3-Next checkpoint of DENSE updated by kw, random weights (norm weights
-    near zero: the model's norms scale by 1 + w; A_log and dt_bias random too)."""
+def make_qwen3_next(tmp_path_factory, tok, cache: dict, arch: str = "Qwen3NextForCausalLM",
+                    **kw) -> str:
+    """A float32 Qwen3-Next (or Qwen3.5: arch "Qwen3_5ForCausalLM") checkpoint of DENSE
+    updated by kw, random weights (norm weights near zero: the model's norms scale by 1 + w;
+    A_log and dt_bias random too)."""
     import torch
     import transformers as tr
 
-    key = json.dumps(kw, sort_keys=True)
+    key = json.dumps([arch, kw], sort_keys=True)
     if key in cache:
         return cache[key]
-    cfg = tr.Qwen3NextConfig(**{**DENSE, **kw}, bos_token_id=tok.pad_token_id,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    cfg.architectures = ["Qwen3NextForCausalLM"]
+    config_cls = tr.Qwen3_5TextConfig if arch == "Qwen3_5ForCausalLM" else tr.Qwen3NextConfig
+    cfg = config_cls(**{**DENSE, **kw}, bos_token_id=tok.pad_token_id,
+                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg.architectures = [arch]
     torch.manual_seed(0)
     model = tr.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     g = torch.Generator().manual_seed(len(cache))

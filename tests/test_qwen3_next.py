@@ -53,11 +53,26 @@ def _hf_greedy(hf, prompt, n):
     return prefill, np.stack(steps), tokens
 
 
-def test_ragged_prefill_and_decode_match_transformers(qwen3_next, load):
+# Qwen3-Next's MoE mix: routed experts with a gated shared expert in layers 0, 1 and 3, layer 2
+# (linear attention) dense.
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+           shared_expert_intermediate_size=24, decoder_sparse_step=1, mlp_only_layers=[2])
+
+
+@pytest.mark.parametrize("kw", [
+    pytest.param({}, id="dense"),
+    pytest.param(MOE, id="moe-mix", marks=pytest.mark.slow),  # its own compiles (~25 s)
+    # Qwen3.5's text model: the same layers, in_proj split into q/k/v, z, b and a tensors
+    pytest.param(dict(arch="Qwen3_5ForCausalLM"), id="qwen3_5", marks=pytest.mark.slow),
+])
+def test_ragged_prefill_and_decode_match_transformers(qwen3_next, load, kw):
     """Prompt lengths across the 64-token chunk boundary, a length-1 prompt, two chunks."""
-    path = qwen3_next()
+    path = qwen3_next(**kw)
     model, cfg, _ = load(path)
     assert cfg.linear_layers == (True, False, True, True)
+    assert [g.kind for g in model.groups] == (
+        ["gdn_moe", "gated_attn_moe", "gdn", "gdn_moe"] if "num_experts" in kw
+        else ["gdn", "gated_attn", "gdn"])
     prompts = _prompts((5, 1, 64, 130, 17))
     runner = StateRunner(model, 4, len(prompts), 200, 256)
     seqs = list(range(len(prompts)))

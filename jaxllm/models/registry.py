@@ -202,7 +202,8 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "OlmoeForCausalLM": _olmoe,
     "Phi3ForCausalLM": _phi3,
     "Gemma3ForConditionalGeneration": _gemma3,
-    "Qwen3NextForCausalLM": _qwen3_next,  # its language model only (loader/weights.py)
+    "Qwen3NextForCausalLM": _qwen3_next,
+    "Qwen3_5ForCausalLM": _qwen3_next,  # the same layers; its checkpoint splits in_proj  # its language model only (loader/weights.py)
 }
 
 
