@@ -141,13 +141,14 @@ def test_engine_continuous_batching_equals_transformers_and_one_by_one(engine_ca
     assert singles == [expected[-1], expected[0]]
 
 
-@pytest.mark.slow  # its own engine and programs (~40 s)
+@pytest.mark.slow  # its own engine and programs (~90 s on a busy machine)
 def test_engine_preemption_recomputes_the_state(engine_case):
     """Too few KV blocks for 4 running sequences: preempted sequences give their state slot
     back and are recomputed from their first token; still transformers' tokens."""
     from test_engine import GREEDY, token_ids
     path, prompts, expected = engine_case
-    llm = _llm(path, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=80)
+    llm = _llm(path, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=168,
+               num_gpu_blocks_override=48)  # the 150-token prompt alone needs 41 blocks
     batch = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                                    use_tqdm=False))
     assert llm.llm_engine.scheduler.num_preemptions > 0
