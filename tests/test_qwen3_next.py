@@ -159,6 +159,7 @@ def test_engine_preemption_recomputes_the_state(engine_case):
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                               "prompt_lookup_max": 3}), "--speculative-config"),
     (dict(kv_offloading_size=0.01), "--kv-offloading-size"),
+    (dict(enable_lora=True), "Qwen3NextForCausalLM: LoRA adapters are not supported"),
 ])
 def test_unbuilt_features_are_refused_by_name(qwen3_next, kw, flag):
     from jaxllm.config import ConfigError
