@@ -160,6 +160,7 @@ def test_engine_preemption_recomputes_the_state(engine_case):
                               "prompt_lookup_max": 3}), "--speculative-config"),
     (dict(kv_offloading_size=0.01), "--kv-offloading-size"),
     (dict(enable_lora=True), "Qwen3NextForCausalLM: LoRA adapters are not supported"),
+    (dict(runner="pooling"), "--runner pooling: Qwen3NextForCausalLM"),
 ])
 def test_unbuilt_features_are_refused_by_name(qwen3_next, kw, flag):
     from jaxllm.config import ConfigError

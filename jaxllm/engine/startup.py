@@ -134,6 +134,9 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
         raise ConfigError(f"--batch-invariant: outputs would depend on the batch here: {why}")
     logger.info("Batch invariant: %s", "yes" if why is None else f"no ({why})")
     kind = runner_type(options, path)
+    if kind == "pooling" and mc.linear_layers:
+        raise ConfigError(f"--runner pooling: {mc.architecture} (linear-attention state) is "
+                          "not implemented in the pooling runner")
     if kind == "pooling" and options.enable_expert_load_metrics:
         raise ConfigError("--enable-expert-load-metrics: the pooling runner does not count "
                           "expert loads (only the generate runner's steps do)")
