@@ -185,3 +185,17 @@ def test_pipeline_parallel_is_refused_by_name(qwen3_next):
     with pytest.raises(ConfigError, match="--pipeline-parallel-size=2: Qwen3NextForCausalLM"):
         hybrid_engine_config(pp, mc)
     assert hybrid_engine_config(config, mc).cache.enable_prefix_caching is False
+
+
+@pytest.mark.slow  # two more engines (~60 s)
+@pytest.mark.parametrize("kw", [dict(num_scheduler_steps=4), dict(async_scheduling=True)],
+                         ids=["multi-step", "async"])
+def test_engine_step_policies_keep_the_state(engine_case, kw):
+    """Bursts of decode steps in one program, and steps taking their input tokens from the
+    device: the state slots ride along; transformers' tokens."""
+    from test_engine import GREEDY, token_ids
+    path, prompts, expected = engine_case
+    llm = _llm(path, **kw)
+    batch = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts[:5]], GREEDY,
+                                   use_tqdm=False))
+    assert batch == expected[:5]
