@@ -98,6 +98,12 @@ def test_ragged_prefill_and_decode_match_transformers(qwen3_next, load, kw):
 
 # --- through the engine ---------------------------------------------------------------------
 
+@pytest.fixture
+def _fail_on_recompile(monkeypatch):
+    """The step programs warm-up compiled serve every step (state_slots included)."""
+    monkeypatch.setenv("JAXLLM_FAIL_ON_RECOMPILE", "1")
+
+
 def _engine_prompts():
     from test_engine import mixed_prompts
     # 10 prompts, one of 150 tokens: with a 16-token step budget every prompt but the
@@ -121,7 +127,8 @@ def _llm(path, **kw):
                               "max_model_len": 256, **kw})
 
 
-def test_engine_continuous_batching_equals_transformers_and_one_by_one(engine_case, caplog):
+def test_engine_continuous_batching_equals_transformers_and_one_by_one(engine_case, caplog,
+                                                                       _fail_on_recompile):
     """Sequences join and leave 2 state slots (reused), prompts split by chunked prefill with
     decodes in the same steps: transformers' greedy tokens; one request at a time the same.
     Prefix caching is off for the model, with a start-up message saying why."""
@@ -142,7 +149,7 @@ def test_engine_continuous_batching_equals_transformers_and_one_by_one(engine_ca
 
 
 @pytest.mark.slow  # its own engine and programs (~90 s on a busy machine)
-def test_engine_preemption_recomputes_the_state(engine_case):
+def test_engine_preemption_recomputes_the_state(engine_case, _fail_on_recompile):
     """Too few KV blocks for 4 running sequences: preempted sequences give their state slot
     back and are recomputed from their first token; still transformers' tokens."""
     from test_engine import GREEDY, token_ids
@@ -190,7 +197,7 @@ def test_pipeline_parallel_is_refused_by_name(qwen3_next):
 @pytest.mark.slow  # two more engines (~60 s)
 @pytest.mark.parametrize("kw", [dict(num_scheduler_steps=4), dict(async_scheduling=True)],
                          ids=["multi-step", "async"])
-def test_engine_step_policies_keep_the_state(engine_case, kw):
+def test_engine_step_policies_keep_the_state(engine_case, kw, _fail_on_recompile):
     """Bursts of decode steps in one program, and steps taking their input tokens from the
     device: the state slots ride along; transformers' tokens."""
     from test_engine import GREEDY, token_ids
