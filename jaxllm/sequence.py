@@ -145,6 +145,7 @@ class ScheduledSequence:
     # step); their positions are verified, and only the accepted ones count as computed.
     spec_token_ids: list[int] = field(default_factory=list)
     lora_slot: int = -1  # the device slot of its LoRA adapter (-1: none)
+    state_slot: int = -1  # a hybrid model's linear-attention state slot (-1: none)
 
 
 @dataclass(frozen=True)

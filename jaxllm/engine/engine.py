@@ -15,6 +15,7 @@ from typing import Optional, Union
 
 from jaxllm.config import EngineArgs
 from jaxllm.engine.input_processor import InputProcessor, PromptType
+from jaxllm.engine.state_slots import StateSlots
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.kv_offload import host_tier
 from jaxllm.engine.lora_slots import LoRASlots
@@ -65,7 +66,9 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             parts.num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching,
             hash_algo=config.cache.prefix_caching_hash_algo,
-            host_tier=host_tier(config.cache, self.runner, parts.num_blocks))
+            host_tier=host_tier(config.cache, self.runner, parts.num_blocks),
+            state_slots=StateSlots(sc.max_num_seqs) if self.model_config.linear_layers
+            else None)
         self.scheduler = Scheduler(
             self.kv_cache_manager, max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=self.runner.max_num_batched_tokens,

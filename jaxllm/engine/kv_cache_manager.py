@@ -27,6 +27,7 @@ from types import MappingProxyType
 from typing import Optional
 
 from jaxllm.engine.kv_offload import HostBlock, HostTier
+from jaxllm.engine.state_slots import StateSlots
 from jaxllm.sequence import KVTransfers, Sequence
 
 _ROOT = 0  # the parent uid of a first block (of a sequence without a LoRA adapter)
@@ -78,7 +79,10 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  hash_algo: str = "builtin",
                  hash_fn: Optional[Callable[[Hashable, tuple], Hashable]] = None,
-                 host_tier: Optional[HostTier] = None):
+                 host_tier: Optional[HostTier] = None,
+                 state_slots: Optional[StateSlots] = None):
+        """state_slots: a hybrid model's per-sequence state slots (jaxllm/engine/
+        state_slots.py), taken with a sequence's first blocks and given back with them."""
         if hash_algo not in ("builtin", "sha256"):
             raise ValueError(f"unknown prefix caching hash algorithm {hash_algo!r}")
         self.num_blocks = num_blocks
@@ -100,6 +104,7 @@ class KVCacheManager:
         self._saves: list = []  # this step's KV transfers so far (`take_transfers`)
         self._drops: list = []
         self._loads: list = []
+        self.state_slots = state_slots
 
     @property
     def num_free_blocks(self) -> int:
@@ -147,6 +152,10 @@ class KVCacheManager:
         """The sequence's block table (the live list: it grows as the sequence does)."""
         return self._seq_blocks.get(seq_id, [])
 
+    def state_slot(self, seq_id: str) -> int:
+        """The sequence's state slot (a hybrid model's), -1 without one."""
+        return -1 if self.state_slots is None else self.state_slots.slot(seq_id)
+
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
         """Longest verified cached prefix of full blocks, leaving at least one token to compute
         (the model must run on the last token to sample the next). No side effects.
@@ -179,7 +188,11 @@ class KVCacheManager:
         revived = sum(b.ref_cnt == 0 for b in device)  # hits leave the evictable pool
         if need > self.num_free_blocks - revived:
             return False
+        if owned is None and self.state_slots is not None and not self.state_slots.num_free:
+            return False
         if owned is None:
+            if self.state_slots is not None:
+                self.state_slots.acquire(seq.seq_id)
             owned = self._seq_blocks[seq.seq_id] = []
             self._seq_uids[seq.seq_id] = [b.uid for b in computed]
             if self.enable_prefix_caching and not seq.needs_prompt_logprobs:
@@ -233,6 +246,8 @@ class KVCacheManager:
         they are evicted before the prefix they extend. A preempted (unfinished) sequence keeps
         its block hashes for its return: its tokens only grow."""
         self._seq_uids.pop(seq.seq_id, None)
+        if self.state_slots is not None:
+            self.state_slots.release(seq.seq_id)
         if seq.is_finished:
             self._seq_hashes.pop(seq.seq_id, None)
         for bid in reversed(self._seq_blocks.pop(seq.seq_id, ())):

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ConfigError
+from jaxllm.engine.hybrid import state_cache_bytes
 from jaxllm.engine_config import CacheConfig, EngineConfig, ModelOptions, SchedulerConfig
 from jaxllm.layers.attention import native_cpu_attention
 from jaxllm.models.registry import SEQUENCE_CLASSIFIERS
@@ -117,7 +118,7 @@ def num_kv_blocks(config: EngineConfig, mc, dtype, layers: Optional[int] = None,
     budget given as a total (CPU, --kv-cache-memory-bytes) is shared in proportion to layers,
     an accelerator's free memory is the stage's own."""
     cache, block_size = config.cache, config.cache.block_size
-    layers = mc.num_layers if layers is None else layers
+    layers = mc.num_kv_layers if layers is None else layers
     per_block = layers * block_size * mc.kv_values_per_token * jnp.dtype(dtype).itemsize
     if cache.num_gpu_blocks_override is not None:
         num, source = cache.num_gpu_blocks_override, "--num-gpu-blocks-override"
@@ -131,7 +132,9 @@ def num_kv_blocks(config: EngineConfig, mc, dtype, layers: Optional[int] = None,
                                        config.parallel.tensor_parallel_size, device)
             source = "--gpu-memory-utilization"
         if source != "--gpu-memory-utilization":  # a total: each stage's share
-            budget = budget * layers // mc.num_layers
+            budget = budget * layers // mc.num_kv_layers
+        # A hybrid model's linear-attention state (fixed: one slot per sequence) comes first.
+        budget -= state_cache_bytes(mc, config.scheduler.max_num_seqs, dtype)
         # More blocks than max_num_seqs full-length sequences can hold would only feed the
         # prefix cache; cap there so small models do not allocate the whole budget.
         cap = config.scheduler.max_num_seqs * math.ceil(mc.max_model_len / block_size)

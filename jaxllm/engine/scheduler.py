@@ -297,7 +297,8 @@ class Scheduler:
                 else self.lora_slots.slot(seq.lora_request))
         return ScheduledSequence(seq, start, n, self.kv.get_block_ids(seq.seq_id),
                                  sample=start + n >= seq.num_tokens,
-                                 spec_token_ids=list(drafts[:num_spec]), lora_slot=slot)
+                                 spec_token_ids=list(drafts[:num_spec]), lora_slot=slot,
+                                 state_slot=self.kv.state_slot(seq.seq_id))
 
     # --- LoRA adapter slots ----------------------------------------------------------------------
     def _has_lora_slot(self, seq: Sequence) -> bool:

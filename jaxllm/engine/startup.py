@@ -29,6 +29,7 @@ from jaxllm.engine_config import EngineConfig, ParallelConfig
 from jaxllm.loader.classifier_head import ClassifierHead, read_classifier_head
 from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.loader import describe_weights, load_model, model_path, weight_bytes
+from jaxllm.engine.hybrid import hybrid_engine_config, state_cache_bytes
 from jaxllm.models.pipeline_stage import split_stage
 from jaxllm.parallel import distributed
 from jaxllm.parallel.mesh import make_mesh
@@ -120,6 +121,7 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     meshes = stage_meshes(pp, tp, devices) if pp > 1 else None
     mesh = next(m for m in meshes if is_local(m)) if meshes else make_mesh(tp, devices=devices)
     model, mc = load_model(load, options, mesh)
+    config = hybrid_engine_config(config, mc)
     times["load"] = time.perf_counter() - t
     if not local:
         kind, pooler_config, classifier = pooling_setup(options, load, model_path(load))
@@ -141,6 +143,9 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
     if why is not None and options.batch_invariant:
         raise ConfigError(f"--batch-invariant: outputs would depend on the batch here: {why}")
     logger.info("Batch invariant: %s", "yes" if why is None else f"no ({why})")
+    if kind == "pooling" and mc.linear_layers:
+        raise ConfigError(f"--runner pooling: {mc.architecture} (linear-attention state) is "
+                          "not implemented in the pooling runner")
     if kind == "pooling" and options.enable_expert_load_metrics:
         raise ConfigError("--enable-expert-load-metrics: the pooling runner does not count "
                           "expert loads (only the generate runner's steps do)")
@@ -174,8 +179,11 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
         times["hosts"] = time.perf_counter() - t
     logger.info("KV cache: %d blocks x %d tokens (%s, %d bytes per token), max_model_len %d",
                 num_blocks, block_size, jnp.dtype(dtype).name,
-                mc.num_layers * mc.kv_values_per_token * jnp.dtype(dtype).itemsize,
+                mc.num_kv_layers * mc.kv_values_per_token * jnp.dtype(dtype).itemsize,
                 mc.max_model_len)
+    if mc.linear_layers:
+        logger.info("Linear-attention state: %d slots, %.2f MiB", sched.max_num_seqs,
+                    state_cache_bytes(mc, sched.max_num_seqs, dtype) / 2**20)
     t = time.perf_counter()
     if pooler_config is None:
         runner.warmup(background=not headless)

@@ -10,7 +10,7 @@ over that group's layers, so groups (and pipeline stages) need not share one lay
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,9 @@ class AttentionMetadata:
     # use one-query tiles. The runner compiles both kinds for token buckets <= max_num_seqs
     # unless the backend runs all steps alike (`Backend.decode_programs`).
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # int32 [S]: each sequence's state slot in a hybrid model's linear-attention state cache
+    # (jaxllm/models/qwen3_next.py; -1: padding); None for models without one.
+    state_slots: Optional[jax.Array] = None
 
 
 # The pure-JAX reference's tiling: (queries per tile, tiles per loop step, keys per chunk).

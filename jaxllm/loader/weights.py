@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxllm.loader.mxfp4 import dequantized_experts
+from jaxllm.loader import qwen3_next_weights
 from jaxllm.loader.quantized import Target, quantized_targets, storage_cast
 from jaxllm.models.decoder import MOE_KINDS, Decoder, layer_groups
 from jaxllm.models.llama4 import deinterleave_rows
@@ -113,12 +114,17 @@ def _float_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
                if group.kind in MOE_KINDS
                else _gated_mlp(MLP_PREFIX.get(cfg.architecture, "mlp."), F, E, gate_up))
         attention = _mla_layer(cfg) if group.kind.startswith("mla") else per_layer
+        if group.kind.startswith("gdn"):  # Qwen3-Next's linear attention
+            attention = qwen3_next_weights.gdn_layer(cfg)
+        elif group.kind.startswith("gated_attn"):
+            attention = [t for t in per_layer if t[0] != "self_attn.q_proj.weight"] \
+                + qwen3_next_weights.gated_q_proj(cfg)
         for i in range(group.first, group.first + group.count):
             for name, param, start, shape, fn in attention + mlp:
-                out[f"model.layers.{i}.{name}"] = [Target(
+                out.setdefault(f"model.layers.{i}.{name}", []).append(Target(
                     ("layers", g, param), (i - group.first, *start), shape,
                     lambda x, fn=fn: fn(x)[None],
-                    jnp.float32 if param in F32_PARAMS and cfg.router_f32 else None)]
+                    jnp.float32 if param in F32_PARAMS and cfg.router_f32 else None))
     return out
 
 

@@ -29,10 +29,15 @@ from jaxllm.models.mla import MlaLayers, MlaMoeLayers
 from jaxllm.models.moe import MoeLayers
 from jaxllm.models.params import constant, dummy_weight, rms_norm
 from jaxllm.models.qwen2_5_vl import VisionInputs, VisionTower
+from jaxllm.models.qwen3_next import (GatedAttnLayers, GatedAttnMoeLayers, GdnLayers,
+                                      GdnMoeLayers, state_shapes)
 from jaxllm.models.rope import rope_tables
 
-GROUP_KINDS = {"dense": DenseLayers, "moe": MoeLayers, "mla": MlaLayers, "mla_moe": MlaMoeLayers}
-MOE_KINDS = ("moe", "mla_moe")
+GROUP_KINDS = {"dense": DenseLayers, "moe": MoeLayers, "mla": MlaLayers, "mla_moe": MlaMoeLayers,
+               "gdn": GdnLayers, "gdn_moe": GdnMoeLayers, "gated_attn": GatedAttnLayers,
+               "gated_attn_moe": GatedAttnMoeLayers}
+MOE_KINDS = ("moe", "mla_moe", "gdn_moe", "gated_attn_moe")
+STATE_KINDS = ("gdn", "gdn_moe")  # groups whose cache is per-sequence state (state_shapes)
 
 
 class LayerGroup(NamedTuple):
@@ -48,6 +53,9 @@ def layer_groups(cfg: ModelConfig) -> tuple[LayerGroup, ...]:
              for i in range(cfg.num_layers)]
     if cfg.kv_lora_rank:  # DeepSeek: multi-head latent attention (jaxllm/models/mla.py)
         kinds = ["mla_moe" if k == "moe" else "mla" for k in kinds]
+    if cfg.linear_layers:  # Qwen3-Next (jaxllm/models/qwen3_next.py)
+        kinds = [("gdn" if linear else "gated_attn") + ("_moe" if k == "moe" else "")
+                 for linear, k in zip(cfg.linear_layers, kinds)]
     groups, first = [], 0
     for i in range(1, cfg.num_layers + 1):
         if i == cfg.num_layers or kinds[i] != kinds[first]:
@@ -122,11 +130,18 @@ class Decoder(nnx.Module):
         """The backend's name (what start-up picks the KV cache dtype by)."""
         return self.backend.name
 
-    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple, ...]:
+    def kv_cache_shapes(self, num_blocks: int, block_size: int, state_slots: int = 0
+                        ) -> tuple[tuple, ...]:
         """[layers, num_blocks, kv heads, block_size, head_dim] of each group's cache; for
         multi-head latent attention KVCache(latent shape, empty V shape): one latent "head"
-        of kv_lora_rank + qk_rope_head_dim values, which serves as K and V."""
+        of kv_lora_rank + qk_rope_head_dim values, which serves as K and V; for a hybrid
+        model's linear-attention groups KVCache(conv state, recurrent state) over
+        `state_slots` per-sequence slots (jaxllm/models/qwen3_next.py)."""
         c = self.cfg
+        if c.linear_layers:
+            return tuple(state_shapes(c, g.count, state_slots) if g.kind in STATE_KINDS
+                         else (g.count, num_blocks, c.num_kv_heads, block_size, c.head_dim)
+                         for g in self.groups)
         if c.kv_lora_rank:
             return tuple(KVCache((g.count, num_blocks, 1, block_size, c.kv_values_per_token),
                                  (g.count, num_blocks, 1, block_size, 0)) for g in self.groups)

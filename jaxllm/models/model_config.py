@@ -120,6 +120,14 @@ class ModelConfig:
     # vision tower (None = text only).
     mrope_section: tuple[int, ...] = ()
     vision: Optional[VisionSpec] = None
+    # Hybrid models (Qwen3-Next; jaxllm/models/qwen3_next.py): which layers are gated DeltaNet
+    # linear attention (the others gated full attention), and the DeltaNet's dimensions.
+    linear_layers: tuple[bool, ...] = ()
+    linear_num_k_heads: int = 0
+    linear_num_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv_kernel: int = 0
 
     @property
     def kv_values_per_token(self) -> int:
@@ -128,6 +136,12 @@ class ModelConfig:
         if self.kv_lora_rank:
             return self.kv_lora_rank + self.head_dim
         return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep a paged KV cache (a hybrid model's linear-attention layers keep a
+        per-sequence state instead)."""
+        return self.num_layers - sum(self.linear_layers)
 
     @property
     def q_per_kv(self) -> int:

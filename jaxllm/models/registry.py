@@ -176,6 +176,8 @@ def _gpt_oss(c) -> dict:
                 moe_intermediate_size=c.intermediate_size, scoring_func="topk_softmax",
                 swiglu_clamp=(float(c.swiglu_alpha), float(c.swiglu_limit)),
                 mxfp4_experts=method == "mxfp4", norm_scale_f32=True)
+
+
 def _llama4(c) -> dict:
     """Llama 4 text (jaxllm/models/llama4.py): NoPE layers with temperature tuning, chunked
     local attention on the RoPE layers, the RoPE layers' q/k L2 norm; MoE layers (`moe_layers`,
@@ -207,6 +209,32 @@ def _llama4(c) -> dict:
         scoring_func="sigmoid")
 
 
+def _qwen3_next(c) -> dict:
+    """Qwen3-Next: gated DeltaNet layers where layer_types says linear_attention, gated full
+    attention (q/k norms, partial rotary) in the others; zero-centred norms; the Qwen MoE MLP
+    with a gated shared expert where `_sparse_layers` says (else the dense one)."""
+    types = list(c.layer_types)
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise ConfigError(f"{c.architectures[0]}: layer_types {unknown} are not supported")
+    if getattr(c, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"{c.architectures[0]}: hidden_act={c.hidden_act!r} is not "
+                          "supported (the DeltaNet's convolution and gate are SiLU)")
+    if c.linear_num_value_heads % c.linear_num_key_heads:
+        raise ConfigError(f"linear_num_value_heads={c.linear_num_value_heads} is not a "
+                          f"multiple of linear_num_key_heads={c.linear_num_key_heads}")
+    out = dict(qk_norm=True, norm_offset=1.0, qkv_bias=False, o_bias=False,
+               linear_layers=tuple(t == "linear_attention" for t in types),
+               linear_num_k_heads=c.linear_num_key_heads,
+               linear_num_v_heads=c.linear_num_value_heads,
+               linear_k_dim=c.linear_key_head_dim, linear_v_dim=c.linear_value_head_dim,
+               linear_conv_kernel=c.linear_conv_kernel_dim)
+    if getattr(c, "num_experts", 0):
+        out.update(_qwen_moe(c),
+                   shared_expert_intermediate_size=c.shared_expert_intermediate_size)
+    return out
+
+
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -229,6 +257,8 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "Llama4ForCausalLM": _llama4,
     "Llama4ForConditionalGeneration": _llama4,  # its language model only (loader/weights.py)
     "Qwen2_5_VLForConditionalGeneration": lambda c: dict(_qwen2(c), mrope_section=mrope_section(c)),
+    "Qwen3NextForCausalLM": _qwen3_next,
+    "Qwen3_5ForCausalLM": _qwen3_next,  # the same layers; its checkpoint splits in_proj
 }
 
 # Architectures with a vision tower: top-level config -> ModelConfig.vision.

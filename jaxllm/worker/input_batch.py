@@ -72,12 +72,16 @@ class InputBatcher:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
                  max_model_len: int, enforce_eager: bool, decode_programs: bool,
                  num_rows: Optional[int] = None, num_speculative_tokens: int = 0,
-                 lora: bool = False, mm: Optional[tuple[int, Any]] = None):
+                 lora: bool = False, mm: Optional[tuple[int, Any]] = None,
+                 state_slots: bool = False):
         """num_rows: sampled rows per step (max_num_seqs, times 1 + k with k drafts each).
         lora: the model has LoRA slots (each token's slot is an input). mm: a vision-language
-        model's (hidden size, dtype) of image embeddings (M-RoPE positions, embedding rows)."""
+        model's (hidden size, dtype) of image embeddings (M-RoPE positions, embedding rows).
+        state_slots: a hybrid model's (each sequence's linear-attention state slot is an
+        input)."""
         self.max_num_seqs = max_num_seqs
         self.mm = mm
+        self.state_slots = state_slots
         self.lora = lora
         self.num_rows = num_rows or max_num_seqs
         self.block_size = block_size
@@ -176,8 +180,13 @@ class InputBatcher:
                 views = draft_views(seq, spec) if spec else (seq,)
                 rows += [(view, t - len(spec) - 1 + j) for j, view in enumerate(views)]
         cu[len(items) + 1:] = t
+        state_slots = None
+        if self.state_slots:
+            state_slots = np.full(S, -1, np.int32)
+            state_slots[:len(items)] = [it.state_slot for it in items]
         md = AttentionMetadata(slots, kv_lens, tables, cu, np.array([len(items)], np.int32),
-                               decode_only=decode_only and self.decode_programs)
+                               decode_only=decode_only and self.decode_programs,
+                               state_slots=state_slots)
         logits_indices = np.zeros(self.num_rows, np.int32)
         logits_indices[:len(rows)] = [r[1] for r in rows]
         inputs = StepInputs(token_ids, positions, md, logits_indices, prev_tokens, from_prev,
@@ -196,7 +205,9 @@ class InputBatcher:
         md = AttentionMetadata(np.full(T, -1, np.int32), np.zeros(S, np.int32),
                                np.zeros((S, self.blocks_per_seq), np.int32),
                                np.zeros(S + 1, np.int32), np.zeros(1, np.int32),
-                               decode_only=decode_only)
+                               decode_only=decode_only,
+                               state_slots=np.full(S, -1, np.int32) if self.state_slots
+                               else None)
         return StepInputs(z, np.zeros((3, T), np.int32) if self.mm else z, md,
                           np.zeros(self.num_rows, np.int32), prev_tokens, z,
                           np.full(T, -1, np.int32) if self.lora else None, self._mm_padding(T))

@@ -83,7 +83,8 @@ class ModelRunner(MemoryTiers):
             # the same for every step: then a decode step of T tokens runs the bucket T one.
             decode_programs=backend.decode_programs(kv_cache_dtype), num_rows=self.num_rows,
             num_speculative_tokens=num_speculative_tokens, lora=model_config.lora is not None,
-            mm=(model_config.hidden_size, model_config.jnp_dtype) if model_config.vision else None)
+            mm=(model_config.hidden_size, model_config.jnp_dtype) if model_config.vision else None,
+            state_slots=bool(model_config.linear_layers))
         self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
         self.graphdef, state = nnx.split(model)
         self.encoder = ImageEncoder.of(self.graphdef, model_config)  # images (None: text only)
@@ -91,7 +92,7 @@ class ModelRunner(MemoryTiers):
         self.state = backend.relayout(state, model_config)  # the weights as its ops read them
         self._offloaded = None  # sleep mode: the weights' host copy and shardings
         self.logit_rows = backend.logit_rows(model_config, LOGIT_ROWS)  # LM-head chunk sizes
-        kv_shapes = model.kv_cache_shapes(num_blocks, block_size)
+        kv_shapes = model.kv_cache_shapes(num_blocks, block_size, state_slots=max_num_seqs)
         kv_sharding = kv_cache_shardings(kv_shapes, mesh)
         self._kv_layout = (kv_shapes, kv_cache_dtype, kv_sharding)
         self.kv_cache = empty_kv_caches(*self._kv_layout)  # one per group
