@@ -25,11 +25,11 @@ from serving.state import ServingState, check_text_length
 
 
 def _tasks(state: ServingState) -> tuple[str, ...]:
-    return getattr(state.engine, "supported_tasks", ("generate",))
+    return state.engine.supported_tasks
 
 
 def _num_labels(state: ServingState) -> Optional[int]:
-    head = getattr(state.engine, "classifier", None)
+    head = state.engine.classifier
     return None if head is None else head.num_labels
 
 

@@ -265,6 +265,7 @@ class FakeSyncEngine:
     tokenizer = None
     eos_token_ids = frozenset()
     step_leader = None
+    supported_tasks, classifier = ("generate",), None
 
     def __init__(self):
         import threading

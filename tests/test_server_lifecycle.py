@@ -35,6 +35,7 @@ class FakeEngine:
         self.tokenizer = None
         self.eos_token_ids = frozenset()
         self.step_leader = None  # one host
+        self.supported_tasks, self.classifier = ("generate",), None
         self.requests: dict[str, list[int]] = {}
         self.step_hook = step_hook
 

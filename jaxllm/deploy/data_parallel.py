@@ -70,8 +70,8 @@ class DataParallelEngine:
         self.eos_token_ids = first.eos_token_ids
         self.generation_defaults = first.generation_defaults
         # The pooling tasks and classifier head (LLM.score, /classify): every replica's.
-        self.supported_tasks = getattr(first, "supported_tasks", ("generate",))
-        self.classifier = getattr(first, "classifier", None)
+        self.supported_tasks = first.supported_tasks
+        self.classifier = first.classifier
         self.startup_times = dict(first.startup_times, total=time.perf_counter() - t0)
         self.router = PrefixAffinityRouter(args.block_size)
         self._replica_of: dict[str, LLMEngine] = {}

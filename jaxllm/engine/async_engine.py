@@ -49,8 +49,8 @@ class AsyncLLMEngine:
         self.generation_defaults = engine.generation_defaults
         self.eos_token_ids = engine.eos_token_ids
         # What the pooling routes may ask (/classify, /score, /rerank: serving/serving_score.py).
-        self.supported_tasks = getattr(engine, "supported_tasks", ("generate",))
-        self.classifier = getattr(engine, "classifier", None)
+        self.supported_tasks = engine.supported_tasks
+        self.classifier = engine.classifier
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stats = engine.stats()

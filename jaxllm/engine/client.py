@@ -26,8 +26,9 @@ from jaxllm.sampling_params import SamplingParams
 @runtime_checkable
 class EngineCore(Protocol):
     """The calls; an engine that fronts a model (not a remote replica, which the engine
-    holding it fronts) also has model_config, tokenizer, eos_token_ids, generation_defaults
-    and startup_times."""
+    holding it fronts) also has model_config, tokenizer, eos_token_ids, generation_defaults,
+    startup_times, supported_tasks (vLLM's: generate, or the pooling runner's tasks) and
+    classifier (--convert classify's head, else None)."""
 
     @property
     def alive(self) -> bool:
@@ -65,6 +66,8 @@ class EngineClient(Protocol):
     model_config: Any
     generation_defaults: dict
     eos_token_ids: frozenset
+    supported_tasks: tuple  # generate, or the pooling runner's tasks (/classify, /score)
+    classifier: Any         # --convert classify's head (its labels), else None
 
     def get_tokenizer(self) -> Any: ...
 
