@@ -179,6 +179,8 @@ class AttnCase:
     cap: Optional[float] = None
     scale: Optional[float] = None   # fp8 caches hold x / scale
     variant: Optional[str] = None   # None = the device's
+    sinks: bool = False             # GPT-OSS: a learned logit per head in the denominator
+    chunk: Optional[int] = None     # Llama 4: attention within chunks of this many tokens
 
 
 def attention_cases(toy: bool, interpret: bool = False) -> list[AttnCase]:
@@ -191,6 +193,8 @@ def attention_cases(toy: bool, interpret: bool = False) -> list[AttnCase]:
               C("mixed_window_softcap_d256", "mixed", hq=8, hkv=4, d=256,
                 window=8 if toy else 300, cap=50.0),
               C("mixed_group3_d64", "mixed", hq=9, hkv=3, d=64), C("decode_gqa8", "decode", hkv=4),
+              C("mixed_sinks_window", "mixed", d=64, window=8 if toy else 128, sinks=True),
+              C("mixed_chunked", "mixed", chunk=8 if toy else 256),
               C("mixed_page128", "mixed", bs=128), C("mixed_d64", "mixed", d=64)]
     cases += [C(f"{kind}_float32", kind, "float32") for kind in ("decode", "mixed", "prefill")]
     cases += [C("mixed_mha", "mixed", hq=8, hkv=8), C("mixed_page32", "mixed", bs=32),
@@ -200,6 +204,7 @@ def attention_cases(toy: bool, interpret: bool = False) -> list[AttnCase]:
               C("mixed_fp8_e5m2_f32q", "mixed", "float32", cache="float8_e5m2", scale=0.02)]
     if toy:  # each feature once, fewer heads (same GQA group): the interpreter is slow
         keep = ("prefill_bfloat16", "decode_fp8_e4m3", "mixed_window_softcap_d256",
+                "mixed_sinks_window", "mixed_chunked",
                 "mixed_group3_d64", "mixed_page128", "decode_float32", "mixed_float32")
         cases = [dataclasses.replace(c, hkv=h, hq=h * (c.hq // c.hkv))
                  for c in cases if c.name in keep for h in [1 if c.hq > c.hkv else 2]]
@@ -314,6 +319,10 @@ def phase_kernels(rec, ctx: Context) -> None:
         q_lens, kv_lens = _lengths(np.random.default_rng(i), c.kind, ctx.toy)
         q, kk, vk, kr, vr, meta, n = make_batch(i, q_lens, kv_lens, c)
         kw = dict(sm_scale=c.d ** -0.5, soft_cap=c.cap, k_scale=c.scale, v_scale=c.scale)
+        if c.sinks:
+            kw["sinks"] = jnp.asarray(np.random.default_rng(i).normal(0, 2, c.hq), jnp.float32)
+        if c.chunk:
+            kw["attention_chunk"] = c.chunk
         step = "reference"
         try:
             with jax.default_matmul_precision("highest"):  # an exact f32 reference

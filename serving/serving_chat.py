@@ -52,7 +52,7 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     params = build_params(lambda: _with_tool_choice(req.sampling_params(
         max_tokens_for(state, len(prompt.token_ids), req.requested_max_tokens),
         req.num_logprobs, req.prompt_logprobs, state.generation_defaults), choice))
-    if _keeps_special_tokens(state, choice):  # GPT-OSS's harmony markers are special tokens
+    if keeps_special_tokens(state, choice):  # GPT-OSS's harmony markers are special tokens
         params = replace(params, skip_special_tokens=False)
     parsers = [ChoiceParser(choice, state.tool_call_parser, state.reasoning_parser,
                             state.tokenizer, params.structured_outputs is not None)
@@ -90,7 +90,7 @@ def _with_tool_choice(params: SamplingParams, choice: ToolChoice) -> SamplingPar
     return params
 
 
-def _keeps_special_tokens(state: ServingState, choice: "ToolChoice") -> bool:
+def keeps_special_tokens(state: ServingState, choice: "ToolChoice") -> bool:
     """Whether a parser this request uses reads the special tokens in the text (the harmony
     parsers, `openai_gptoss` and `openai`): then they are kept whatever the tool choice."""
     classes = []

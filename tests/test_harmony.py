@@ -164,7 +164,7 @@ def test_server_parsers_whole_and_streamed(reasoning_parser):
     import openai_harmony as h
     from types import SimpleNamespace
 
-    from serving.serving_chat import ChoiceParser, ToolChoice, _keeps_special_tokens
+    from serving.serving_chat import ChoiceParser, ToolChoice, keeps_special_tokens
 
     reply = [h.Message.from_role_and_content(h.Role.ASSISTANT, "Call the tool.")
              .with_channel("analysis"),
@@ -179,7 +179,7 @@ def test_server_parsers_whole_and_streamed(reasoning_parser):
     choice = ToolChoice.of(SimpleNamespace(tool_choice="auto", tools=TOOLS,
                                            parallel_tool_calls=True), "openai", True)
     state = SimpleNamespace(reasoning_parser=reasoning_parser, tool_call_parser="openai")
-    assert _keeps_special_tokens(state, choice)
+    assert keeps_special_tokens(state, choice)
 
     whole = ChoiceParser(choice, "openai", reasoning_parser).whole(text)
     assert whole["reasoning"] == ("Call the tool." if reasoning_parser else None)
