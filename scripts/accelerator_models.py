@@ -109,7 +109,11 @@ def phase_models(rec, ctx: Context) -> None:
             path = os.path.join(ctx.workdir, f"tiny_{arch}")
             hf.save_pretrained(path)
             hf = hf.to(device).eval()
-            model, _, _ = cf.load_tiny(path, dtype="float32", attention_backend=backend)
+            # LongRoPE (phi3): jaxllm picks the factors once by max_model_len, transformers
+            # per call by length; these prompts stay in the short range, so the short factors.
+            short = getattr(hf_cfg, "original_max_position_embeddings", None)
+            model, _, _ = cf.load_tiny(path, dtype="float32", attention_backend=backend,
+                                       **({"max_model_len": short} if short else {}))
             prefill, steps, tokens = cf.paged_greedy(model, prompts, new_tokens, block_size=4)
             errs, equal = [], True
             for j, prompt in enumerate(prompts):
