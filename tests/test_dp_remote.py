@@ -84,6 +84,7 @@ class CountingEngine:
     is its last prompt token + k, one per step."""
 
     model_config = tokenizer = eos_token_ids = generation_defaults = None
+    supported_tasks, classifier = ("generate",), None
     startup_times: dict = {}
     alive = True
 
