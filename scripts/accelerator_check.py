@@ -4,7 +4,8 @@ from the hardware's limits (issue 42; docs/accelerators.md has the roofline mode
     PYTHONPATH=. python scripts/accelerator_check.py [--out DIR] [--dry-run] [--budget-s 420]
                                                      [--phases kernels,e2e] [--commit SHA]
 
-Phases, in order (scripts/accelerator_phases.py, accelerator_roofline.py, accelerator_models.py):
+Phases, in order (scripts/accelerator_phases.py, accelerator_roofline.py, accelerator_models.py,
+accelerator_archs.py):
   env       devices, versions, memory, which optional pieces import
   kernels   the Pallas ragged paged-attention kernel compiled for real against the pure-JAX
             reference on random ragged batches (decode / prefill / mixed, f32 / bf16 / fp8
@@ -15,6 +16,8 @@ Phases, in order (scripts/accelerator_phases.py, accelerator_roofline.py, accele
             attention and the step's projections timed against them
   models    a tiny random model of each architecture against transformers on the same device
             (float32, highest matmul precision): greedy tokens equal
+  archs     this wave's mechanisms (MLA, sinks, chunked attention, gated DeltaNet) as tiny
+            models through the offline LLM: greedy tokens and logprobs against transformers
   e2e_hf    a Llama-3.2-1B-shaped random bf16 checkpoint built with transformers; its
             `generate` (256 x 128 -> 128, and batch-1 decode) as the peer
   e2e       jaxllm's offline LLM on that checkpoint: the same workloads, start-up split into
@@ -51,7 +54,7 @@ SCHEMA = "jaxllm-accelerator-check/1"
 # (phase, share of the budget). Shares are of the time still left when the phase starts, so
 # what a quick phase leaves goes to the later ones, the end-to-end run most of all.
 PHASES = (("env", 0.02), ("kernels", 0.20), ("quant", 0.04), ("roofline", 0.14),
-          ("models", 0.15), ("e2e_hf", 0.13), ("e2e", 0.32))
+          ("models", 0.13), ("archs", 0.08), ("e2e_hf", 0.12), ("e2e", 0.27))
 # A phase past its deadline gets this long to write its partial results before it is killed.
 GRACE_S = 20.0
 # Phases that run torch on the device: jax must not take 75 % of its memory up front there.
@@ -122,11 +125,12 @@ class Recorder:
 # --- a phase, in its own process ----------------------------------------------------------------
 
 def phase_function(prefix: str, phase: str):
+    import accelerator_archs
     import accelerator_models
     import accelerator_phases
     import accelerator_roofline
 
-    for mod in (accelerator_phases, accelerator_roofline, accelerator_models):
+    for mod in (accelerator_phases, accelerator_roofline, accelerator_models, accelerator_archs):
         if hasattr(mod, f"{prefix}_{phase}"):
             return getattr(mod, f"{prefix}_{phase}")
     raise LookupError(f"no {prefix}_{phase}")

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "accelerator_check.py")
-PHASES = ["env", "kernels", "quant", "roofline", "models", "e2e_hf", "e2e"]
+PHASES = ["env", "kernels", "quant", "roofline", "models", "archs", "e2e_hf", "e2e"]
 
 
 def run_check(out, *args, timeout=300):
@@ -65,6 +65,9 @@ def test_dry_run_passes_every_phase(tmp_path):
     from conftest import ARCHS  # every test architecture, each compared with transformers
     assert [m["arch"] for m in models] == list(ARCHS) and not r["models"].get("not_run")
     assert all(m["tokens_equal"] and m["max_logit_err"] < 1e-3 for m in models), models
+    archs = r["archs"]["archs"]  # this wave's mechanisms, each through the offline LLM
+    assert [a["arch"] for a in archs] == ["deepseek_v3", "gpt_oss", "llama4", "qwen3_next"]
+    assert all(a["tokens_equal"] and a["max_logprob_err"] < 1e-3 for a in archs), archs
 
     hf, e2e = r["e2e_hf"], r["e2e"]
     assert hf["throughput"]["output_tokens_per_s"] > 0 and hf["batch1"]
