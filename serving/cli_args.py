@@ -160,8 +160,9 @@ def lora_modules(args: argparse.Namespace, served_model_names: list[str],
 # vLLM's names; tests/test_chat_tools.py checks them against the parser registries (importing
 # those here would make `jaxllm serve --help` import the package).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai", "llama4_json",
-                     "llama4_pythonic")
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
+                     "llama4_pythonic", "qwen3_coder", "deepseek_v3", "deepseek_v31", "kimi_k2",
+                     "glm45", "granite")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss", "deepseek_v3", "glm45", "granite")
 HARMONY_PARSERS = ("openai", "openai_gptoss")  # GPT-OSS's (jaxllm/entrypoints/harmony.py)
 CONTENT_FORMATS = ("auto", "string", "openai")
 
