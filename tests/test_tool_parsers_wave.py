@@ -73,7 +73,10 @@ CASES = [
      "I'll look.", [W, N]),
     ("kimi_k2", f"{KB}<|tool_call_begin|> functions.get_weather:0 <|tool_call_argument_begin|>"
      f" {WJ} <|tool_call_end|>{KE}", None, [W]),
-    ("kimi_k2", "Just text, ☀.", "Just text, ☀.", []),
+    ("kimi_k2", f"Two.<|tool_call_section_begin|>{kimi('get_weather', 0, WJ)}"
+     f"{kimi('search', 1, NJ)}<|tool_call_section_end|>", "Two.", [W, N]),  # singular markers
+    ("kimi_k2", "Just text, ☀. <|tool_call_ is not a marker", "Just text, ☀. <|tool_call_ is "
+     "not a marker", []),
     ("kimi_k2", f"{KB}<|tool_call_begin|>functions.get_weather<|tool_call_argument_begin|>{WJ}"
      f"<|tool_call_end|>{KE}", None, None),  # no :index
     ("kimi_k2", f"{KB}{kimi('get_weather', 0, CUT_JSON)}", None, None),

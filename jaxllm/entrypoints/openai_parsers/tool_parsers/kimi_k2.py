@@ -6,16 +6,20 @@ client sends back with that id renders as the model's template expects):
   <|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
 
 The name is what follows the last `.` before the `:`; the arguments must be a JSON object.
+Kimi also writes the section markers in the singular (`<|tool_call_section_begin|>`), which
+vLLM's parser accepts too.
 """
 
 from __future__ import annotations
 
 import re
 
-from jaxllm.entrypoints.openai_parsers.tool_parsers.base import ToolParser, call_from_object
+from jaxllm.entrypoints.openai_parsers.text_utils import safe_prefix
+from jaxllm.entrypoints.openai_parsers.tool_parsers.base import Scan, ToolParser, call_from_object
 from jaxllm.entrypoints.openai_parsers.tool_parsers.markup import section_scan
 
-SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+SECTIONS = (("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+            ("<|tool_call_section_begin|>", "<|tool_call_section_end|>"))
 CALL = ("<|tool_call_begin|>", "<|tool_call_end|>")
 ARGS = "<|tool_call_argument_begin|>"
 CALL_ID = re.compile(r"\s*([^\s<]+:\d+)\s*")
@@ -36,4 +40,8 @@ class KimiK2ToolParser(ToolParser):
     name = "kimi_k2"
 
     def scan(self, text: str, final: bool):
-        return section_scan(text, final, SECTION, CALL, _call)
+        found = [(text.find(begin), (begin, end)) for begin, end in SECTIONS if begin in text]
+        if not found:  # hold back what could begin either spelling
+            return Scan(text if final else min((safe_prefix(text, begin)
+                                                for begin, _ in SECTIONS), key=len))
+        return section_scan(text, final, min(found)[1], CALL, _call)
