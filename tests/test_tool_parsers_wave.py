@@ -118,6 +118,10 @@ CASES = [
                    "extra": "12"})]),
     ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
      "<parameter=unit>\ncelsius\n</function>\n</tool_call>", None, [W]),  # vLLM's leniency
+    ("qwen3_coder", "Sure.\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+     "<parameter=unit>\ncelsius\n</parameter>\n</function>\n<function=search>\n"
+     "<parameter=n>\n3\n</parameter>\n</function>", "Sure.\n",
+     [W, ("search", {"n": 3})]),  # no <tool_call> around the calls (vLLM's back-off)
     ("qwen3_coder", "def f():\n    return 1  # no call here", "def f():\n    return 1  # no "
      "call here", []),
     ("qwen3_coder", "<tool_call>\n<function=get_weather>\ncity: Paris\n</function>\n"

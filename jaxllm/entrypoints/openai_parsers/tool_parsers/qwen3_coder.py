@@ -18,7 +18,9 @@ part of it. Values are typed by the request's tool schema as vLLM types them
 a parameter the schema does not list stays text). As in vLLM, a missing </parameter> ends the
 value at the next <parameter= or </function>, and a missing </function> at the block's end.
 Blocks sit among the text as `hermes` blocks do (markup.blocks_scan); a block that is not one
-function with its parameters is content.
+function with its parameters is content. An output whose first call has no <tool_call> around
+it (`<function=...>...</function>` alone, which vLLM also accepts) is read as blocks of bare
+functions.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from __future__ import annotations
 import json
 import re
 
-from jaxllm.entrypoints.openai_parsers.tool_parsers.base import ToolParser
+from jaxllm.entrypoints.openai_parsers.text_utils import safe_prefix
+from jaxllm.entrypoints.openai_parsers.tool_parsers.base import Scan, ToolParser
 from jaxllm.entrypoints.openai_parsers.tool_parsers.markup import blocks_scan
 from jaxllm.entrypoints.openai_parsers.tool_parsers.xml_values import qwen3_coder_value
 
 START, END = "<tool_call>", "</tool_call>"
+BARE_START, BARE_END = "<function=", "</function>"
 FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|"
                        r"(?=</function>)|$)", re.S)
@@ -41,6 +45,12 @@ class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
 
     def scan(self, text: str, final: bool):
+        wrapped, bare = text.find(START), text.find(BARE_START)
+        if wrapped < 0 and bare < 0 and not final:  # hold back what could begin either
+            return Scan(min((safe_prefix(text, m) for m in (START, BARE_START)), key=len))
+        if bare >= 0 and (wrapped < 0 or bare < wrapped):  # the first marker decides
+            return blocks_scan(text, final, BARE_START, BARE_END,
+                               lambda body: self._call(BARE_START + body))
         return blocks_scan(text, final, START, END, self._call)
 
     def _call(self, body: str):
