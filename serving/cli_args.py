@@ -160,8 +160,9 @@ def lora_modules(args: argparse.Namespace, served_model_names: list[str],
 # vLLM's names; tests/test_chat_tools.py checks them against the parser registries (importing
 # those here would make `jaxllm serve --help` import the package).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai", "llama4_json",
-                     "llama4_pythonic")
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
+                     "llama4_pythonic", "qwen3_coder", "deepseek_v3", "deepseek_v31", "kimi_k2",
+                     "glm45", "granite")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss", "deepseek_v3", "glm45", "granite")
 HARMONY_PARSERS = ("openai", "openai_gptoss")  # GPT-OSS's (jaxllm/entrypoints/harmony.py)
 CONTENT_FORMATS = ("auto", "string", "openai")
 
@@ -173,11 +174,14 @@ def add_chat_output_args(parser: argparse.ArgumentParser) -> None:
                    help='Let requests use tool_choice "auto" (and tools without tool_choice): '
                         "the model's tool calls are parsed from its text with "
                         "--tool-call-parser, which this needs.")
-    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                   help="The tool-call format of the model (vLLM's names).")
-    g.add_argument("--tool-parser-plugin", default="",
-                   help="Refused when given: jaxllm does not load parser code from files; "
-                        "use a built-in --tool-call-parser.")
+    g.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="The tool-call format of the model (vLLM's names): "
+                        f"{', '.join(TOOL_CALL_PARSERS)}, or one a --tool-parser-plugin "
+                        "registers.")
+    g.add_argument("--tool-parser-plugin", default="", metavar="PATH",
+                   help="A Python file registering tool parsers with ToolParserManager."
+                        "register_module (jaxllm.entrypoints.openai_parsers.tool_parsers), "
+                        "loaded at start-up; name one with --tool-call-parser.")
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='Leave the tools out of the prompt when tool_choice is "none".')
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
@@ -192,10 +196,8 @@ def add_chat_output_args(parser: argparse.ArgumentParser) -> None:
 def chat_output_settings(args: argparse.Namespace) -> dict:
     """The ServingState fields of these flags, after vLLM's start-up rules (a ValueError
     names the flag)."""
-    if args.tool_parser_plugin:
-        raise ValueError(f"--tool-parser-plugin {args.tool_parser_plugin!r}: parser plugins "
-                         f"are not supported; choose a built-in --tool-call-parser "
-                         f"({', '.join(TOOL_CALL_PARSERS)})")
+    if args.tool_parser_plugin or args.tool_call_parser:
+        check_tool_call_parser(args.tool_parser_plugin, args.tool_call_parser)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     for flag, value in (("--tool-call-parser", args.tool_call_parser),
@@ -321,3 +323,19 @@ def media_policy(args: argparse.Namespace) -> MediaPolicy:
     if path is not None and not os.path.isdir(path):
         raise ValueError(f"--allowed-local-media-path {path!r} is not a folder")
     return MediaPolicy(path, tuple(d.lower() for d in getattr(args, "allowed_media_domains", [])))
+
+
+def check_tool_call_parser(plugin: str, name: Optional[str]) -> None:
+    """Loads a --tool-parser-plugin file (its parsers join the registry, in this process, which
+    serves the requests), then checks --tool-call-parser against the registry (argparse cannot:
+    a plugin adds names). A ValueError names the flag."""
+    from jaxllm.entrypoints.openai_parsers.tool_parsers import TOOL_PARSERS, ToolParserManager
+    if plugin:
+        try:
+            ToolParserManager.import_tool_parser(plugin)
+        except ValueError as e:
+            raise ValueError(f"--tool-parser-plugin {plugin!r}: {e}") from None
+    if name is not None and name not in TOOL_PARSERS:
+        hint = "" if plugin else " (or register one with --tool-parser-plugin)"
+        raise ValueError(f"--tool-call-parser {name!r}: unknown; choose one of "
+                         f"{', '.join(sorted(TOOL_PARSERS))}{hint}")

@@ -55,7 +55,8 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     if keeps_special_tokens(state, choice):  # GPT-OSS's harmony markers are special tokens
         params = replace(params, skip_special_tokens=False)
     parsers = [ChoiceParser(choice, state.tool_call_parser, state.reasoning_parser,
-                            state.tokenizer, params.structured_outputs is not None)
+                            state.tokenizer, params.structured_outputs is not None,
+                            tools=req.tools, chat_template_kwargs=req.chat_template_kwargs)
                for _ in range(req.n)]
     role = state.response_role if req.add_generation_prompt else messages[-1]["role"]
     # vLLM's chat echo: repeat the last message when it is the role being answered.
@@ -226,11 +227,12 @@ class ChoiceParser:
 
     def __init__(self, choice: ToolChoice, tool_parser: Optional[str],
                  reasoning_parser: Optional[str], tokenizer: Any = None,
-                 constrained: bool = False):
+                 constrained: bool = False, tools: Optional[list] = None,
+                 chat_template_kwargs: Optional[dict] = None):
         self.choice = choice
         self.tools: Optional[ToolParser] = None
-        if choice.mode == "auto":
-            self.tools = get_tool_parser(tool_parser)(tokenizer)
+        if choice.mode == "auto":  # the request's tools type the values of XML formats
+            self.tools = get_tool_parser(tool_parser)(tokenizer, tools=tools)
         elif choice.mode == "required":
             self.tools = RequiredToolParser(tokenizer)
         elif choice.mode == "named":
@@ -241,8 +243,8 @@ class ChoiceParser:
         # (deepseek_r1's would call a JSON answer reasoning, as it never sees </think>).
         if reasoning_parser and constrained:
             reasoning_parser = "qwen3"
-        self.reasoning = (get_reasoning_parser(reasoning_parser)(tokenizer)
-                          if reasoning_parser else None)
+        self.reasoning = (get_reasoning_parser(reasoning_parser)(
+            tokenizer, chat_template_kwargs=chat_template_kwargs) if reasoning_parser else None)
         self._reasoning_sent = ""
         self._content_sent = ""  # without a tool parser (which keeps its own)
         self.called = False

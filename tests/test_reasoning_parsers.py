@@ -72,6 +72,7 @@ def test_reasoning_end_and_registry():
     r1, q3 = get_reasoning_parser("deepseek_r1")(), get_reasoning_parser("qwen3")()
     assert not r1.is_reasoning_end("still thinking") and r1.is_reasoning_end("a</think>")
     assert q3.is_reasoning_end("no thinking at all") and not q3.is_reasoning_end("<think>hm")
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "openai_gptoss"}
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "openai_gptoss", "deepseek_v3",
+                                      "glm45", "granite"}
     with pytest.raises(ValueError, match="unknown reasoning parser 'o1'.*deepseek_r1"):
         get_reasoning_parser("o1")

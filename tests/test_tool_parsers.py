@@ -149,6 +149,7 @@ def test_mistral_ids_and_registry():
     call = get_tool_parser("mistral")().extract(CASES[17][1]).tool_calls[0]
     assert len(call.id) == 9 and call.id.isalnum()
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "openai",
-                                 "llama4_json", "llama4_pythonic"}
+                                 "llama4_json", "llama4_pythonic", "qwen3_coder", "deepseek_v3",
+                                 "deepseek_v31", "kimi_k2", "glm45", "granite"}
     with pytest.raises(ValueError, match="unknown tool call parser 'xml'.*hermes"):
         get_tool_parser("xml")

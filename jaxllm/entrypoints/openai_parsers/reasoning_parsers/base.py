@@ -17,8 +17,11 @@ class ReasoningParser:
     """Base of a format parser; one instance per request (the stream state lives here)."""
     name: ClassVar[str]
 
-    def __init__(self, tokenizer=None):
+    def __init__(self, tokenizer=None, chat_template_kwargs=None):
         self.tokenizer = tokenizer
+        # The request's chat_template_kwargs: some formats think only when the template was
+        # told to (deepseek_v3's `thinking`).
+        self.chat_template_kwargs = chat_template_kwargs or {}
         self._sent = ("", "")
 
     def split(self, text: str, final: bool) -> tuple[str, str]:

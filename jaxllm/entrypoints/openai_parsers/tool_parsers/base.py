@@ -49,15 +49,20 @@ class ExtractedToolCalls:
 class Scan:
     """What a format parser reads from a (possibly partial) output."""
     content: str                                   # text that is content, so far
-    calls: list[tuple[str, str]] = field(default_factory=list)  # complete (name, arguments)
+    # complete calls: (name, arguments), or (name, arguments, id) where the format names its
+    # calls (Kimi-K2's `functions.get_weather:0`)
+    calls: list[tuple] = field(default_factory=list)
 
 
 class ToolParser:
     """Base of a format parser; one instance per request (the stream state lives here)."""
     name: ClassVar[str]
 
-    def __init__(self, tokenizer=None):
+    def __init__(self, tokenizer=None, tools=None):
         self.tokenizer = tokenizer
+        # The request's `tools` (OpenAI function tools): formats that write argument values
+        # as text (qwen3_coder, glm45) type them by each function's JSON schema.
+        self.tools = tools or []
         self._content_sent = ""
         self._calls_sent = 0
 
@@ -74,7 +79,7 @@ class ToolParser:
         if not s.calls:
             return ExtractedToolCalls(text, [])
         return ExtractedToolCalls(s.content if s.content.strip() else None,
-                                  [ToolCall(n, a, self.new_id()) for n, a in s.calls])
+                                  [ToolCall(c[0], c[1], self._id(c)) for c in s.calls])
 
     def extract_delta(self, previous_text: str, current_text: str,
                       delta_text: str) -> Optional[dict]:
@@ -93,13 +98,26 @@ class ToolParser:
         if s.content.startswith(self._content_sent) and len(s.content) > len(self._content_sent):
             out["content"] = s.content[len(self._content_sent):]
             self._content_sent = s.content
-        new = [{"index": i, "id": self.new_id(), "type": "function",
-                "function": {"name": name, "arguments": args}}
-               for i, (name, args) in enumerate(s.calls) if i >= self._calls_sent]
+        new = [{"index": i, "id": self._id(c), "type": "function",
+                "function": {"name": c[0], "arguments": c[1]}}
+               for i, c in enumerate(s.calls) if i >= self._calls_sent]
         if new:
             out["tool_calls"] = new
             self._calls_sent = len(s.calls)
         return out or None
+
+    def _id(self, call: tuple) -> str:
+        return call[2] if len(call) > 2 else self.new_id()
+
+    def parameters(self, function: str) -> dict:
+        """The JSON-schema `properties` of the request's tool `function` ({} if unknown)."""
+        for tool in self.tools:
+            tool = tool if isinstance(tool, dict) else getattr(tool, "model_dump", dict)()
+            fn = tool.get("function") or {}
+            if fn.get("name") == function:
+                props = (fn.get("parameters") or {}).get("properties")
+                return props if isinstance(props, dict) else {}
+        return {}
 
 
 # ---------------------------------------------------------------------------- format helpers
