@@ -18,15 +18,17 @@ import numpy as np
 
 from jaxllm.config import ConfigError
 from jaxllm.models.qwen2_5_vl import mrope_positions, num_image_tokens
+from jaxllm.models.vision_spec import Gemma3VisionSpec
 from jaxllm.sequence import ImageInputs
 
 # Modalities a prompt's multi_modal_data may name; only images are implemented.
 _NOT_IMPLEMENTED = ("video", "audio", "image_embeds")
 
 
-def image_processor(config, model_config) -> Optional["ImageProcessor"]:
+def image_processor(config, model_config, tokenizer=None) -> Optional["ImageProcessor"]:
     """A vision-language model's ImageProcessor (None for a text-only model): the checkpoint's
-    transformers image processor (its preprocessor_config.json)."""
+    transformers image processor (its preprocessor_config.json). tokenizer: the model's
+    (Gemma 3 tokenizes the newlines around each image with it)."""
     if model_config.vision is None:
         return None
     from transformers import AutoImageProcessor
@@ -34,9 +36,15 @@ def image_processor(config, model_config) -> Optional["ImageProcessor"]:
     if config.parallel.pipeline_parallel_size > 1:
         raise ConfigError(f"--pipeline-parallel-size: {model_config.architecture} with images "
                           "is not implemented with a pipeline")
-    processor = AutoImageProcessor.from_pretrained(config.load.model)
-    return ImageProcessor(processor, model_config.vision,
-                          (config.model.limit_mm_per_prompt or {}).get("image"))
+    try:
+        processor = AutoImageProcessor.from_pretrained(config.load.model)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{model_config.architecture}: the checkpoint's image processor "
+                          f"(preprocessor_config.json) does not load: {e}") from None
+    limit = (config.model.limit_mm_per_prompt or {}).get("image")
+    if isinstance(model_config.vision, Gemma3VisionSpec):
+        return Gemma3Images(processor, model_config.vision, limit, tokenizer)
+    return ImageProcessor(processor, model_config.vision, limit)
 
 
 def image_hash(image) -> str:
@@ -132,3 +140,92 @@ class ImageProcessor:
             keyed[s:s + n] = [_key(digest)] * n
         return out, ImageInputs(tuple(pixels), tuple(grids), tuple(hashes), tuple(starts),
                                 tuple(counts), positions, delta, tuple(keyed))
+
+
+class Gemma3Images(ImageProcessor):
+    """Gemma 3's images in a prompt, on the host: transformers' Gemma 3 image processor (PIL path,
+    pan-and-scan off as vLLM's default) and Gemma3Processor's placeholder expansion done on token
+    ids.
+    
+    A prompt names each image with one `<start_of_image>`; it becomes the processor's
+    "\\n\\n<start_of_image>" + mm_tokens_per_image image soft tokens + "<end_of_image>\\n\\n". As the
+    processor tokenizes the expanded text, the inserted newlines merge with the prompt's adjacent
+    ones ("\\n" + "\\n\\n" is one "\\n\\n\\n" token in Gemma's vocabulary): every run of newline-only
+    tokens touching an image is re-tokenized whole, as vLLM's Gemma 3 processor does.
+    """
+
+    def __init__(self, processor, spec, max_images, tokenizer):
+        """spec: the model's Gemma3VisionSpec; tokenizer: the model's (Hugging Face)."""
+        super().__init__(processor, spec, max_images)
+        self.placeholder = "<start_of_image>"
+        self.tokenizer = tokenizer
+        # newline-only tokens -> their newline count (Gemma's vocabulary spells them as is)
+        self._newline = {i: len(t) for t, i in tokenizer.get_vocab().items() if set(t) == {"\n"}}
+        self._nn = tokenizer.encode("\n\n", add_special_tokens=False)
+
+    def _pixels(self, image, digest: str) -> tuple[np.ndarray, tuple]:
+        hit = self._cache.get(digest)
+        if hit is None:
+            out = self.processor(images=[image], do_pan_and_scan=False, return_tensors="np")
+            hit = (np.asarray(out["pixel_values"], np.float32)[0], ())
+            if len(self._cache) >= 64:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[digest] = hit
+        return hit
+
+    def _merge_newlines(self, ids: list[int]) -> list[int]:
+        out, i = [], 0
+        while i < len(ids):
+            if ids[i] not in self._newline:
+                out.append(ids[i])
+                i += 1
+                continue
+            j = i
+            while j < len(ids) and ids[j] in self._newline:
+                j += 1
+            if j - i == 1:
+                out.append(ids[i])
+            else:
+                out += self.tokenizer.encode("\n" * sum(self._newline[t] for t in ids[i:j]),
+                                             add_special_tokens=False)
+            i = j
+        return out
+
+    def expand(self, ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
+        """Each image's <start_of_image> -> the processor's full image sequence."""
+        s = self.spec
+        found = sum(1 for i in ids if i == s.boi_token_id)
+        if found != len(images):
+            raise ValueError(f"the prompt has {found} image placeholder(s) (<start_of_image>, "
+                             f"token {s.boi_token_id}) for {len(images)} image(s); put one "
+                             "placeholder per image (the chat template does)")
+        pixels, hashes = [], []
+        out, k = [], 0
+        for t in ids:
+            if t != s.boi_token_id:
+                out.append(t)
+                continue
+            digest = image_hash(images[k])
+            try:
+                pv, _ = self._pixels(images[k].convert("RGB") if images[k].mode != "RGB"
+                                     else images[k], digest)
+            except Exception as e:  # an image the processor cannot take
+                raise ValueError(f"image {k}: the image processor refused it: {e}") from None
+            pixels.append(pv)
+            hashes.append(digest)
+            out += self._nn + [s.boi_token_id] + [s.image_token_id] * s.mm_tokens_per_image \
+                + [s.eoi_token_id] + self._nn
+            k += 1
+        out = self._merge_newlines(out)
+        n = s.mm_tokens_per_image
+        starts = [i for i, t in enumerate(out) if t == s.image_token_id
+                  and (i == 0 or out[i - 1] != s.image_token_id)]
+        if len(starts) != len(images) or any(out[a:a + n] != [s.image_token_id] * n
+                                             for a in starts):
+            raise ValueError(f"the prompt's image soft tokens (token {s.image_token_id}) must "
+                             "come only from its <start_of_image> placeholders")
+        keyed = list(out)
+        for digest, a in zip(hashes, starts):
+            keyed[a:a + n] = [_key(digest)] * n
+        return out, ImageInputs(tuple(pixels), ((),) * len(images), tuple(hashes),
+                                tuple(starts), (n,) * len(images), None, 0, tuple(keyed))
