@@ -143,25 +143,27 @@ class ImageProcessor:
 
 
 class Gemma3Images(ImageProcessor):
-    """Gemma 3's images in a prompt, on the host: transformers' Gemma 3 image processor (PIL path,
-    pan-and-scan off as vLLM's default) and Gemma3Processor's placeholder expansion done on token
-    ids.
-    
+    """Gemma 3's images in a prompt: transformers' Gemma 3 image processor (PIL path,
+    pan-and-scan off, as vLLM's default) and Gemma3Processor's placeholder expansion, done on
+    token ids.
+
     A prompt names each image with one `<start_of_image>`; it becomes the processor's
-    "\\n\\n<start_of_image>" + mm_tokens_per_image image soft tokens + "<end_of_image>\\n\\n". As the
-    processor tokenizes the expanded text, the inserted newlines merge with the prompt's adjacent
-    ones ("\\n" + "\\n\\n" is one "\\n\\n\\n" token in Gemma's vocabulary): every run of newline-only
-    tokens touching an image is re-tokenized whole, as vLLM's Gemma 3 processor does.
+    "\\n\\n<start_of_image>" + mm_tokens_per_image soft tokens + "<end_of_image>\\n\\n". The
+    processor tokenizes the expanded text, so the inserted newlines merge with the prompt's
+    adjacent ones ("\\n" + "\\n\\n" is one "\\n\\n\\n" token in Gemma's vocabulary): every run of
+    newline-only tokens is re-tokenized whole, as vLLM's Gemma 3 processor does.
     """
 
     def __init__(self, processor, spec, max_images, tokenizer):
         """spec: the model's Gemma3VisionSpec; tokenizer: the model's (Hugging Face)."""
         super().__init__(processor, spec, max_images)
         self.placeholder = "<start_of_image>"
-        self.tokenizer = tokenizer
-        # newline-only tokens -> their newline count (Gemma's vocabulary spells them as is)
-        self._newline = {i: len(t) for t, i in tokenizer.get_vocab().items() if set(t) == {"\n"}}
-        self._nn = tokenizer.encode("\n\n", add_special_tokens=False)
+        self.tokenizer = tokenizer  # None with --skip-tokenizer-init: images are refused
+        if tokenizer is not None:
+            # newline-only tokens -> their newline count (Gemma's vocabulary spells them as is)
+            self._newline = {i: len(t) for t, i in tokenizer.get_vocab().items()
+                             if set(t) == {"\n"}}
+            self._nn = tokenizer.encode("\n\n", add_special_tokens=False)
 
     def _pixels(self, image, digest: str) -> tuple[np.ndarray, tuple]:
         hit = self._cache.get(digest)
@@ -173,37 +175,42 @@ class Gemma3Images(ImageProcessor):
             self._cache[digest] = hit
         return hit
 
-    def _merge_newlines(self, ids: list[int]) -> list[int]:
+    def _merge_newlines(self, ids: list[int], inserted: list[bool]) -> list[int]:
+        """Each run of newline-only tokens holding an inserted one, tokenized whole."""
         out, i = [], 0
         while i < len(ids):
-            if ids[i] not in self._newline:
-                out.append(ids[i])
-                i += 1
-                continue
             j = i
             while j < len(ids) and ids[j] in self._newline:
                 j += 1
-            if j - i == 1:
+            if j == i:
                 out.append(ids[i])
-            else:
+                i += 1
+            elif any(inserted[i:j]):
                 out += self.tokenizer.encode("\n" * sum(self._newline[t] for t in ids[i:j]),
                                              add_special_tokens=False)
-            i = j
+                i = j
+            else:
+                out += ids[i:j]
+                i = j
         return out
 
     def expand(self, ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
         """Each image's <start_of_image> -> the processor's full image sequence."""
         s = self.spec
+        if self.tokenizer is None:
+            raise ValueError("images need the model's tokenizer to expand their placeholders "
+                             "(the engine was started with --skip-tokenizer-init)")
         found = sum(1 for i in ids if i == s.boi_token_id)
         if found != len(images):
             raise ValueError(f"the prompt has {found} image placeholder(s) (<start_of_image>, "
                              f"token {s.boi_token_id}) for {len(images)} image(s); put one "
                              "placeholder per image (the chat template does)")
         pixels, hashes = [], []
-        out, k = [], 0
+        out, inserted, k = [], [], 0
         for t in ids:
             if t != s.boi_token_id:
                 out.append(t)
+                inserted.append(False)
                 continue
             digest = image_hash(images[k])
             try:
@@ -213,10 +220,12 @@ class Gemma3Images(ImageProcessor):
                 raise ValueError(f"image {k}: the image processor refused it: {e}") from None
             pixels.append(pv)
             hashes.append(digest)
-            out += self._nn + [s.boi_token_id] + [s.image_token_id] * s.mm_tokens_per_image \
-                + [s.eoi_token_id] + self._nn
+            image = [s.boi_token_id] + [s.image_token_id] * s.mm_tokens_per_image \
+                + [s.eoi_token_id]
+            out += self._nn + image + self._nn
+            inserted += [True] * (len(image) + 2 * len(self._nn))
             k += 1
-        out = self._merge_newlines(out)
+        out = self._merge_newlines(out, inserted)
         n = s.mm_tokens_per_image
         starts = [i for i, t in enumerate(out) if t == s.image_token_id
                   and (i == 0 or out[i - 1] != s.image_token_id)]
