@@ -89,6 +89,46 @@ def test_image_tokens_attend_to_their_whole_image(ckpt):
     assert np.abs(causal.numpy() - bidirectional).max() > 1e-2
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_reference_attention_attend_to(window):
+    """attend_to against dense attention with the mask transformers builds for Gemma 3:
+    AND(window, OR(causal, same image)), images at prompt positions 2..6 and 9..11 of a
+    prefill chunk, beside a decode sequence and padding tokens; two tilings."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+    from test_reference_attention import build_case
+
+    rng = np.random.default_rng(0)
+    q_lens, kv_lens, hq, d = [12, 1], [12, 9], 4, 16
+    q, kc, vc, kvl, bt, cu, ns, ks, vs = build_case(rng, q_lens, kv_lens, hq, 2, d, 4)
+    group = np.full(12, -1)
+    group[2:7], group[9:12] = 0, 1
+    attend_to = np.zeros(len(q), np.int32)
+    attend_to[:12] = [max(i, np.flatnonzero(group == group[i]).max()) if group[i] >= 0 else i
+                      for i in range(12)]
+    attend_to[12] = 8  # the decode token: its own position
+    want = []
+    for s, (qq, ql, kl) in enumerate(((q[:12], 12, 12), (q[12:13], 1, 9))):
+        k, v = (np.repeat(x[s][:kl], 2, axis=1).astype(np.float64) for x in (ks, vs))
+        qpos, kpos = kl - ql + np.arange(ql), np.arange(kl)
+        mask = kpos[None] <= qpos[:, None]
+        if s == 0:
+            mask |= (group[:, None] == group[None]) & (group[:, None] >= 0)
+        if window:
+            mask &= kpos[None] > qpos[:, None] - window
+        sc = np.where(mask[None], np.einsum("qhd,khd->hqk", qq, k) * d ** -0.5, -np.inf)
+        p = np.exp(sc - sc.max(-1, keepdims=True))
+        want.append(np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v))
+    want = np.concatenate(want)
+    for q_tile, groups, chunk in [(4, 2, 1), (16, 4, 64)]:
+        out = ragged_paged_attention(
+            *map(jnp.asarray, (q, kc, vc)), 1, *map(jnp.asarray, (kvl, bt, cu, ns)),
+            sm_scale=d ** -0.5, sliding_window=window, attend_to=jnp.asarray(attend_to),
+            q_tile=q_tile, tiles_per_group=groups, chunk_blocks=chunk)
+        np.testing.assert_allclose(np.asarray(out[:13]), want, atol=2e-5, rtol=2e-5)
+
+
 def test_chunk_never_ends_inside_an_image():
     """The scheduler's cut: before an image a chunk would end inside, or nothing when the
     chunk starts inside it (a prefix-cache hit) and cannot finish it; images too large for
@@ -121,3 +161,47 @@ def test_chat_with_image_parts(ckpt, llm):
     inp = gc.inputs(text, IMAGES[1:])
     assert out.prompt_token_ids == inp["input_ids"][0].tolist()
     assert list(out.outputs[0].token_ids) == gc.hf_generate(ckpt[1], inp, NEW)[0]
+
+
+def test_prefix_cache_is_keyed_by_the_image(ckpt, llm):
+    """The same image again hits the cache past its tokens; one pixel changed misses it from
+    the block holding the image's first token on, and gives that image's own tokens."""
+    from PIL import Image
+
+    image = gc.image(7, 90, 60)
+    pixels = np.asarray(image).copy()
+    pixels[30, 30, 0] ^= 1
+    changed = Image.fromarray(pixels)
+    inp = gc.inputs(gc.PROMPT, [image])
+    first = inp["input_ids"][0].tolist().index(ckpt[1].config.image_token_id)
+    outs = [llm.generate({"prompt": gc.PROMPT, "multi_modal_data": {"image": im}}, _greedy(),
+                         use_tqdm=False)[0] for im in (image, image, changed)]
+    ref = gc.hf_generate(ckpt[1], inp, NEW)[0]
+    assert [list(o.outputs[0].token_ids) for o in outs[:2]] == [ref, ref]
+    assert outs[1].num_cached_tokens > first + gc.TOKENS  # past the image's tokens
+    assert outs[2].num_cached_tokens <= first  # only the text before it
+    assert list(outs[2].outputs[0].token_ids) == gc.hf_generate(
+        ckpt[1], gc.inputs(gc.PROMPT, [changed]), NEW)[0]
+
+
+def test_bad_image_inputs_are_refused_by_name(llm):
+    bad = [({"image": IMAGES}, "1 image placeholder.*<start_of_image>"),
+           ({"image": "not an image"}, "is a str, not a PIL.Image")]
+    for data, message in bad:
+        with pytest.raises(ValueError, match=message):
+            llm.generate({"prompt": gc.PROMPT, "multi_modal_data": data}, _greedy(),
+                         use_tqdm=False)
+    with pytest.raises(ValueError, match="image soft tokens .* must come only from"):
+        llm.generate({"prompt": gc.PROMPT + "<image_soft_token>",
+                      "multi_modal_data": {"image": IMAGES[0]}}, _greedy(), use_tqdm=False)
+
+
+def test_pallas_backend_is_refused_by_name(ckpt):
+    """The Pallas kernel is causal only: start-up refuses it for a model with bidirectional
+    image tokens rather than running images with the wrong mask."""
+    from jaxllm import LLM
+    from jaxllm.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--attention-backend pallas: .*bidirectionally"):
+        LLM(ckpt[0], dtype="float32", max_model_len=96, max_num_seqs=2,
+            max_num_batched_tokens=16, attention_backend="pallas")
