@@ -4,6 +4,9 @@ and logprobs, with the image tokens attending to each other (its token_type_ids 
 
 from __future__ import annotations
 
+import json
+import sys
+
 import numpy as np
 import pytest
 
@@ -205,3 +208,30 @@ def test_pallas_backend_is_refused_by_name(ckpt):
     with pytest.raises(ConfigError, match="--attention-backend pallas: .*bidirectionally"):
         LLM(ckpt[0], dtype="float32", max_model_len=96, max_num_seqs=2,
             max_num_batched_tokens=16, attention_backend="pallas")
+
+
+def _two_prompts():
+    return [{"prompt": gc.PROMPT, "multi_modal_data": {"image": IMAGES[0]}},
+            {"prompt": TWO, "multi_modal_data": {"image": IMAGES}}]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_equals_one_device(ckpt, llm):
+    """Two virtual devices (the tower replicated, the decoder sharded, attend_to replicated):
+    the same tokens."""
+    from conftest import run_with_host_devices
+
+    proc = run_with_host_devices(2, [__file__, ckpt[0]])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tp2 = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert tp2 == [list(o.outputs[0].token_ids)
+                   for o in llm.generate(_two_prompts(), _greedy(), use_tqdm=False)]
+
+
+if __name__ == "__main__":  # the tensor-parallel run (python this_file CHECKPOINT)
+    from jaxllm import LLM
+
+    tp_llm = LLM(sys.argv[1], dtype="float32", max_model_len=96, max_num_seqs=4,
+                 max_num_batched_tokens=16, block_size=4, tensor_parallel_size=2)
+    outs = tp_llm.generate(_two_prompts(), _greedy(), use_tqdm=False)
+    print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
