@@ -210,6 +210,17 @@ def test_pallas_backend_is_refused_by_name(ckpt):
             max_num_batched_tokens=16, attention_backend="pallas")
 
 
+
+def test_cpu_backend_names_its_batch_variance(llm):
+    """The CPU backend runs the XLA reference attention for bidirectional image tokens, so
+    --batch-invariant is refused with that reason rather than promised."""
+    import jax.numpy as jnp
+
+    from jaxllm.layers.backends import make_backend
+
+    why = make_backend("cpu").batch_variance(llm.llm_engine.model_config, jnp.float32)
+    assert "bidirectional image tokens" in why
+
 def _two_prompts():
     return [{"prompt": gc.PROMPT, "multi_modal_data": {"image": IMAGES[0]}},
             {"prompt": TWO, "multi_modal_data": {"image": IMAGES}}]

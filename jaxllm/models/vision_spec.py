@@ -98,6 +98,10 @@ class Gemma3VisionSpec:
     boi_token_id: int         # <start_of_image>: the prompt's one placeholder per image
     eoi_token_id: int         # <end_of_image>
 
+    # In prefill an image's tokens attend to all of the image (transformers' token_type_ids
+    # mask): `AttentionMetadata.attend_to`.
+    bidirectional_images = True
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
@@ -141,4 +145,4 @@ class Gemma3VisionSpec:
 def bidirectional_images(model_config) -> bool:
     """Whether the model's image tokens attend to their whole image in prefill (Gemma 3, as
     transformers' token_type_ids mask), not causally: `AttentionMetadata.attend_to`."""
-    return isinstance(model_config.vision, Gemma3VisionSpec)
+    return getattr(model_config.vision, "bidirectional_images", False)

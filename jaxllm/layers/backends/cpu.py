@@ -197,6 +197,9 @@ class CpuBackend(ReferenceBackend):
             return "quantized experts run XLA's dots (the native grouped matmul reads float ones)"
         if getattr(cfg, "kv_lora_rank", 0):
             return "multi-head latent attention runs the XLA reference (no native MLA kernel)"
+        if getattr(cfg.vision, "bidirectional_images", False):
+            return ("its bidirectional image tokens run the XLA reference attention (the "
+                    "native kernel is causal only)")
         if not native_cpu_attention(self.name, cache_dtype):
             return (f"a {jnp.dtype(cache_dtype).name} KV cache runs the XLA attention (use "
                     "--kv-cache-dtype auto)")
