@@ -3,9 +3,10 @@ over the images whose placeholder tokens the step computes and were not encoded 
 embeddings are kept (keyed by the image's content hash) until no longer needed, so a prompt
 prefilled in chunks, split before, inside or after an image, encodes each image once.
 
-Each image runs as its own call: Qwen2.5-VL's over a power-of-two bucket of patches (so a few programs serve
-every image size; each compiles on first use), Gemma 3's over its one fixed image size. The embeddings come back to the host, where the
-step's input preparation places them at their tokens' rows (jaxllm/worker/input_batch.py).
+Each image runs as its own call: Qwen2.5-VL's over a power-of-two bucket of patches (so a
+few programs serve every image size; each compiles on first use), Gemma 3's over its one fixed
+image size. The embeddings come back to the host, where the step's input preparation places
+them at their tokens' rows (jaxllm/worker/input_batch.py).
 """
 
 from __future__ import annotations
