@@ -199,16 +199,17 @@ def test_bad_image_inputs_are_refused_by_name(llm):
                       "multi_modal_data": {"image": IMAGES[0]}}, _greedy(), use_tqdm=False)
 
 
-def test_pallas_backend_is_refused_by_name(ckpt):
-    """The Pallas kernel is causal only: start-up refuses it for a model with bidirectional
-    image tokens rather than running images with the wrong mask."""
+def test_pallas_backend_refuses_images_by_name(ckpt):
+    """The Pallas kernel is causal only: with it the model runs text, and a prompt with images
+    is refused naming the backend rather than run with the wrong mask."""
     from jaxllm import LLM
-    from jaxllm.config import ConfigError
 
-    with pytest.raises(ConfigError, match="--attention-backend pallas: .*bidirectionally"):
-        LLM(ckpt[0], dtype="float32", max_model_len=96, max_num_seqs=2,
-            max_num_batched_tokens=16, attention_backend="pallas")
-
+    llm = LLM(ckpt[0], dtype="float32", max_model_len=96, max_num_seqs=2,
+              max_num_batched_tokens=16, attention_backend="pallas", enforce_eager=True)
+    assert llm.llm_engine.runner.input_batch.image_spans is False
+    with pytest.raises(ValueError, match="--attention-backend pallas .*bidirectionally"):
+        llm.generate({"prompt": gc.PROMPT, "multi_modal_data": {"image": IMAGES[0]}},
+                     _greedy(), use_tqdm=False)
 
 
 def test_cpu_backend_names_its_batch_variance(llm):

@@ -81,7 +81,8 @@ class LLMEngine:
             self.tokenizer, self.model_config, max_logprobs=sc.max_logprobs,
             eos_token_ids=self.eos_token_ids, structured_outputs=config.structured_outputs,
             priority_scheduling=sc.policy == "priority", seed=config.model.seed,
-            images=image_processor(config, self.model_config, self.tokenizer))
+            images=image_processor(config, self.model_config, self.tokenizer,
+                                   refusal=self.runner.image_refusal))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sleep_mode = SleepMode(
             config.enable_sleep_mode, self.runner, self.kv_cache_manager,

@@ -25,10 +25,12 @@ from jaxllm.sequence import ImageInputs
 _NOT_IMPLEMENTED = ("video", "audio", "image_embeds")
 
 
-def image_processor(config, model_config, tokenizer=None) -> Optional["ImageProcessor"]:
+def image_processor(config, model_config, tokenizer=None, refusal: Optional[str] = None
+                    ) -> Optional["ImageProcessor"]:
     """A vision-language model's ImageProcessor (None for a text-only model): the checkpoint's
     transformers image processor (its preprocessor_config.json). tokenizer: the model's
-    (Gemma 3 tokenizes the newlines around each image with it)."""
+    (Gemma 3 tokenizes the newlines around each image with it). refusal: why the runner takes
+    no images (every prompt with images is refused with it)."""
     if model_config.vision is None:
         return None
     from transformers import AutoImageProcessor
@@ -43,8 +45,11 @@ def image_processor(config, model_config, tokenizer=None) -> Optional["ImageProc
                           f"(preprocessor_config.json) does not load: {e}") from None
     limit = (config.model.limit_mm_per_prompt or {}).get("image")
     if isinstance(model_config.vision, Gemma3VisionSpec):
-        return Gemma3Images(processor, model_config.vision, limit, tokenizer)
-    return ImageProcessor(processor, model_config.vision, limit)
+        images = Gemma3Images(processor, model_config.vision, limit, tokenizer)
+    else:
+        images = ImageProcessor(processor, model_config.vision, limit)
+    images.refusal = refusal
+    return images
 
 
 def image_hash(image) -> str:
@@ -71,12 +76,15 @@ class ImageProcessor:
         self.placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
         self.spec = spec
         self.max_images = max_images
+        self.refusal: Optional[str] = None  # set: every prompt with images is refused with it
         self._cache: dict[str, tuple] = {}  # content hash -> (pixel values, grid), recent ones
 
     def images_of(self, data: Any) -> list:
         """The images of a prompt's multi_modal_data (an image or a list), checked."""
         from PIL import Image
 
+        if self.refusal is not None:
+            raise ValueError(self.refusal)
         if not isinstance(data, dict):
             raise ValueError("multi_modal_data must be a dict, e.g. {'image': PIL.Image}")
         for key in data:

@@ -39,7 +39,6 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxllm.config import ConfigError
 from jaxllm.layers.attention import empty_kv_caches, kv_cache_shardings
 from jaxllm.layers.lora import fill_slot, write_slot
 from jaxllm.layers.sampler import LOGIT_ROWS, SamplerOutput, gathered_token_logprobs, sample_rows
@@ -77,10 +76,16 @@ class ModelRunner(MemoryTiers):
         self.enforce_eager = enforce_eager
         self.num_rows = max_num_seqs * (1 + num_speculative_tokens)  # sampled rows per step
         backend = model.backend
+        # Why this runner takes no images (None: it does, or the model takes none): the Pallas
+        # kernel is causal only, so a model whose image tokens attend bidirectionally runs
+        # text there and its images are refused by name (the engine's input processor).
+        self.image_refusal = None
         if bidirectional_images(model_config) and backend.name == "pallas":
-            raise ConfigError(f"--attention-backend pallas: {model_config.architecture}'s image "
-                              "tokens attend bidirectionally, which the Pallas attention kernel "
-                              "does not take yet; use --attention-backend reference or cpu")
+            self.image_refusal = (
+                f"images are not supported by {model_config.architecture} with "
+                "--attention-backend pallas (its image tokens attend bidirectionally, which the "
+                "Pallas attention kernel does not take yet); use --attention-backend reference "
+                "or cpu")
         self.input_batch = InputBatcher(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, max_model_len=model_config.max_model_len,
@@ -91,7 +96,8 @@ class ModelRunner(MemoryTiers):
             num_speculative_tokens=num_speculative_tokens, lora=model_config.lora is not None,
             mm=(model_config.hidden_size, model_config.jnp_dtype) if model_config.vision else None,
             state_slots=bool(model_config.linear_layers),
-            mrope=bool(model_config.mrope_section), image_spans=bidirectional_images(model_config))
+            mrope=bool(model_config.mrope_section),
+            image_spans=bidirectional_images(model_config) and self.image_refusal is None)
         self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
         self.graphdef, state = nnx.split(model)
         self.encoder = ImageEncoder.of(self.graphdef, model_config)  # images (None: text only)
