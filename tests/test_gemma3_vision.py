@@ -92,6 +92,23 @@ def test_image_tokens_attend_to_their_whole_image(ckpt):
     assert np.abs(causal.numpy() - bidirectional).max() > 1e-2
 
 
+def test_checkpoint_names_of_both_layouts():
+    """Published checkpoints' names and transformers 5's map to the same targets; SigLIP's
+    unused pooling head is skipped (the tiny checkpoint above is transformers 5's)."""
+    from jaxllm.models.gemma3_vision import checkpoint_name
+
+    fc1 = "encoder.layers.0.mlp.fc1.weight"
+    assert {checkpoint_name("vision_tower.vision_model." + fc1),
+            checkpoint_name("model.vision_tower." + fc1),
+            checkpoint_name("model.vision_tower.vision_model." + fc1)} == {"vision_tower." + fc1}
+    assert checkpoint_name("language_model.model.layers.0.mlp.up_proj.weight") == \
+        checkpoint_name("model.language_model.layers.0.mlp.up_proj.weight") == \
+        "model.layers.0.mlp.up_proj.weight"
+    assert checkpoint_name("model.multi_modal_projector.mm_soft_emb_norm.weight") == \
+        "multi_modal_projector.mm_soft_emb_norm.weight"
+    assert checkpoint_name("vision_tower.vision_model.head.probe") is None
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_reference_attention_attend_to(window):
     """attend_to against dense attention with the mask transformers builds for Gemma 3:

@@ -129,14 +129,13 @@ def vision_targets(spec: Gemma3VisionSpec) -> dict[str, tuple]:
 
 def checkpoint_name(name: str):
     """A Gemma 3 multimodal checkpoint's tensor name as the text model's targets and
-    `vision_targets` spell it (published checkpoints: language_model.model.*, vision_tower.*;
-    transformers 5 saves model.language_model.*, model.vision_tower.* without the
-    vision_model level). None: SigLIP's pooling
-    head (vision_use_head), which Gemma 3 never runs: it reads the last hidden states."""
-    if name.startswith("model."):
-        name = name[len("model."):] if name.startswith(("model.vision_tower.",
-                                                         "model.multi_modal_projector.")) else name
-    if name.startswith("vision_tower.vision_model."):  # the published checkpoints' nesting
+    `vision_targets` spell it: published checkpoints say language_model.model.* and
+    vision_tower.vision_model.*, transformers 5 saves model.language_model.* and
+    model.vision_tower.* (without the vision_model level). None: SigLIP's pooling head
+    (vision_use_head), which Gemma 3 never runs (it reads the last hidden states)."""
+    if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
+        name = name[len("model."):]
+    if name.startswith("vision_tower.vision_model."):
         name = "vision_tower." + name[len("vision_tower.vision_model."):]
     if name.startswith("vision_tower.head."):
         return None
