@@ -151,8 +151,7 @@ def test_reference_attention_attend_to(window):
 
 def test_chunk_never_ends_inside_an_image():
     """The scheduler's cut: before an image a chunk would end inside, or nothing when the
-    chunk starts inside it (a prefix-cache hit) and cannot finish it; images too large for
-    one step are refused."""
+    chunk starts inside it (a prefix-cache hit) and cannot finish it."""
     from types import SimpleNamespace
 
     from jaxllm.engine.scheduler import Scheduler
@@ -211,6 +210,15 @@ def test_bad_image_inputs_are_refused_by_name(llm):
         with pytest.raises(ValueError, match=message):
             llm.generate({"prompt": gc.PROMPT, "multi_modal_data": data}, _greedy(),
                          use_tqdm=False)
+    images = llm.llm_engine.input_processor.images
+    assert images.max_step_tokens == 16  # the engine's --max-num-batched-tokens
+    images.max_step_tokens = gc.TOKENS - 1  # as if it were below an image's tokens
+    try:
+        with pytest.raises(ValueError, match="more than one step's --max-num-batched-tokens 3"):
+            llm.generate({"prompt": gc.PROMPT, "multi_modal_data": {"image": IMAGES[0]}},
+                         _greedy(), use_tqdm=False)
+    finally:
+        images.max_step_tokens = 16
     with pytest.raises(ValueError, match="image soft tokens .* must come only from"):
         llm.generate({"prompt": gc.PROMPT + "<image_soft_token>",
                       "multi_modal_data": {"image": IMAGES[0]}}, _greedy(), use_tqdm=False)

@@ -82,7 +82,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids, structured_outputs=config.structured_outputs,
             priority_scheduling=sc.policy == "priority", seed=config.model.seed,
             images=image_processor(config, self.model_config, self.tokenizer,
-                                   refusal=self.runner.image_refusal))
+                                   refusal=self.runner.image_refusal,
+                                   max_step_tokens=self.runner.max_num_batched_tokens))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sleep_mode = SleepMode(
             config.enable_sleep_mode, self.runner, self.kv_cache_manager,

@@ -25,12 +25,13 @@ from jaxllm.sequence import ImageInputs
 _NOT_IMPLEMENTED = ("video", "audio", "image_embeds")
 
 
-def image_processor(config, model_config, tokenizer=None, refusal: Optional[str] = None
-                    ) -> Optional["ImageProcessor"]:
+def image_processor(config, model_config, tokenizer=None, refusal: Optional[str] = None,
+                    max_step_tokens: Optional[int] = None) -> Optional["ImageProcessor"]:
     """A vision-language model's ImageProcessor (None for a text-only model): the checkpoint's
     transformers image processor (its preprocessor_config.json). tokenizer: the model's
     (Gemma 3 tokenizes the newlines around each image with it). refusal: why the runner takes
-    no images (every prompt with images is refused with it)."""
+    no images (every prompt with images is refused with it). max_step_tokens: the tokens of
+    one step (Gemma 3 computes an image's tokens in one step)."""
     if model_config.vision is None:
         return None
     from transformers import AutoImageProcessor
@@ -46,6 +47,7 @@ def image_processor(config, model_config, tokenizer=None, refusal: Optional[str]
     limit = (config.model.limit_mm_per_prompt or {}).get("image")
     if isinstance(model_config.vision, Gemma3VisionSpec):
         images = Gemma3Images(processor, model_config.vision, limit, tokenizer)
+        images.max_step_tokens = max_step_tokens
     else:
         images = ImageProcessor(processor, model_config.vision, limit)
     images.refusal = refusal
@@ -166,6 +168,7 @@ class Gemma3Images(ImageProcessor):
         """spec: the model's Gemma3VisionSpec; tokenizer: the model's (Hugging Face)."""
         super().__init__(processor, spec, max_images)
         self.placeholder = "<start_of_image>"
+        self.max_step_tokens: Optional[int] = None  # --max-num-batched-tokens (the engine's)
         self.tokenizer = tokenizer  # None with --skip-tokenizer-init: images are refused
         if tokenizer is not None:
             # newline-only tokens -> their newline count (Gemma's vocabulary spells them as is)
@@ -208,6 +211,10 @@ class Gemma3Images(ImageProcessor):
         if self.tokenizer is None:
             raise ValueError("images need the model's tokenizer to expand their placeholders "
                              "(the engine was started with --skip-tokenizer-init)")
+        if self.max_step_tokens is not None and s.mm_tokens_per_image > self.max_step_tokens:
+            raise ValueError(f"an image is {s.mm_tokens_per_image} tokens, more than one step's "
+                             f"--max-num-batched-tokens {self.max_step_tokens}: its tokens attend "
+                             "to each other, so one step computes them all")
         found = sum(1 for i in ids if i == s.boi_token_id)
         if found != len(images):
             raise ValueError(f"the prompt has {found} image placeholder(s) (<start_of_image>, "

@@ -25,7 +25,8 @@ class Scheduler:
         """lora_slots: the engine's LoRA adapter slots (jaxllm/engine/lora_slots.py) when
         LoRA is on: a sequence runs only while its adapter holds a slot. whole_images: a
         prompt chunk never ends inside an image's tokens (they attend to each other: Gemma 3),
-        so an image's tokens are computed in one step, as vLLM keeps them."""
+        so an image's tokens are computed in one step, as vLLM keeps them (the input processor
+        refuses an image larger than a step: jaxllm/engine/multimodal.py)."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         if block_size != kv_cache_manager.block_size:
@@ -79,11 +80,6 @@ class Scheduler:
         if not 0 < seq.num_tokens <= self.max_model_len:
             raise ValueError(f"sequence {seq.seq_id!r} has {seq.num_tokens} tokens; "
                              f"need 1 to max_model_len={self.max_model_len}")
-        if self.whole_images and seq.mm is not None and max(
-                seq.mm.num_tokens, default=0) > self.max_num_batched_tokens:
-            raise ValueError(f"an image of {max(seq.mm.num_tokens)} tokens does not fit one "
-                             f"step's max_num_batched_tokens={self.max_num_batched_tokens} (its "
-                             "tokens attend to each other: one step computes them all)")
         self.seqs[seq.seq_id] = seq
         self._enqueue(seq)
 
