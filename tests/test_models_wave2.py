@@ -88,7 +88,8 @@ def test_phi3_longrope_matches_transformers(partial, max_len, lens, make_tiny_ch
 def test_gemma3_multimodal_checkpoint_runs_its_language_model(make_tiny_checkpoint, load,
                                                               greedy):
     """A Gemma3ForConditionalGeneration checkpoint: its language model's tensors load under
-    their multimodal names, the vision tower's and projector's are skipped, and text prompts
+    their multimodal names (the vision tower's and projector's into the SigLIP tower:
+    tests/test_gemma3_vision.py), and text prompts
     match transformers' multimodal model given the same token ids."""
     import glob
 

@@ -26,6 +26,7 @@ from jaxllm.engine.sleep_mode import SleepMode
 from jaxllm.engine.startup import build_engine_parts
 from jaxllm.engine.step_policy import StepPolicy
 from jaxllm.engine.stats import EngineStats, StatsLogger
+from jaxllm.models.vision_spec import bidirectional_images
 from jaxllm.loader.loader import read_weights
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
@@ -74,12 +75,15 @@ class LLMEngine:
             max_num_batched_tokens=self.runner.max_num_batched_tokens,
             max_model_len=self.model_config.max_model_len,
             enable_chunked_prefill=sc.enable_chunked_prefill, policy=sc.policy,
-            block_size=block_size, pipeline_depth=pp, lora_slots=self.lora_slots)
+            block_size=block_size, pipeline_depth=pp, lora_slots=self.lora_slots,
+            whole_images=bidirectional_images(self.model_config))
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config, max_logprobs=sc.max_logprobs,
             eos_token_ids=self.eos_token_ids, structured_outputs=config.structured_outputs,
             priority_scheduling=sc.policy == "priority", seed=config.model.seed,
-            images=image_processor(config, self.model_config))
+            images=image_processor(config, self.model_config, self.tokenizer,
+                                   refusal=self.runner.image_refusal,
+                                   max_step_tokens=self.runner.max_num_batched_tokens))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sleep_mode = SleepMode(
             config.enable_sleep_mode, self.runner, self.kv_cache_manager,

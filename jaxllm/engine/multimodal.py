@@ -18,15 +18,20 @@ import numpy as np
 
 from jaxllm.config import ConfigError
 from jaxllm.models.qwen2_5_vl import mrope_positions, num_image_tokens
+from jaxllm.models.vision_spec import Gemma3VisionSpec
 from jaxllm.sequence import ImageInputs
 
 # Modalities a prompt's multi_modal_data may name; only images are implemented.
 _NOT_IMPLEMENTED = ("video", "audio", "image_embeds")
 
 
-def image_processor(config, model_config) -> Optional["ImageProcessor"]:
+def image_processor(config, model_config, tokenizer=None, refusal: Optional[str] = None,
+                    max_step_tokens: Optional[int] = None) -> Optional["ImageProcessor"]:
     """A vision-language model's ImageProcessor (None for a text-only model): the checkpoint's
-    transformers image processor (its preprocessor_config.json)."""
+    transformers image processor (its preprocessor_config.json). tokenizer: the model's
+    (Gemma 3 tokenizes the newlines around each image with it). refusal: why the runner takes
+    no images (every prompt with images is refused with it). max_step_tokens: the tokens of
+    one step (Gemma 3 computes an image's tokens in one step)."""
     if model_config.vision is None:
         return None
     from transformers import AutoImageProcessor
@@ -34,9 +39,19 @@ def image_processor(config, model_config) -> Optional["ImageProcessor"]:
     if config.parallel.pipeline_parallel_size > 1:
         raise ConfigError(f"--pipeline-parallel-size: {model_config.architecture} with images "
                           "is not implemented with a pipeline")
-    processor = AutoImageProcessor.from_pretrained(config.load.model)
-    return ImageProcessor(processor, model_config.vision,
-                          (config.model.limit_mm_per_prompt or {}).get("image"))
+    try:
+        processor = AutoImageProcessor.from_pretrained(config.load.model)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{model_config.architecture}: the checkpoint's image processor "
+                          f"(preprocessor_config.json) does not load: {e}") from None
+    limit = (config.model.limit_mm_per_prompt or {}).get("image")
+    if isinstance(model_config.vision, Gemma3VisionSpec):
+        images = Gemma3Images(processor, model_config.vision, limit, tokenizer)
+        images.max_step_tokens = max_step_tokens
+    else:
+        images = ImageProcessor(processor, model_config.vision, limit)
+    images.refusal = refusal
+    return images
 
 
 def image_hash(image) -> str:
@@ -63,12 +78,15 @@ class ImageProcessor:
         self.placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
         self.spec = spec
         self.max_images = max_images
+        self.refusal: Optional[str] = None  # set: every prompt with images is refused with it
         self._cache: dict[str, tuple] = {}  # content hash -> (pixel values, grid), recent ones
 
     def images_of(self, data: Any) -> list:
         """The images of a prompt's multi_modal_data (an image or a list), checked."""
         from PIL import Image
 
+        if self.refusal is not None:
+            raise ValueError(self.refusal)
         if not isinstance(data, dict):
             raise ValueError("multi_modal_data must be a dict, e.g. {'image': PIL.Image}")
         for key in data:
@@ -132,3 +150,106 @@ class ImageProcessor:
             keyed[s:s + n] = [_key(digest)] * n
         return out, ImageInputs(tuple(pixels), tuple(grids), tuple(hashes), tuple(starts),
                                 tuple(counts), positions, delta, tuple(keyed))
+
+
+class Gemma3Images(ImageProcessor):
+    """Gemma 3's images in a prompt: transformers' Gemma 3 image processor (PIL path,
+    pan-and-scan off, as vLLM's default) and Gemma3Processor's placeholder expansion, done on
+    token ids.
+
+    A prompt names each image with one `<start_of_image>`; it becomes the processor's
+    "\\n\\n<start_of_image>" + mm_tokens_per_image soft tokens + "<end_of_image>\\n\\n". The
+    processor tokenizes the expanded text, so the inserted newlines merge with the prompt's
+    adjacent ones ("\\n" + "\\n\\n" is one "\\n\\n\\n" token in Gemma's vocabulary): every run of
+    newline-only tokens is re-tokenized whole, as vLLM's Gemma 3 processor does.
+    """
+
+    def __init__(self, processor, spec, max_images, tokenizer):
+        """spec: the model's Gemma3VisionSpec; tokenizer: the model's (Hugging Face)."""
+        super().__init__(processor, spec, max_images)
+        self.placeholder = "<start_of_image>"
+        self.max_step_tokens: Optional[int] = None  # --max-num-batched-tokens (the engine's)
+        self.tokenizer = tokenizer  # None with --skip-tokenizer-init: images are refused
+        if tokenizer is not None:
+            # newline-only tokens -> their newline count (Gemma's vocabulary spells them as is)
+            self._newline = {i: len(t) for t, i in tokenizer.get_vocab().items()
+                             if set(t) == {"\n"}}
+            self._nn = tokenizer.encode("\n\n", add_special_tokens=False)
+
+    def _pixels(self, image, digest: str) -> tuple[np.ndarray, tuple]:
+        hit = self._cache.get(digest)
+        if hit is None:
+            out = self.processor(images=[image], do_pan_and_scan=False, return_tensors="np")
+            hit = (np.asarray(out["pixel_values"], np.float32)[0], ())
+            if len(self._cache) >= 64:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[digest] = hit
+        return hit
+
+    def _merge_newlines(self, ids: list[int], inserted: list[bool]) -> list[int]:
+        """Each run of newline-only tokens holding an inserted one, tokenized whole."""
+        out, i = [], 0
+        while i < len(ids):
+            j = i
+            while j < len(ids) and ids[j] in self._newline:
+                j += 1
+            if j == i:
+                out.append(ids[i])
+                i += 1
+            elif any(inserted[i:j]):
+                out += self.tokenizer.encode("\n" * sum(self._newline[t] for t in ids[i:j]),
+                                             add_special_tokens=False)
+                i = j
+            else:
+                out += ids[i:j]
+                i = j
+        return out
+
+    def expand(self, ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
+        """Each image's <start_of_image> -> the processor's full image sequence."""
+        s = self.spec
+        if self.tokenizer is None:
+            raise ValueError("images need the model's tokenizer to expand their placeholders "
+                             "(the engine was started with --skip-tokenizer-init)")
+        if self.max_step_tokens is not None and s.mm_tokens_per_image > self.max_step_tokens:
+            raise ValueError(f"an image is {s.mm_tokens_per_image} tokens, more than one step's "
+                             f"--max-num-batched-tokens {self.max_step_tokens}: its tokens attend "
+                             "to each other, so one step computes them all")
+        found = sum(1 for i in ids if i == s.boi_token_id)
+        if found != len(images):
+            raise ValueError(f"the prompt has {found} image placeholder(s) (<start_of_image>, "
+                             f"token {s.boi_token_id}) for {len(images)} image(s); put one "
+                             "placeholder per image (the chat template does)")
+        pixels, hashes = [], []
+        out, inserted, k = [], [], 0
+        for t in ids:
+            if t != s.boi_token_id:
+                out.append(t)
+                inserted.append(False)
+                continue
+            digest = image_hash(images[k])
+            try:
+                pv, _ = self._pixels(images[k].convert("RGB") if images[k].mode != "RGB"
+                                     else images[k], digest)
+            except Exception as e:  # an image the processor cannot take
+                raise ValueError(f"image {k}: the image processor refused it: {e}") from None
+            pixels.append(pv)
+            hashes.append(digest)
+            image = [s.boi_token_id] + [s.image_token_id] * s.mm_tokens_per_image \
+                + [s.eoi_token_id]
+            out += self._nn + image + self._nn
+            inserted += [True] * (len(image) + 2 * len(self._nn))
+            k += 1
+        out = self._merge_newlines(out, inserted)
+        n = s.mm_tokens_per_image
+        starts = [i for i, t in enumerate(out) if t == s.image_token_id
+                  and (i == 0 or out[i - 1] != s.image_token_id)]
+        if len(starts) != len(images) or any(out[a:a + n] != [s.image_token_id] * n
+                                             for a in starts):
+            raise ValueError(f"the prompt's image soft tokens (token {s.image_token_id}) must "
+                             "come only from its <start_of_image> placeholders")
+        keyed = list(out)
+        for digest, a in zip(hashes, starts):
+            keyed[a:a + n] = [_key(digest)] * n
+        return out, ImageInputs(tuple(pixels), ((),) * len(images), tuple(hashes),
+                                tuple(starts), (n,) * len(images), None, 0, tuple(keyed))

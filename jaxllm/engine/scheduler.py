@@ -21,9 +21,12 @@ class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs", block_size: int,
-                 pipeline_depth: int = 1, lora_slots=None):
+                 pipeline_depth: int = 1, lora_slots=None, whole_images: bool = False):
         """lora_slots: the engine's LoRA adapter slots (jaxllm/engine/lora_slots.py) when
-        LoRA is on: a sequence runs only while its adapter holds a slot."""
+        LoRA is on: a sequence runs only while its adapter holds a slot. whole_images: a
+        prompt chunk never ends inside an image's tokens (they attend to each other: Gemma 3),
+        so an image's tokens are computed in one step, as vLLM keeps them (the input processor
+        refuses an image larger than a step: jaxllm/engine/multimodal.py)."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         if block_size != kv_cache_manager.block_size:
@@ -55,6 +58,7 @@ class Scheduler:
         # strings see every output token, as on one device).
         self.pipeline_depth = pipeline_depth
         self.lora_slots = lora_slots
+        self.whole_images = whole_images
         self._lora_holders: set[str] = set()  # running sequences holding an adapter slot
 
     @property
@@ -147,7 +151,10 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING or self._in_flight(seq):
                 continue  # preempted earlier in this loop, or its token is not back yet
             spec = drafts.get(seq.seq_id, ())
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._image_cut(seq, seq.num_computed_tokens,
+                                min(seq.num_tokens - seq.num_computed_tokens, budget))
+            if n == 0:
+                continue  # the next image does not fit this step's budget
             if spec and n < budget and self.kv.allocate_slots(seq, min(n + len(spec), budget)):
                 n = min(n + len(spec), budget)  # drafts only take free blocks: never preempt
             while not self.kv.allocate_slots(seq, n):
@@ -174,8 +181,8 @@ class Scheduler:
             n = seq.num_tokens - num_cached
             if n > budget and not self.chunked_prefill:
                 break  # keep the queue order: it will fit in a later step
-            n = min(n, budget)
-            if not self.kv.allocate_slots(seq, n, blocks):
+            n = self._image_cut(seq, num_cached, min(n, budget))
+            if n == 0 or not self.kv.allocate_slots(seq, n, blocks):
                 break
             heapq.heappop(self.waiting)
             self._take_lora(seq)
@@ -189,6 +196,16 @@ class Scheduler:
         for item in no_slot:
             heapq.heappush(self.waiting, item)
         return SchedulerOutput(list(scheduled.values()), preempted, self.kv.take_transfers())
+
+    def _image_cut(self, seq: Sequence, start: int, n: int) -> int:
+        """The chunk [start, start + n) cut short before an image it would end inside of
+        (0: it starts inside the image and the budget cannot finish it) with whole_images."""
+        if not self.whole_images or seq.mm is None:
+            return n
+        for s, k in zip(seq.mm.starts, seq.mm.num_tokens):
+            if s < start + n < s + k:
+                return max(0, s - start)
+        return n
 
     def advance(self, sched: SchedulerOutput) -> None:
         """Move every scheduled sequence past its dispatched step, before its sampled tokens

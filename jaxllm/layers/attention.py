@@ -41,6 +41,10 @@ class AttentionMetadata:
     # int32 [S]: each sequence's state slot in a hybrid model's linear-attention state cache
     # (jaxllm/models/qwen3_next.py; -1: padding); None for models without one.
     state_slots: Optional[jax.Array] = None
+    # int32 [T]: the last key position each token attends to (>= its own position): a
+    # bidirectional image token's is its image's last token (Gemma 3, jaxllm/models/
+    # gemma3_vision.py); None (static) for causal-only models.
+    attend_to: Optional[jax.Array] = None
 
 
 # The pure-JAX reference's tiling: (queries per tile, tiles per loop step, keys per chunk).

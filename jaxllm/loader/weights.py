@@ -23,6 +23,8 @@ from jaxllm.loader.quantized import Target, quantized_targets, storage_cast
 from jaxllm.models.decoder import MOE_KINDS, Decoder, layer_groups
 from jaxllm.models.llama4 import deinterleave_rows
 from jaxllm.models.model_config import ModelConfig
+from jaxllm.models import gemma3_vision
+from jaxllm.models.vision_spec import Gemma3VisionSpec
 from jaxllm.models.qwen2_5_vl import checkpoint_name, vision_targets
 from jaxllm.parallel.mesh import named_sharding
 
@@ -319,19 +321,23 @@ def _llama4_text_name(name: str):
 
 # Multimodal architectures loaded text-only: checkpoint name -> text model name (or None);
 # and those with their vision tower, names normalized.
-TEXT_NAMES = {"Gemma3ForConditionalGeneration": _language_model_name,
+TEXT_NAMES = {"Gemma3ForConditionalGeneration": gemma3_vision.checkpoint_name,
               "Llama4ForConditionalGeneration": _llama4_text_name,
               "Qwen2_5_VLForConditionalGeneration": checkpoint_name}
 
 
 def _vision_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
-    """The vision tower's tensors (jaxllm/models/qwen2_5_vl.py): stacked blocks by layer."""
+    """The vision tower's tensors (jaxllm/models/qwen2_5_vl.py, gemma3_vision.py): stacked
+    blocks by layer. A target's rank, or its start offsets in a fused parameter."""
     out = {}
-    for name, (param, layer, fn, rank) in vision_targets(cfg.vision).items():
+    table = (gemma3_vision.vision_targets if isinstance(cfg.vision, Gemma3VisionSpec)
+             else vision_targets)(cfg.vision)
+    for name, (param, layer, fn, rank) in table.items():
+        start = (0,) * rank if isinstance(rank, int) else tuple(rank)
         if layer is None:
-            out[name] = [Target(("vision", param), (0,) * rank, None, fn)]
+            out[name] = [Target(("vision", param), start, None, fn)]
         else:
-            out[name] = [Target(("vision", param), (layer,) + (0,) * rank, None,
+            out[name] = [Target(("vision", param), (layer,) + start, None,
                                 lambda x, fn=fn: fn(x)[None])]
     return out
 

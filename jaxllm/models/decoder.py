@@ -28,7 +28,9 @@ from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.mla import MlaLayers, MlaMoeLayers
 from jaxllm.models.moe import MoeLayers
 from jaxllm.models.params import constant, dummy_weight, rms_norm
+from jaxllm.models.gemma3_vision import SiglipTower
 from jaxllm.models.qwen2_5_vl import VisionInputs, VisionTower
+from jaxllm.models.vision_spec import Gemma3VisionSpec
 from jaxllm.models.qwen3_next import (GatedAttnLayers, GatedAttnMoeLayers, GdnLayers,
                                       GdnMoeLayers, state_shapes)
 from jaxllm.models.rope import rope_tables
@@ -89,7 +91,8 @@ class Decoder(nnx.Module):
         self.lm_head = (None if cfg.tie_word_embeddings or not last
                         else dummy_weight(seed, "lm_head", (V, E), ("vocab", "embed"), dt))
         # A vision-language model's image encoder (its embeddings enter at the first stage).
-        self.vision = VisionTower(cfg.vision, seed, dt) if cfg.vision and first else None
+        tower = SiglipTower if isinstance(cfg.vision, Gemma3VisionSpec) else VisionTower
+        self.vision = tower(cfg.vision, seed, dt) if cfg.vision and first else None
 
     def __call__(self, kv_caches: tuple[KVCache, ...], token_ids: jax.Array, positions: jax.Array,
                  md: AttentionMetadata, lora_slots: Optional[jax.Array] = None,
@@ -187,7 +190,8 @@ class Decoder(nnx.Module):
 
     def encode_images(self, patches: jax.Array, inputs: VisionInputs) -> jax.Array:
         """Pixel patches [N, C·t·p·p] of a step's images -> their token embeddings
-        [N / merge_unit, E] (jaxllm/models/qwen2_5_vl.py)."""
+        [N / merge_unit, E] (jaxllm/models/qwen2_5_vl.py); Gemma 3: pixels [B, C, S, S] ->
+        [B, mm_tokens_per_image, E] (jaxllm/models/gemma3_vision.py, inputs None)."""
         return self.vision(patches, inputs)
 
     def apply_final_norm(self, h: jax.Array) -> jax.Array:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from jaxllm.config import ConfigError
-from jaxllm.models.vision_spec import VisionSpec, mrope_section
+from jaxllm.models.vision_spec import Gemma3VisionSpec, VisionSpec, mrope_section
 
 
 def _llama(c) -> dict:  # also Mistral: bias flags and sliding window come from the config
@@ -252,7 +252,7 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "GraniteMoeForCausalLM": _granite_moe,
     "OlmoeForCausalLM": _olmoe,
     "Phi3ForCausalLM": _phi3,
-    "Gemma3ForConditionalGeneration": _gemma3,  # its language model only (loader/weights.py)
+    "Gemma3ForConditionalGeneration": _gemma3,  # SigLIP tower: jaxllm/models/gemma3_vision.py
     "GptOssForCausalLM": _gpt_oss,
     "Llama4ForCausalLM": _llama4,
     "Llama4ForConditionalGeneration": _llama4,  # its language model only (loader/weights.py)
@@ -264,6 +264,7 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
 # Architectures with a vision tower: top-level config -> ModelConfig.vision.
 VISION_TOWERS: dict[str, Callable[[object], object]] = {
     "Qwen2_5_VLForConditionalGeneration": VisionSpec.from_hf,
+    "Gemma3ForConditionalGeneration": Gemma3VisionSpec.from_hf,
 }
 
 

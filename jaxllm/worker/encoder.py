@@ -3,9 +3,10 @@ over the images whose placeholder tokens the step computes and were not encoded 
 embeddings are kept (keyed by the image's content hash) until no longer needed, so a prompt
 prefilled in chunks, split before, inside or after an image, encodes each image once.
 
-Each image runs as its own call over a power-of-two bucket of patches (so a few programs serve
-every image size; each compiles on first use). The embeddings come back to the host, where the
-step's input preparation places them at their tokens' rows (jaxllm/worker/input_batch.py).
+Each image runs as its own call: Qwen2.5-VL's over a power-of-two bucket of patches (so a
+few programs serve every image size; each compiles on first use), Gemma 3's over its one fixed
+image size. The embeddings come back to the host, where the step's input preparation places
+them at their tokens' rows (jaxllm/worker/input_batch.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.models.qwen2_5_vl import vision_inputs
+from jaxllm.models.vision_spec import Gemma3VisionSpec
 from jaxllm.sequence import SchedulerOutput
 
 MIN_PATCHES = 64  # the smallest patch bucket
@@ -43,6 +45,10 @@ class ImageEncoder:
         return cls(graphdef, model_config.vision, model_config.jnp_dtype)
 
     def _embeddings(self, state, pixels: np.ndarray, grid: tuple) -> np.ndarray:
+        if isinstance(self.spec, Gemma3VisionSpec):  # one fixed-size image [C, S, S] a call
+            out = self._encode(state, pixels[None], None)
+            self.images_encoded += 1
+            return np.asarray(out)[0].astype(self.dtype)
         n = len(pixels)
         N = max(MIN_PATCHES, 1 << (n - 1).bit_length())
         padded = np.zeros((N, pixels.shape[1]), np.float32)

@@ -73,14 +73,17 @@ class InputBatcher:
                  max_model_len: int, enforce_eager: bool, decode_programs: bool,
                  num_rows: Optional[int] = None, num_speculative_tokens: int = 0,
                  lora: bool = False, mm: Optional[tuple[int, Any]] = None,
-                 state_slots: bool = False):
+                 state_slots: bool = False, mrope: bool = True, image_spans: bool = False):
         """num_rows: sampled rows per step (max_num_seqs, times 1 + k with k drafts each).
         lora: the model has LoRA slots (each token's slot is an input). mm: a vision-language
         model's (hidden size, dtype) of image embeddings (M-RoPE positions, embedding rows).
         state_slots: a hybrid model's (each sequence's linear-attention state slot is an
-        input)."""
+        input). mrope: with mm, positions are M-RoPE's [3, T] (Qwen2.5-VL; else 1-D: Gemma 3).
+        image_spans: image tokens attend to their whole image (AttentionMetadata.attend_to)."""
         self.max_num_seqs = max_num_seqs
         self.mm = mm
+        self.mrope = bool(mm) and mrope
+        self.image_spans = image_spans
         self.state_slots = state_slots
         self.lora = lora
         self.num_rows = num_rows or max_num_seqs
@@ -125,7 +128,8 @@ class InputBatcher:
         T = num_tokens if self.enforce_eager else bucket(num_tokens, buckets)
         S, bs = self.max_num_seqs, self.block_size
         token_ids = np.zeros(T, np.int32)
-        positions = np.zeros((3, T) if self.mm else T, np.int32)
+        positions = np.zeros((3, T) if self.mrope else T, np.int32)
+        attend_to = np.zeros(T, np.int32) if self.image_spans else None
         mm_embeds = self._mm_padding(T)
         slots = np.full(T, -1, np.int32)
         kv_lens = np.zeros(S, np.int32)
@@ -147,6 +151,8 @@ class InputBatcher:
                 if token == PENDING:
                     from_prev[t] = prev_rows[seq.seq_id]
                 positions[..., t] = start + (seq.mm.delta if seq.mm is not None else 0)
+                if attend_to is not None:
+                    attend_to[t] = start
                 slots[t] = it.block_ids[start // bs] * bs + start % bs
                 kv_lens[i] = start + 1
                 tables[i, :len(it.block_ids)] = it.block_ids
@@ -161,7 +167,14 @@ class InputBatcher:
             if token_ids[t + known - 1] == PENDING:  # only the last output token is in flight
                 from_prev[t + known - 1] = prev_rows[seq.seq_id]
             pos = np.arange(start, start + n, dtype=np.int32)
-            positions[..., t:t + n] = pos if seq.mm is None else seq.mm.rope_positions(start, n)
+            positions[..., t:t + n] = (seq.mm.rope_positions(start, n) if self.mrope
+                                       and seq.mm is not None else pos)
+            if attend_to is not None:
+                attend_to[t:t + n] = pos
+                for s0, k in zip(*((seq.mm.starts, seq.mm.num_tokens) if seq.mm else ((), ()))):
+                    lo, hi = max(start, s0), min(start + n, s0 + k)
+                    if lo < hi:  # the image's tokens in this chunk see all of it
+                        attend_to[t + lo - start:t + hi - start] = s0 + k - 1
             if mm_rows and seq.seq_id in mm_rows:
                 at, emb = mm_rows[seq.seq_id]
                 mm_embeds[0][t + at - start] = emb
@@ -186,7 +199,7 @@ class InputBatcher:
             state_slots[:len(items)] = [it.state_slot for it in items]
         md = AttentionMetadata(slots, kv_lens, tables, cu, np.array([len(items)], np.int32),
                                decode_only=decode_only and self.decode_programs,
-                               state_slots=state_slots)
+                               state_slots=state_slots, attend_to=attend_to)
         logits_indices = np.zeros(self.num_rows, np.int32)
         logits_indices[:len(rows)] = [r[1] for r in rows]
         inputs = StepInputs(token_ids, positions, md, logits_indices, prev_tokens, from_prev,
@@ -207,8 +220,8 @@ class InputBatcher:
                                np.zeros(S + 1, np.int32), np.zeros(1, np.int32),
                                decode_only=decode_only,
                                state_slots=np.full(S, -1, np.int32) if self.state_slots
-                               else None)
-        return StepInputs(z, np.zeros((3, T), np.int32) if self.mm else z, md,
+                               else None, attend_to=z if self.image_spans else None)
+        return StepInputs(z, np.zeros((3, T), np.int32) if self.mrope else z, md,
                           np.zeros(self.num_rows, np.int32), prev_tokens, z,
                           np.full(T, -1, np.int32) if self.lora else None, self._mm_padding(T))
 

@@ -44,6 +44,7 @@ from jaxllm.layers.lora import fill_slot, write_slot
 from jaxllm.layers.sampler import LOGIT_ROWS, SamplerOutput, gathered_token_logprobs, sample_rows
 from jaxllm.layers.sampling_tensors import (EXTRA_PENALTY_IDS, SamplingTensors, needs_processing,
                                           warmup_tensors)
+from jaxllm.models.vision_spec import bidirectional_images
 from jaxllm.sequence import SchedulerOutput, Sequence
 from jaxllm.spec_decode.acceptance import num_accepted
 from jaxllm.worker.compile_manager import CompileManager, ProgramKey
@@ -75,6 +76,16 @@ class ModelRunner(MemoryTiers):
         self.enforce_eager = enforce_eager
         self.num_rows = max_num_seqs * (1 + num_speculative_tokens)  # sampled rows per step
         backend = model.backend
+        # Why this runner takes no images (None: it does, or the model takes none): the Pallas
+        # kernel is causal only, so a model whose image tokens attend bidirectionally runs
+        # text there and its images are refused by name (the engine's input processor).
+        self.image_refusal = None
+        if bidirectional_images(model_config) and backend.name == "pallas":
+            self.image_refusal = (
+                f"images are not supported by {model_config.architecture} with "
+                "--attention-backend pallas (its image tokens attend bidirectionally, which the "
+                "Pallas attention kernel does not take yet); use --attention-backend reference "
+                "or cpu")
         self.input_batch = InputBatcher(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, max_model_len=model_config.max_model_len,
@@ -84,7 +95,9 @@ class ModelRunner(MemoryTiers):
             decode_programs=backend.decode_programs(kv_cache_dtype), num_rows=self.num_rows,
             num_speculative_tokens=num_speculative_tokens, lora=model_config.lora is not None,
             mm=(model_config.hidden_size, model_config.jnp_dtype) if model_config.vision else None,
-            state_slots=bool(model_config.linear_layers))
+            state_slots=bool(model_config.linear_layers),
+            mrope=bool(model_config.mrope_section),
+            image_spans=bidirectional_images(model_config) and self.image_refusal is None)
         self.penalty_width = model_config.max_model_len + EXTRA_PENALTY_IDS
         self.graphdef, state = nnx.split(model)
         self.encoder = ImageEncoder.of(self.graphdef, model_config)  # images (None: text only)

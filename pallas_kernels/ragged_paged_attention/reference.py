@@ -14,6 +14,9 @@ Query i of sequence s sits at position kv_lens[s] - q_len[s] + i and sees keys a
 <= its own (causal), and > position - sliding_window when a window is given, and, with an
 attention_chunk C (Llama 4's chunked local attention), only keys of its own chunk: positions
 >= (position // C) * C.
+  attend_to     int32 [T] or None       the last key position each query sees (>= its own):
+                                        Gemma 3's bidirectional image tokens see their whole
+                                        image (the window's start still applies)
   sinks         float32 [Hq] or None    attention sinks (GPT-OSS): one learned logit per query
                                         head that joins the softmax's denominator and adds no
                                         value, so a head can attend to "nothing"
@@ -83,6 +86,7 @@ def ragged_paged_attention(
     v_scale: Optional[float] = None,
     sinks: Optional[jax.Array] = None,
     attention_chunk: Optional[ArrayOrInt] = None,
+    attend_to: Optional[jax.Array] = None,
     q_tile: int = 8,
     tiles_per_group: int = 8,
     chunk_blocks: Optional[int] = None,
@@ -93,6 +97,9 @@ def ragged_paged_attention(
     attention_chunk: None or <= 0 means no chunking; may be a traced scalar (per layer). A
       query sees only keys of its own chunk of that many positions (it combines with a window:
       the later of the two starts wins).
+    attend_to: None (static: causal) or int32 [T]: query t sees keys up to position
+      max(its own, attend_to[t]) instead of its own (Gemma 3's token_type_ids mask: an image
+      token attends to its whole image; those keys must be in the cache, i.e. in this step).
     q_tile: queries per tile (a sequence's queries are split into tiles of this many).
     tiles_per_group: tiles processed together per loop step.
     chunk_blocks: pages per online-softmax step (default: ~256 keys per step).
@@ -133,10 +140,13 @@ def ragged_paged_attention(
         live = ((gi * tg + jnp.arange(tg)) < num_tiles)[:, None] & (qi < q_lens[seq][:, None])
         tok = jnp.where(live, cu_q_lens[seq][:, None] + qi, T)  # T = out of range: dropped
         qpos = kv_lens[seq][:, None] - q_lens[seq][:, None] + qi
+        qhi = qpos  # the last key position each query sees
+        if attend_to is not None:
+            qhi = jnp.maximum(qpos, attend_to[jnp.minimum(tok, T - 1)])
         qg = q[jnp.minimum(tok, T - 1)].astype(jnp.float32) * sm_scale  # [tg, qt, Hq, D]
         qg = qg.reshape(tg, qt, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(tg, hkv, g * qt, d)
         tables = block_tables[seq]
-        hi = (jnp.max(jnp.where(live, qpos, -1)) + C) // C  # causal: no key past the last query
+        hi = (jnp.max(jnp.where(live, qhi, -1)) + C) // C  # causal: no key past the last query
         lo = 0
         first = jnp.min(jnp.where(live, qpos, jnp.iinfo(jnp.int32).max))
         if window is not None:
@@ -157,7 +167,7 @@ def ragged_paged_attention(
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             kpos = i * C + jnp.arange(C)
-            mask = (kpos[None, None, :] <= qpos[:, :, None]) & live[:, :, None]  # [tg, qt, C]
+            mask = (kpos[None, None, :] <= qhi[:, :, None]) & live[:, :, None]  # [tg, qt, C]
             if window is not None:
                 mask &= (window <= 0) | (kpos[None, None, :] > qpos[:, :, None] - window)
             if local is not None:

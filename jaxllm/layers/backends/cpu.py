@@ -152,7 +152,9 @@ class CpuBackend(ReferenceBackend):
 
     def attention(self, q, k, v, cache, layer, md, *, sm_scale, sliding_window=None,
                   soft_cap=None, sinks=None, attention_chunk=None):
-        if not native_cpu_attention(self.name, cache.k.dtype):
+        # The native kernel is causal only: bidirectional image tokens (md.attend_to, Gemma 3)
+        # run the XLA reference.
+        if not native_cpu_attention(self.name, cache.k.dtype) or md.attend_to is not None:
             return super().attention(q, k, v, cache, layer, md, sm_scale=sm_scale,
                                      sliding_window=sliding_window, soft_cap=soft_cap,
                                      sinks=sinks, attention_chunk=attention_chunk)
@@ -195,6 +197,9 @@ class CpuBackend(ReferenceBackend):
             return "quantized experts run XLA's dots (the native grouped matmul reads float ones)"
         if getattr(cfg, "kv_lora_rank", 0):
             return "multi-head latent attention runs the XLA reference (no native MLA kernel)"
+        if getattr(cfg.vision, "bidirectional_images", False):
+            return ("its bidirectional image tokens run the XLA reference attention (the "
+                    "native kernel is causal only)")
         if not native_cpu_attention(self.name, cache_dtype):
             return (f"a {jnp.dtype(cache_dtype).name} KV cache runs the XLA attention (use "
                     "--kv-cache-dtype auto)")

@@ -40,6 +40,10 @@ class PallasBackend(ReferenceBackend):
                                       default=ragged_dot)
 
     def attend(self, q, kc, vc, layer, md: AttentionMetadata, *, sliding_window=None, **kw):
+        if md.attend_to is not None:  # start-up refuses it first (jaxllm/worker/model_runner.py)
+            raise NotImplementedError("the Pallas attention kernel is causal only: "
+                                      "bidirectional image tokens (attend_to) need another "
+                                      "backend")
         sinks = kw.pop("sinks", None)  # an argument, so that shard_map splits it over heads
         chunk = kw.pop("attention_chunk", None)
 

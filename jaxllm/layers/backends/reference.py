@@ -171,6 +171,8 @@ class ReferenceBackend(Backend):
     def attend(self, q, kc, vc, layer, md: AttentionMetadata, **kw) -> jax.Array:
         """The attention over caches that already hold this step's k/v."""
         q_tile, groups, keys = REFERENCE_TILING[md.decode_only]
+        if md.attend_to is not None:
+            kw["attend_to"] = md.attend_to
         return ragged_paged_attention(
             q, kc, vc, layer, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
             q_tile=q_tile, tiles_per_group=groups, chunk_blocks=max(1, keys // kc.shape[3]), **kw)
