@@ -19,7 +19,7 @@ from jaxllm.layers.backends.pallas import PallasBackend
 from jaxllm.models.decoder import abstract_decoder
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.parallel.mesh import MESH_AXES, logical_to_spec
-from qwen3_next_checkpoints import DENSE
+from qwen3_next_checkpoints import DENSE, make_qwen3_next
 from test_export import CPU_ONLY, KERNEL, UNCHECKED
 
 S, T, NUM_BLOCKS, BLOCK, TABLE = 4, 16, 16, 16, 4
@@ -80,6 +80,13 @@ def test_step_exports_with_the_delta_rule_kernels(platform, tp):
             assert '{"model"}' in text and "sdy.manual_computation" in text
 
 
+@pytest.fixture(scope="module")
+def qwen3_next(make_tiny_checkpoint, tmp_path_factory):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(make_tiny_checkpoint("llama"))
+    return make_qwen3_next(tmp_path_factory, tok, {})
+
+
 @pytest.mark.slow  # the Pallas kernels interpreted on CPU, a model's worth of them (~1 min)
 def test_pallas_backend_matches_transformers(qwen3_next, load):
     """Ragged prefill across chunk boundaries (and a length-1 prompt), then greedy decode with
@@ -87,7 +94,7 @@ def test_pallas_backend_matches_transformers(qwen3_next, load):
     from test_qwen3_next import ATOL, _hf, _hf_greedy, _prompts
     from qwen3_next_checkpoints import StateRunner
 
-    path = qwen3_next()
+    path = qwen3_next
     model, _, _ = load(path, attention_backend="pallas")
     assert isinstance(model.backend, PallasBackend)
     prompts = _prompts((5, 1, 70))
@@ -108,6 +115,3 @@ def test_pallas_backend_matches_transformers(qwen3_next, load):
         np.testing.assert_allclose(prefill[i], want_prefill, atol=ATOL, rtol=0)
         np.testing.assert_allclose(np.stack(steps[i]), want_steps[:8], atol=ATOL, rtol=0)
         assert tokens[i] == want_tokens
-
-
-from test_qwen3_next import qwen3_next  # noqa: E402,F401  (the checkpoint fixture)
