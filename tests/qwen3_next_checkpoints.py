@@ -27,7 +27,8 @@ def make_qwen3_next(tmp_path_factory, tok, cache: dict, arch: str = "Qwen3NextFo
     key = json.dumps([arch, kw], sort_keys=True)
     if key in cache:
         return cache[key]
-    config_cls = tr.Qwen3_5TextConfig if arch == "Qwen3_5ForCausalLM" else tr.Qwen3NextConfig
+    config_cls = {"Qwen3_5ForCausalLM": tr.Qwen3_5TextConfig,
+                  "Qwen3_5MoeForCausalLM": tr.Qwen3_5MoeTextConfig}.get(arch, tr.Qwen3NextConfig)
     cfg = config_cls(**{**DENSE, **kw}, bos_token_id=tok.pad_token_id,
                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     cfg.architectures = [arch]

@@ -6,6 +6,8 @@ from the Llama defaults; the decoder itself has no per-architecture code.
 
 from __future__ import annotations
 
+import copy
+
 from typing import Callable
 
 from jaxllm.config import ConfigError
@@ -235,6 +237,16 @@ def _qwen3_next(c) -> dict:
     return out
 
 
+def _qwen3_5_moe(c) -> dict:
+    """Qwen3.5-MoE: Qwen3-Next's layers, every MLP the sparse one (routed experts, softmax
+    top-k always renormalized: its config has no norm_topk_prob, gated shared expert)."""
+    if not getattr(c, "num_experts", 0):
+        raise ConfigError(f"{c.architectures[0]}: num_experts must be positive")
+    c = copy.copy(c)
+    c.norm_topk_prob = True
+    return _qwen3_next(c)
+
+
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -259,6 +271,7 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "Qwen2_5_VLForConditionalGeneration": lambda c: dict(_qwen2(c), mrope_section=mrope_section(c)),
     "Qwen3NextForCausalLM": _qwen3_next,
     "Qwen3_5ForCausalLM": _qwen3_next,  # the same layers; its checkpoint splits in_proj
+    "Qwen3_5MoeForCausalLM": _qwen3_5_moe,
 }
 
 # Architectures with a vision tower: top-level config -> ModelConfig.vision.
