@@ -272,6 +272,9 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "Qwen3NextForCausalLM": _qwen3_next,
     "Qwen3_5ForCausalLM": _qwen3_next,  # the same layers; its checkpoint splits in_proj
     "Qwen3_5MoeForCausalLM": _qwen3_5_moe,
+    # their language models only (loader/weights.py); images refused (a text-only model)
+    "Qwen3_5ForConditionalGeneration": _qwen3_next,
+    "Qwen3_5MoeForConditionalGeneration": _qwen3_5_moe,
 }
 
 # Architectures with a vision tower: top-level config -> ModelConfig.vision.
