@@ -36,42 +36,45 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=HI)
 
 
-def chunked_kernel(first_ref, q_ref, k_ref, v_ref, cumc_ref, cumr_ref, beta_ref, h0_ref,
-                   o_ref, hn_ref):
-    """Program (h, s): sequence s's chunks first[s]..first[s+1] of head h. Refs (the head's
-    block): q/k [NC, C, Dk], v [NC, C, Dv], cumc/beta [NC, C, 1], cumr [NC, 1, C] (the chunk's
-    cumulative log decay as a column and as a row), h0/hn [Dk, Dv], o [NC, C, Dv]."""
-    s = pl.program_id(1)
-    C = q_ref.shape[1]
+def chunk_step(q, k, v, cc, cr, b, h):
+    """One chunk of the delta rule: q/k [C, Dk], v [C, Dv], cc/b [C, 1], cr [1, C] (the
+    chunk's cumulative log decay as a column and a row, its write strengths), h [Dk, Dv] the
+    state before it -> (out [C, Dv], the state after it), all float32."""
+    C = q.shape[0]
     row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
     col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
     lower, strict, eye = col <= row, col < row, (col == row).astype(jnp.float32)
+    pair = jnp.where(lower, jnp.exp(jnp.where(lower, cc - cr, 0.0)), 0.0)  # decay s -> t
+    kb = k * b
+    a = jnp.where(strict, _dot(kb, k.T) * pair, 0.0)
+    inv, power = eye - a, a
+    for _ in range(max(C - 1, 1).bit_length() - 1):
+        power = _dot(power, power)
+        inv = _dot(inv, eye + power)
+    u = _dot(inv, v * b)
+    w = _dot(inv, kb * jnp.exp(cc))
     last = lax.broadcasted_iota(jnp.int32, (1, C), 1) == C - 1
-    steps = max(C - 1, 1).bit_length() - 1
+    total = jnp.sum(jnp.where(last, cr, 0.0), axis=1, keepdims=True)  # [1, 1]
+    v_new = u - _dot(w, h)
+    out = _dot(q * jnp.exp(cc), h) + _dot(_dot(q, k.T) * pair, v_new)
+    return out, h * jnp.exp(total) + _dot((k * jnp.exp(total - cc)).T, v_new)
+
+
+def chunked_kernel(first_ref, q_ref, k_ref, v_ref, cumc_ref, cumr_ref, beta_ref, h0_ref,
+                   o_ref, hn_ref):
+    """Program (h, s): sequence s's chunks first[s]..first[s+1] of head h, read and written
+    in place (GPU: the refs are pointers). Refs (the head's arrays): q/k [NC, C, Dk], v/o
+    [NC, C, Dv], cumc/beta [NC, C, 1], cumr [NC, 1, C], h0/hn [Dk, Dv]."""
+    s = pl.program_id(1)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
 
     def chunk(c, h):
-        q = q_ref[c].astype(jnp.float32)
-        k = k_ref[c].astype(jnp.float32)
-        v = v_ref[c].astype(jnp.float32)
-        cc, cr, b = cumc_ref[c], cumr_ref[c], beta_ref[c]
-        pair = jnp.where(lower, jnp.exp(jnp.where(lower, cc - cr, 0.0)), 0.0)  # decay s -> t
-        kb = k * b
-        a = jnp.where(strict, _dot(kb, k.T) * pair, 0.0)
-        inv, power = eye - a, a
-        for _ in range(steps):
-            power = _dot(power, power)
-            inv = _dot(inv, eye + power)
-        u = _dot(inv, v * b)
-        w = _dot(inv, kb * jnp.exp(cc))
-        total = jnp.sum(jnp.where(last, cr, 0.0), axis=1, keepdims=True)  # [1, 1]
-        v_new = u - _dot(w, h)
-        attn = _dot(q, k.T) * pair
-        o_ref[c] = (_dot(q * jnp.exp(cc), h) + _dot(attn, v_new)).astype(o_ref.dtype)
-        k_dec = k * jnp.exp(total - cc)
-        return h * jnp.exp(total) + _dot(k_dec.T, v_new)
+        out, h = chunk_step(f32(q_ref[c]), f32(k_ref[c]), f32(v_ref[c]), cumc_ref[c],
+                            cumr_ref[c], beta_ref[c], h)
+        o_ref[c] = out.astype(o_ref.dtype)
+        return h
 
-    hn_ref[...] = lax.fori_loop(first_ref[s], first_ref[s + 1], chunk,
-                                h0_ref[...].astype(jnp.float32))
+    hn_ref[...] = lax.fori_loop(first_ref[s], first_ref[s + 1], chunk, f32(h0_ref[...]))
 
 
 def recurrent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, hn_ref):
