@@ -8,7 +8,7 @@ transformers' multimodal model on text; images are refused."""
 import numpy as np
 import pytest
 
-from qwen3_next_checkpoints import StateRunner, make_qwen3_next
+from qwen3_next_checkpoints import DENSE, StateRunner, make_qwen3_next
 from test_qwen3_next import ATOL, NEW_TOKENS, _hf, _hf_greedy, _prompts
 
 MOE = dict(arch="Qwen3_5MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
@@ -111,3 +111,20 @@ def match_transformers(model, path, hf, new_tokens):
         np.testing.assert_allclose(np.stack(steps[i]), want_steps, atol=ATOL, rtol=0,
                                    err_msg=f"decode steps of prompt {i}")
         assert tokens[i] == want_tokens, f"greedy tokens of prompt {i}"
+
+
+def test_linear_layers_only_is_refused_by_name():
+    """layer_types without a full-attention layer: a ConfigError naming layer_types (the KV
+    cache is sized over full-attention layers), not a crash at start-up."""
+    from transformers import Qwen3NextConfig
+
+    from jaxllm.config import ConfigError, EngineArgs
+    from jaxllm.models.model_config import ModelConfig
+
+    hf = Qwen3NextConfig(**{**DENSE, "layer_types": ["linear_attention"] * 4})
+    hf.architectures = ["Qwen3NextForCausalLM"]
+    options = EngineArgs(model="tiny").create_engine_config().model
+    with pytest.raises(ConfigError, match="layer_types"):
+        ModelConfig.from_hf(hf, options)
+    hf.layer_types = DENSE["layer_types"]
+    assert ModelConfig.from_hf(hf, options).linear_layers == (True, False, True, True)

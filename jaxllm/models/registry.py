@@ -219,6 +219,10 @@ def _qwen3_next(c) -> dict:
     unknown = sorted(set(types) - {"linear_attention", "full_attention"})
     if unknown:
         raise ConfigError(f"{c.architectures[0]}: layer_types {unknown} are not supported")
+    if "full_attention" not in types:
+        raise ConfigError(f"{c.architectures[0]}: layer_types without a full_attention layer "
+                          "are not supported (the KV cache is sized over full-attention "
+                          "layers)")
     if getattr(c, "hidden_act", "silu") != "silu":
         raise ConfigError(f"{c.architectures[0]}: hidden_act={c.hidden_act!r} is not "
                           "supported (the DeltaNet's convolution and gate are SiLU)")
