@@ -6,7 +6,11 @@ full model's step grows with context in all 8 layers, the hybrid's in 2 (a model
 layers only is refused at start-up: the KV cache is sized over full-attention layers). Each model's two contexts alternate --rounds
 times in one process.
 
-    python scripts/bench_gdn_decode.py [--rounds 3] [--backend auto]
+    python scripts/bench_gdn_decode.py [--rounds 3] [--backend auto] [--mode engine|step]
+
+--mode engine (default) times `LLMEngine.step` (scheduling, the forward, sampling, outputs);
+--mode step times the jitted forward alone (tests/qwen3_next_checkpoints.py's StateRunner, 8
+token rows: 4 sequences and padding), which isolates the model from the engine's own costs.
 """
 
 from __future__ import annotations
@@ -71,11 +75,41 @@ def decode_step_ms(llm, context: int, rng) -> float:
     return 1e3 * statistics.median(steps)
 
 
+def forward_step_ms(folder: str, backend: str, rounds: int) -> dict[int, float]:
+    """The median jitted decode forward of 4 sequences at each context (prefilled in chunks of
+    240 tokens each), the contexts alternating `rounds` times."""
+    from conftest import load_tiny
+    from qwen3_next_checkpoints import StateRunner
+
+    model, _, _ = load_tiny(folder, attention_backend=backend)
+    runner = StateRunner(model, 16, SEQS, max(CONTEXTS) + 64, 1024)
+    seqs = list(range(SEQS))
+    times = {c: [] for c in CONTEXTS}
+    for r in range(rounds + 1):
+        for c in CONTEXTS:
+            for s in seqs:
+                runner.reset(s)
+            runner.num_tokens, done = 1024, 0
+            while done < c:
+                n = min(240, c - done)
+                runner.step(seqs, [[7] * n] * SEQS)
+                done += n
+            runner.num_tokens, steps = 8, []
+            for _ in range(12):
+                t0 = time.perf_counter()
+                runner.step(seqs, [[9]] * SEQS)
+                steps.append(time.perf_counter() - t0)
+            if r:  # round 0 compiles
+                times[c].append(1e3 * statistics.median(steps[2:]))
+    return {c: statistics.median(v) for c, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--kinds", default=",".join(LAYERS))
+    ap.add_argument("--mode", choices=("engine", "step"), default="engine")
     args = ap.parse_args()
     from jaxllm import LLM
     from jaxllm.layers.backends import resolve_backend
@@ -85,6 +119,13 @@ def main() -> None:
     for kind in args.kinds.split(","):
         folder = tempfile.mkdtemp(prefix=f"bench_gdn_{kind}_")
         build(kind, folder)
+        if args.mode == "step":
+            med = forward_step_ms(folder, args.backend, args.rounds)
+            report[kind] = {"ms": {str(c): round(m, 2) for c, m in med.items()},
+                            "ratio": round(med[CONTEXTS[1]] / med[CONTEXTS[0]], 2),
+                            "backend": resolve_backend(args.backend), "mode": "step"}
+            print(kind, json.dumps(report[kind]), flush=True)
+            continue
         llm = LLM(folder, dtype="float32", max_model_len=max(CONTEXTS) + DECODE + 8,
                   max_num_seqs=SEQS, max_num_batched_tokens=1024,
                   attention_backend=args.backend)
