@@ -3,8 +3,8 @@ decode step of 4 sequences at 256 and at 4096 tokens of context, for Qwen3-Next'
 gated DeltaNet layers to 1 full-attention layer ("hybrid", 8 layers) and the same model with
 every layer full attention ("full"), the same widths otherwise (hidden 256, float32, CPU): the
 full model's step grows with context in all 8 layers, the hybrid's in 2 (a model of linear
-layers only is refused at start-up: the KV cache is sized over full-attention layers). Each model's two contexts alternate --rounds
-times in one process.
+layers only is refused at start-up: the KV cache is sized over full-attention layers). Each
+model's two contexts alternate --rounds times in one process.
 
     python scripts/bench_gdn_decode.py [--rounds 3] [--backend auto] [--mode engine|step]
 

@@ -1,6 +1,7 @@
-"""The Pallas backend: the ragged paged attention kernel of the platform the program is lowered
-for (Mosaic on TPU, Triton on GPU), and on TPU jax's megablox grouped matmul for the MoE
-experts (`ragged_dot` elsewhere); every other op as the reference (XLA fuses them well there).
+"""The Pallas backend: the ragged paged attention kernel and the gated DeltaNet kernels of the
+platform the program is lowered for (Mosaic on TPU, Triton on GPU), and on TPU jax's megablox
+grouped matmul for the MoE experts (`ragged_dot` elsewhere); every other op as the reference
+(XLA fuses them well there).
 
 The kernel variant is picked per lowering platform (`lax.platform_dependent`), not from the
 host's default backend, so a program exported for TPU or CUDA from a CPU host holds that
