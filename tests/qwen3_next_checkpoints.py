@@ -35,13 +35,16 @@ def make_qwen3_next(tmp_path_factory, tok, cache: dict, arch: str = "Qwen3NextFo
                   "Qwen3_5MoeForCausalLM": tr.Qwen3_5MoeTextConfig}.get(arch, tr.Qwen3NextConfig)
     ids = dict(bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                pad_token_id=tok.pad_token_id)
+    text = {**DENSE, **kw}
+    if arch.startswith("Qwen3_5Moe"):  # every MLP sparse: its config has no dense width
+        del text["intermediate_size"]
     if arch.endswith("ForConditionalGeneration"):  # a tiny vision tower beside the text model
         multimodal = (tr.Qwen3_5MoeConfig if arch.startswith("Qwen3_5Moe")
                       else tr.Qwen3_5Config)
-        cfg = multimodal(text_config={**DENSE, **kw, **ids}, vision_config=VISION,
+        cfg = multimodal(text_config={**text, **ids}, vision_config=VISION,
                          tie_word_embeddings=False)
     else:
-        cfg = config_cls(**{**DENSE, **kw}, **ids)
+        cfg = config_cls(**text, **ids)
     cfg.architectures = [arch]
     torch.manual_seed(0)
     auto = (tr.AutoModelForImageTextToText if arch.endswith("ForConditionalGeneration")

@@ -41,6 +41,7 @@ def test_ragged_prefill_and_decode_match_transformers(checkpoint, load):
     model, cfg, _ = load(checkpoint)
     assert cfg.linear_layers == (True, False, True, True)
     assert cfg.moe_layers == (True,) * 4 and cfg.norm_topk_prob
+    assert cfg.intermediate_size == 0  # its config has none: no dense MLP
     assert [(g.kind, g.count) for g in model.groups] == [
         ("gdn_moe", 1), ("gated_attn_moe", 1), ("gdn_moe", 2)]
     match_transformers(model, checkpoint, _hf(checkpoint), NEW_TOKENS)
