@@ -15,6 +15,10 @@ DENSE = dict(vocab_size=512, hidden_size=48, intermediate_size=64, num_hidden_la
              rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                               "partial_rotary_factor": 0.25})
 
+# A one-block vision tower for the multimodal (ForConditionalGeneration) checkpoints.
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48,
+              patch_size=4, num_position_embeddings=16)
+
 
 def make_qwen3_next(tmp_path_factory, tok, cache: dict, arch: str = "Qwen3NextForCausalLM",
                     **kw) -> str:
@@ -27,12 +31,25 @@ def make_qwen3_next(tmp_path_factory, tok, cache: dict, arch: str = "Qwen3NextFo
     key = json.dumps([arch, kw], sort_keys=True)
     if key in cache:
         return cache[key]
-    config_cls = tr.Qwen3_5TextConfig if arch == "Qwen3_5ForCausalLM" else tr.Qwen3NextConfig
-    cfg = config_cls(**{**DENSE, **kw}, bos_token_id=tok.pad_token_id,
-                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config_cls = {"Qwen3_5ForCausalLM": tr.Qwen3_5TextConfig,
+                  "Qwen3_5MoeForCausalLM": tr.Qwen3_5MoeTextConfig}.get(arch, tr.Qwen3NextConfig)
+    ids = dict(bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id)
+    text = {**DENSE, **kw}
+    if arch.startswith("Qwen3_5Moe"):  # every MLP sparse: its config has no dense width
+        del text["intermediate_size"]
+    if arch.endswith("ForConditionalGeneration"):  # a tiny vision tower beside the text model
+        multimodal = (tr.Qwen3_5MoeConfig if arch.startswith("Qwen3_5Moe")
+                      else tr.Qwen3_5Config)
+        cfg = multimodal(text_config={**text, **ids}, vision_config=VISION,
+                         tie_word_embeddings=False)
+    else:
+        cfg = config_cls(**text, **ids)
     cfg.architectures = [arch]
     torch.manual_seed(0)
-    model = tr.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    auto = (tr.AutoModelForImageTextToText if arch.endswith("ForConditionalGeneration")
+            else tr.AutoModelForCausalLM)
+    model = auto.from_config(cfg, dtype=torch.float32)
     g = torch.Generator().manual_seed(len(cache))
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -47,6 +47,7 @@ class InputProcessor:
         """structured_outputs: --structured-outputs-config (the grammar backend's defaults).
         images: a vision-language model's ImageProcessor (jaxllm/engine/multimodal.py)."""
         self.images = images
+        self.architecture = model_config.architecture
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
         self.max_model_len = model_config.max_model_len
@@ -84,8 +85,9 @@ class InputProcessor:
         ids = [int(i) for i in ids]
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             if self.images is None:
-                raise ValueError("multi_modal_data: this model takes no images (a text-only "
-                                 "architecture)")
+                raise ValueError(f"multi_modal_data: this model ({self.architecture}) takes "
+                                 "no images (a text-only architecture, or a multimodal "
+                                 "checkpoint served text-only)")
             if truncate_prompt_tokens is not None:
                 raise ValueError("truncate_prompt_tokens is not supported with images (it "
                                  "could cut an image's tokens)")

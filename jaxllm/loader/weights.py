@@ -318,12 +318,22 @@ def _llama4_text_name(name: str):
     return _language_model_name(name)
 
 
+def _qwen3_5_text_name(name: str):
+    """A Qwen3.5 (-MoE) multimodal checkpoint's name -> the text model's (None: its vision
+    tower, or the multi-token-prediction head, which nothing here runs, skipped); otherwise as
+    Gemma 3's."""
+    if name.startswith(("model.visual.", "visual.", "mtp.")):
+        return None
+    return _language_model_name(name)
+
 
 # Multimodal architectures loaded text-only: checkpoint name -> text model name (or None);
 # and those with their vision tower, names normalized.
 TEXT_NAMES = {"Gemma3ForConditionalGeneration": gemma3_vision.checkpoint_name,
               "Llama4ForConditionalGeneration": _llama4_text_name,
-              "Qwen2_5_VLForConditionalGeneration": checkpoint_name}
+              "Qwen2_5_VLForConditionalGeneration": checkpoint_name,
+              "Qwen3_5ForConditionalGeneration": _qwen3_5_text_name,
+              "Qwen3_5MoeForConditionalGeneration": _qwen3_5_text_name}
 
 
 def _vision_targets(cfg: ModelConfig) -> dict[str, list[Target]]:

@@ -201,7 +201,8 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-            intermediate_size=c.intermediate_size,
+            # absent where every layer is sparse (Qwen3.5-MoE): no dense MLP to size
+            intermediate_size=getattr(c, "intermediate_size", 0),
             rms_norm_eps=float(c.rms_norm_eps),
             rope=rope,
             sliding_window=window,

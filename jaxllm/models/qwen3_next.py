@@ -114,13 +114,9 @@ class GdnLayers(DenseLayers):
         beta = jax.nn.sigmoid(b)
         g = -jnp.exp(w["A_log"].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + w["dt_bias"].astype(jnp.float32))
-        args = (q, k, v, g, beta, cache.v[layer], slots, fresh, md.cu_q_lens, md.num_seqs)
-        if T == 1 or md.decode_only:  # one token per sequence: no program for prompts
-            o, rec = gdn.gated_delta_rule_recurrent(*args)
-        else:  # decode steps take the recurrent form in any program
-            one_each = jnp.max(md.cu_q_lens[1:] - md.cu_q_lens[:-1]) <= 1
-            o, rec = jax.lax.cond(one_each, lambda: gdn.gated_delta_rule_recurrent(*args),
-                                  lambda: gdn.gated_delta_rule_chunked(*args))
+        o, rec = backend.gated_delta_rule(q, k, v, g, beta, cache.v[layer], slots, fresh,
+                                          md.cu_q_lens, md.num_seqs,
+                                          decode_only=T == 1 or md.decode_only)
         o = gated_rms_norm(o, z.reshape(T, Hv, Dv), w["gdn_norm"], cfg.rms_norm_eps)
         h = h + project_("gdn_out", o.reshape(T, Hv * Dv))
         cache = KVCache(cache.k.at[layer].set(conv_state[:, None].astype(cache.k.dtype)),

@@ -6,6 +6,8 @@ from the Llama defaults; the decoder itself has no per-architecture code.
 
 from __future__ import annotations
 
+import copy
+
 from typing import Callable
 
 from jaxllm.config import ConfigError
@@ -217,6 +219,10 @@ def _qwen3_next(c) -> dict:
     unknown = sorted(set(types) - {"linear_attention", "full_attention"})
     if unknown:
         raise ConfigError(f"{c.architectures[0]}: layer_types {unknown} are not supported")
+    if "full_attention" not in types:
+        raise ConfigError(f"{c.architectures[0]}: layer_types without a full_attention layer "
+                          "are not supported (the KV cache is sized over full-attention "
+                          "layers)")
     if getattr(c, "hidden_act", "silu") != "silu":
         raise ConfigError(f"{c.architectures[0]}: hidden_act={c.hidden_act!r} is not "
                           "supported (the DeltaNet's convolution and gate are SiLU)")
@@ -233,6 +239,16 @@ def _qwen3_next(c) -> dict:
         out.update(_qwen_moe(c),
                    shared_expert_intermediate_size=c.shared_expert_intermediate_size)
     return out
+
+
+def _qwen3_5_moe(c) -> dict:
+    """Qwen3.5-MoE: Qwen3-Next's layers, every MLP the sparse one (routed experts, softmax
+    top-k always renormalized: its config has no norm_topk_prob, gated shared expert)."""
+    if not getattr(c, "num_experts", 0):
+        raise ConfigError(f"{c.architectures[0]}: num_experts must be positive")
+    c = copy.copy(c)
+    c.norm_topk_prob = True
+    return _qwen3_next(c)
 
 
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
@@ -259,6 +275,10 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "Qwen2_5_VLForConditionalGeneration": lambda c: dict(_qwen2(c), mrope_section=mrope_section(c)),
     "Qwen3NextForCausalLM": _qwen3_next,
     "Qwen3_5ForCausalLM": _qwen3_next,  # the same layers; its checkpoint splits in_proj
+    "Qwen3_5MoeForCausalLM": _qwen3_5_moe,
+    # their language models only (loader/weights.py); images refused (a text-only model)
+    "Qwen3_5ForConditionalGeneration": _qwen3_next,
+    "Qwen3_5MoeForConditionalGeneration": _qwen3_5_moe,
 }
 
 # Architectures with a vision tower: top-level config -> ModelConfig.vision.

@@ -1,7 +1,7 @@
 """Backends: the ops the decoder is written against, chosen once at start-up.
 
   reference  pure XLA (any platform; on CPU the path for sharded models)
-  pallas     the Pallas ragged paged attention kernel of the TPU/GPU being compiled for
+  pallas     the Pallas attention and gated DeltaNet kernels of the TPU/GPU being compiled for
   cpu        jaxllm's native XLA:CPU kernels (one device)
 """
 

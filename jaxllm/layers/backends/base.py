@@ -104,6 +104,18 @@ class Backend:
         -> (out [T, H, R], updated cache). See pallas_kernels/ragged_paged_mla/reference.py."""
         raise NotImplementedError
 
+    def gated_delta_rule(self, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+                         beta: jax.Array, rec_state: jax.Array, slots: jax.Array,
+                         fresh: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
+                         decode_only: bool) -> tuple[jax.Array, jax.Array]:
+        """The gated delta rule of a linear-attention layer over a ragged batch, each sequence
+        continuing from its state slot (or zero where `fresh`) -> (out [T, Hv, Dv] in v's
+        dtype, rec_state [N, Hv, Dk, Dv] updated). Layout and math:
+        pallas_kernels/gated_delta_rule/reference.py. decode_only: statically one row per
+        sequence (the recurrent form alone); else the chunked form runs unless the step's
+        sequences all have at most one row."""
+        raise NotImplementedError
+
     def logits(self, hidden: jax.Array, w: jax.Array, vocab: int) -> jax.Array:
         """hidden [N, E] against the stored LM head -> float32 logits [N, vocab]."""
         raise NotImplementedError

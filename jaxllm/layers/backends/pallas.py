@@ -1,6 +1,7 @@
-"""The Pallas backend: the ragged paged attention kernel of the platform the program is lowered
-for (Mosaic on TPU, Triton on GPU), and on TPU jax's megablox grouped matmul for the MoE
-experts (`ragged_dot` elsewhere); every other op as the reference (XLA fuses them well there).
+"""The Pallas backend: the ragged paged attention kernel and the gated DeltaNet kernels of the
+platform the program is lowered for (Mosaic on TPU, Triton on GPU), and on TPU jax's megablox
+grouped matmul for the MoE experts (`ragged_dot` elsewhere); every other op as the reference
+(XLA fuses them well there).
 
 The kernel variant is picked per lowering platform (`lax.platform_dependent`), not from the
 host's default backend, so a program exported for TPU or CUDA from a CPU host holds that
@@ -23,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.layers.attention import AttentionMetadata, KVCache
 from jaxllm.layers.backends.reference import ReferenceBackend
 from jaxllm.layers.experts import ragged_dot
+from pallas_kernels.gated_delta_rule import ops as gdn_ops
 from pallas_kernels.ragged_paged_attention import kernel
 from pallas_kernels.ragged_paged_mla.reference import write_latent
 
@@ -68,6 +70,33 @@ class PallasBackend(ReferenceBackend):
         return jax.shard_map(attend, mesh=self.mesh, in_specs=(heads, kv_heads, kv_heads, *rest),
                              out_specs=heads, check_vma=False)(*args)
 
+    def delta_rule_forms(self):
+        """The platform's gated DeltaNet kernels (pallas_kernels/gated_delta_rule). On a mesh
+        that shards the heads they run per shard of heads under `shard_map` (each shard's value
+        heads read only their own key heads and state); where the key heads do not divide
+        over the mesh, the reference (XLA partitions it)."""
+        n = 1 if self.mesh is None else self.mesh.shape["model"]
+        return tuple(self._per_shard(_platform_gdn(f), f, n)
+                     for f in (gdn_ops.gated_delta_rule_recurrent,
+                               gdn_ops.gated_delta_rule_chunked))
+
+    def _per_shard(self, run, form, n):
+        if n == 1:
+            return run
+
+        def sharded(q, k, v, g, beta, rec_state, *metadata):
+            if k.shape[1] % n or v.shape[1] % n:
+                reference = super(PallasBackend, self).delta_rule_forms()
+                return reference[form is gdn_ops.gated_delta_rule_chunked](
+                    q, k, v, g, beta, rec_state, *metadata)
+            heads = P(None, "model", None)
+            rows, state = P(None, "model"), P(None, "model", None, None)
+            return jax.shard_map(run, mesh=self.mesh,
+                                 in_specs=(heads, heads, heads, rows, rows, state)
+                                 + (P(),) * len(metadata),
+                                 out_specs=(heads, state), check_vma=False)(
+                q, k, v, g, beta, rec_state, *metadata)
+        return sharded
 
     def mla_attention(self, q, latent, cache: KVCache, layer, md: AttentionMetadata, *,
                       sm_scale, kv_lora_rank):
@@ -78,6 +107,18 @@ class PallasBackend(ReferenceBackend):
         kc = write_latent(cache.k, layer, latent, md.slot_mapping)
         out = self.attend(q, kc, kc, layer, md, sm_scale=sm_scale)
         return out[..., :kv_lora_rank], KVCache(kc, cache.v)
+
+
+def _platform_gdn(form):
+    """A delta-rule form running the kernel variant of the platform it lowers for (the GPU
+    variant interpreted elsewhere: tests on CPU)."""
+    def run(*args):
+        def variant(name, interpret):
+            return lambda *a: form(*a, variant=name, interpret=interpret)
+        return lax.platform_dependent(*args, tpu=variant("tpu", False),
+                                      cuda=variant("gpu", False), rocm=variant("gpu", False),
+                                      default=variant("gpu", True))
+    return run
 
 
 def megablox_gmm(lhs, rhs, group_sizes, interpret: bool = False):

@@ -21,6 +21,7 @@ from jaxllm.layers.experts import EXPERT_IMPLS, experts_ragged, ragged_dot
 from jaxllm.layers.lora import lora_delta
 from jaxllm.layers.quantization import QuantizedWeight, dequantize, dequantize_experts
 from pallas_kernels.activation import reference as activation_ref
+from pallas_kernels.gated_delta_rule import reference as gdn_ref
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
 from pallas_kernels.ragged_paged_mla.reference import ragged_paged_mla, write_latent
 
@@ -176,6 +177,19 @@ class ReferenceBackend(Backend):
         return ragged_paged_attention(
             q, kc, vc, layer, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
             q_tile=q_tile, tiles_per_group=groups, chunk_blocks=max(1, keys // kc.shape[3]), **kw)
+
+    def gated_delta_rule(self, q, k, v, g, beta, rec_state, slots, fresh, cu_q_lens, num_seqs,
+                         *, decode_only):
+        recurrent, chunked = self.delta_rule_forms()
+        args = (q, k, v, g, beta, rec_state, slots, fresh, cu_q_lens, num_seqs)
+        if decode_only or q.shape[0] == 1:  # one token per sequence: no program for prompts
+            return recurrent(*args)
+        one_each = jnp.max(cu_q_lens[1:] - cu_q_lens[:-1]) <= 1  # decode steps in any program
+        return jax.lax.cond(one_each, lambda: recurrent(*args), lambda: chunked(*args))
+
+    def delta_rule_forms(self):
+        """(recurrent, chunked): the two forms of the delta rule this backend runs."""
+        return gdn_ref.gated_delta_rule_recurrent, gdn_ref.gated_delta_rule_chunked
 
     def mla_attention(self, q, latent, cache: KVCache, layer, md: AttentionMetadata, *,
                       sm_scale, kv_lora_rank):
