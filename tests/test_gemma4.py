@@ -1,0 +1,67 @@
+"""Gemma 4 text (Gemma4ForCausalLM) against transformers 5.24.
+
+Parity as tests/test_models.py: float32, prompts of 5, 17, 30 and 2 tokens prefilled in one
+ragged batch through the paged cache (block size 4), then 32 greedy decode steps together;
+every step's logits within ATOL = 1e-4 of transformers (eager attention) and the 32 tokens
+identical. The tiny config (tests/gemma4_checkpoints.py) has sliding layers (window 8, which
+the prompts and decode cross) and full ones of another head dim and KV-head count, K = V,
+per-layer inputs and layer scalars.
+"""
+
+import json
+
+import pytest
+
+from gemma4_checkpoints import TEXT, build
+from test_models import _prompts, assert_greedy_matches_transformers
+
+PROMPT_LENS = (5, 17, 30, 2)
+
+
+@pytest.fixture(scope="session")
+def make_gemma4(make_tiny_checkpoint, tmp_path_factory):
+    """make_gemma4(**text config overrides) -> a float32 checkpoint folder."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(make_tiny_checkpoint("llama"))
+    cache = {}
+
+    def make(**kw) -> str:
+        key = json.dumps(kw, sort_keys=True)
+        if key not in cache:
+            cache[key] = build(str(tmp_path_factory.mktemp("tiny_gemma4")), tok, **kw)
+        return cache[key]
+
+    return make
+
+
+def test_gemma4_matches_transformers(make_gemma4, load, greedy):
+    from jaxllm.models.decoder import layer_groups
+
+    path = make_gemma4()
+    model, cfg, _ = load(path)
+    assert [g.kind for g in layer_groups(cfg)] == ["gemma4_sliding", "gemma4_full"] * 2
+    assert cfg.sliding_window == (8, 8, 0) * 2 and cfg.head_dim == 16
+    assert cfg.gemma4.global_head_dim == 32 and cfg.gemma4.global_kv_heads == 1
+    assert [r.rope_type for r in cfg.rope[:3]] == ["default", "default", "proportional"]
+    # the full layers' cache: 1 KV head of 32; the sliding layers': 2 of 16
+    shapes = model.kv_cache_shapes(10, 4)
+    assert shapes[0] == (2, 10, 2, 4, 16) and shapes[1] == (1, 10, 1, 4, 32)
+    assert_greedy_matches_transformers(path, model, _prompts(PROMPT_LENS), greedy)
+
+
+def test_gemma4_refusals(make_gemma4):
+    from transformers import Gemma4TextConfig
+
+    from jaxllm.config import ConfigError
+    from jaxllm.models.model_config import ModelConfig
+
+    for kw, name in [(dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
+                     (dict(attention_bias=True), "attention_bias"),
+                     (dict(enable_moe_block=True, num_experts=4, top_k_experts=2,
+                           moe_intermediate_size=16), "enable_moe_block"),
+                     (dict(vocab_size_per_layer_input=256), "vocab_size_per_layer_input")]:
+        c = Gemma4TextConfig(**dict(TEXT, **kw))
+        c.architectures = ["Gemma4ForCausalLM"]
+        with pytest.raises(ConfigError, match=name):
+            ModelConfig.from_hf(c)
