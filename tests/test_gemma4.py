@@ -65,3 +65,23 @@ def test_gemma4_refusals(make_gemma4):
         c.architectures = ["Gemma4ForCausalLM"]
         with pytest.raises(ConfigError, match=name):
             ModelConfig.from_hf(c)
+
+
+def test_gemma4_kv_sharing_matches_transformers(make_gemma4, load, greedy):
+    """num_kv_shared_layers=2: layers 4 (sliding) and 5 (full) read the caches of layers 3 and
+    2, own no cache (no KV values per token counted for them), and have double-wide MLPs."""
+    from jaxllm.models.decoder import layer_groups
+
+    path = make_gemma4(num_kv_shared_layers=2, use_double_wide_mlp=True)
+    model, cfg, _ = load(path)
+    assert cfg.gemma4.kv_producer == (-1, -1, -1, -1, 3, 2)
+    assert [g.kind for g in layer_groups(cfg)] == [
+        "gemma4_sliding", "gemma4_full", "gemma4_sliding", "gemma4_sliding_shared",
+        "gemma4_full_shared"]
+    shapes = model.kv_cache_shapes(10, 4)
+    assert [s[0] for s in shapes] == [2, 1, 1, 0, 0]  # the shared groups: no layers
+    assert cfg.num_kv_layers == 4
+    # 3 sliding layers x K and V x 2 heads x 16, 1 full layer x 2 x 1 head x 32
+    assert cfg.kv_values_all_layers == 3 * 2 * 2 * 16 + 2 * 32
+    assert model.layers[3].cfg.intermediate_size == 2 * cfg.intermediate_size
+    assert_greedy_matches_transformers(path, model, _prompts(PROMPT_LENS), greedy)
