@@ -10,12 +10,14 @@ per-layer inputs and layer scalars.
 
 import json
 
+import numpy as np
 import pytest
 
 from gemma4_checkpoints import TEXT, build
 from test_models import _prompts, assert_greedy_matches_transformers
 
 PROMPT_LENS = (5, 17, 30, 2)
+SHARED = dict(num_kv_shared_layers=2, use_double_wide_mlp=True)
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +74,7 @@ def test_gemma4_kv_sharing_matches_transformers(make_gemma4, load, greedy):
     2, own no cache (no KV values per token counted for them), and have double-wide MLPs."""
     from jaxllm.models.decoder import layer_groups
 
-    path = make_gemma4(num_kv_shared_layers=2, use_double_wide_mlp=True)
+    path = make_gemma4(**SHARED)
     model, cfg, _ = load(path)
     assert cfg.gemma4.kv_producer == (-1, -1, -1, -1, 3, 2)
     assert [g.kind for g in layer_groups(cfg)] == [
@@ -85,3 +87,69 @@ def test_gemma4_kv_sharing_matches_transformers(make_gemma4, load, greedy):
     assert cfg.kv_values_all_layers == 3 * 2 * 2 * 16 + 2 * 32
     assert model.layers[3].cfg.intermediate_size == 2 * cfg.intermediate_size
     assert_greedy_matches_transformers(path, model, _prompts(PROMPT_LENS), greedy)
+
+
+@pytest.mark.slow  # ~60 s: the engine's programs
+def test_gemma4_engine_equals_transformers_and_one_by_one(make_gemma4, monkeypatch):
+    """Through the engine, KV sharing on: continuous batching with chunked prefill (16-token
+    steps), prefix caching and preemption (48 blocks of 4 tokens for 13 prompts of up to
+    88 + 12 tokens) give transformers' greedy tokens, and the same tokens as one request at a
+    time. The budget buys exactly 48 blocks because the KV-shared layers own no cache."""
+    from test_engine import GREEDY, NEW, hf_greedy, mixed_prompts, small_llm, token_ids
+
+    monkeypatch.setenv("JAXLLM_FAIL_ON_RECOMPILE", "1")
+    path = make_gemma4(**SHARED)
+    prompts = mixed_prompts(10, seed=5, hi=48)
+    prompts += [prompts[0] + p for p in mixed_prompts(3, seed=6)]  # shared prefixes
+    expected = hf_greedy(path, prompts, NEW)
+    # per token: 3 sliding layers x K and V x 2 heads x 16 + 1 full layer x 2 x 1 x 32, f32
+    per_token = (3 * 2 * 2 * 16 + 2 * 32) * 4
+    llm = small_llm(path, max_num_batched_tokens=16, enable_prefix_caching=True,
+                    max_model_len=128, kv_cache_memory_bytes=48 * 4 * per_token)
+    assert llm.llm_engine.kv_cache_manager.num_blocks == 48
+    batch = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                   use_tqdm=False))
+    assert batch == expected
+    singles = [token_ids(llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False))[0]
+               for p in prompts[:2]]
+    assert singles == expected[:2]
+    assert llm.llm_engine.kv_cache_manager.prefix_cache_hits > 0
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.slow  # a subprocess on 2 virtual devices, 2 loads
+def test_gemma4_tensor_parallel_matches_one_device(make_gemma4):
+    """tp=2 (sliding layers' 2 KV heads split, the FFNs split; KV sharing on) gives one
+    device's logits (atol 1e-4) and greedy tokens."""
+    from conftest import run_with_host_devices
+
+    proc = run_with_host_devices(2, [__file__, make_gemma4(**SHARED)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    base, tp2 = runs["tp1"], runs["tp2"]
+    assert not base["sharded"] and any("gate_up" in p for p in tp2["sharded"])
+    for key in ("prefill", "steps"):
+        np.testing.assert_allclose(np.array(tp2[key]), np.array(base[key]), atol=1e-4, rtol=0,
+                                   err_msg=key)
+    assert tp2["tokens"] == base["tokens"]
+
+
+def _parallel_child(path: str) -> dict:
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from conftest import greedy_record, load_tiny, sharded_params
+
+    prompts = _prompts((7, 19), seed=1)
+    report = {}
+    for name, tp in (("tp1", 1), ("tp2", 2)):
+        model, _, _ = load_tiny(path, tp=tp)
+        report[name] = {"sharded": sharded_params(model), **greedy_record(model, prompts, 24)}
+    return report
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(json.dumps(_parallel_child(sys.argv[1])))
