@@ -18,6 +18,7 @@ from test_models import _prompts, assert_greedy_matches_transformers
 
 PROMPT_LENS = (5, 17, 30, 2)
 SHARED = dict(num_kv_shared_layers=2, use_double_wide_mlp=True)
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +38,7 @@ def make_gemma4(make_tiny_checkpoint, tmp_path_factory):
     return make
 
 
+@pytest.mark.slow  # test_gemma4_moe_matches_transformers runs these layers too, by default
 def test_gemma4_matches_transformers(make_gemma4, load, greedy):
     from jaxllm.models.decoder import layer_groups
 
@@ -52,23 +54,43 @@ def test_gemma4_matches_transformers(make_gemma4, load, greedy):
     assert_greedy_matches_transformers(path, model, _prompts(PROMPT_LENS), greedy)
 
 
-def test_gemma4_refusals(make_gemma4):
+def test_gemma4_refusals():
     from transformers import Gemma4TextConfig
 
     from jaxllm.config import ConfigError
+    from jaxllm.engine_config import ModelOptions
+    from jaxllm.models.decoder import abstract_decoder
     from jaxllm.models.model_config import ModelConfig
 
     for kw, name in [(dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
                      (dict(attention_bias=True), "attention_bias"),
-                     (dict(enable_moe_block=True, num_experts=4, top_k_experts=2,
-                           moe_intermediate_size=16), "enable_moe_block"),
+                     (dict(num_kv_shared_layers=4), "num_kv_shared_layers"),
                      (dict(vocab_size_per_layer_input=256), "vocab_size_per_layer_input")]:
         c = Gemma4TextConfig(**dict(TEXT, **kw))
         c.architectures = ["Gemma4ForCausalLM"]
         with pytest.raises(ConfigError, match=name):
             ModelConfig.from_hf(c)
+    # the MoE variant's experts are not built for expert parallelism
+    c = Gemma4TextConfig(**dict(TEXT, **MOE))
+    c.architectures = ["Gemma4ForCausalLM"]
+    cfg = ModelConfig.from_hf(c, ModelOptions(enable_expert_parallel=True))
+    with pytest.raises(ConfigError, match="--enable-expert-parallel"):
+        abstract_decoder(cfg)
 
 
+def test_gemma4_moe_matches_transformers(make_gemma4, load, greedy):
+    """Every mechanism at once (the default suite's Gemma 4 parity test): enable_moe_block
+    (every layer's experts, 4, top 2, beside its dense MLP) with KV sharing (the last two
+    layers read the caches of layers 3 and 2 and have double-wide MLPs)."""
+    path = make_gemma4(**SHARED, **MOE)
+    model, cfg, _ = load(path)
+    assert cfg.num_experts == 4 and cfg.num_experts_per_tok == 2
+    assert cfg.gemma4.kv_producer == (-1, -1, -1, -1, 3, 2)
+    assert [s[0] for s in model.kv_cache_shapes(10, 4)] == [2, 1, 1, 0, 0]
+    assert_greedy_matches_transformers(path, model, _prompts(PROMPT_LENS), greedy)
+
+
+@pytest.mark.slow  # as test_gemma4_moe_matches_transformers, without the experts
 def test_gemma4_kv_sharing_matches_transformers(make_gemma4, load, greedy):
     """num_kv_shared_layers=2: layers 4 (sliding) and 5 (full) read the caches of layers 3 and
     2, own no cache (no KV values per token counted for them), and have double-wide MLPs."""

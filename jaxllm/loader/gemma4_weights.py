@@ -41,6 +41,18 @@ def _layer(c: ModelConfig, shared: bool, k_eq_v: bool) -> list:
                 ("self_attn.k_proj.weight" if k_eq_v else "self_attn.v_proj.weight", "qkv",
                  (0, 0, G + 1, 0), (K * D, E), heads_in(1)),
                 ("self_attn.k_norm.weight", "k_norm", (0,), (D,), same)]
+    if c.num_experts:
+        X, Fe = c.num_experts, c.moe_intermediate_size
+        out += [("router.proj.weight", "router", (0, 0), (X, E), lambda x: x.T),
+                ("router.scale", "router_norm", (0,), (E,), same),
+                ("router.per_expert_scale", "per_expert_scale", (0,), (X,), same),
+                ("experts.gate_up_proj", "experts_gate_up", (0, 0, 0, 0), (X, 2 * Fe, E),
+                 lambda x: x.reshape(X, 2, Fe, E).transpose(0, 3, 1, 2)),
+                ("experts.down_proj", "experts_down", (0, 0, 0), (X, E, Fe),
+                 lambda x: x.transpose(0, 2, 1)),
+                ("pre_feedforward_layernorm_2.weight", "moe_pre_norm", (0,), (E,), same),
+                ("post_feedforward_layernorm_1.weight", "mlp_post_norm", (0,), (E,), same),
+                ("post_feedforward_layernorm_2.weight", "moe_post_norm", (0,), (E,), same)]
     if P:
         out += [("per_layer_input_gate.weight", "ple_gate", (0, 0), (P, E), lambda x: x.T),
                 ("per_layer_projection.weight", "ple_proj", (0, 0), (E, P), lambda x: x.T),

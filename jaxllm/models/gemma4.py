@@ -117,6 +117,47 @@ class Gemma4Layers(DenseLayers):
                                          ("layers", None, "embed"), dt)
             self.ple_norm = constant(1.0, (L, E), ("layers", "embed"), dt)
 
+    def _init_mlp(self, cfg: ModelConfig, seed: int, L: int, prefix: str) -> None:
+        """The dense MLP, and with `enable_moe_block` the experts beside it (not instead):
+        router (weightless norm, its `scale` as `router_norm` (not `*_scale`: the name of
+        quantized scales), E^-1/2, projection), `per_expert_scale`,
+        stacked experts, and the norms around them."""
+        super()._init_mlp(cfg, seed, L, prefix)
+        if not cfg.num_experts:
+            return
+        if cfg.expert_parallel or cfg.count_expert_load:
+            raise ConfigError("Gemma 4 MoE: --enable-expert-parallel and "
+                              "--enable-expert-load-metrics are not supported")
+        E, X, F, dt = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.jnp_dtype
+        self.router = dummy_weight(seed, prefix + "router", (L, E, X), ("layers", "embed", None),
+                                   dt)
+        self.router_norm = constant(1.0, (L, E), ("layers", "embed"), dt)
+        self.per_expert_scale = constant(1.0, (L, X), ("layers", None), dt)
+        self._projection(seed, prefix, "experts_gate_up", (L, X, E, 2, F),
+                         ("layers", None, "embed", None, "mlp"), 1, first=2)
+        self._projection(seed, prefix, "experts_down", (L, X, F, E),
+                         ("layers", None, "mlp", "embed"), 1, first=2)
+        norm = lambda: constant(1.0, (L, E), ("layers", "embed"), dt)  # noqa: E731
+        self.moe_pre_norm, self.mlp_post_norm, self.moe_post_norm = norm(), norm(), norm()
+
+    def _experts(self, backend: Backend, w: dict, h: jax.Array, layer) -> jax.Array:
+        """The MoE block over the residual h [T, E] (transformers' Gemma4TextRouter and
+        Gemma4TextExperts): softmax over the router's logits in float32, the top k
+        renormalized, times their per_expert_scale."""
+        cfg, f32, dt = self.cfg, jnp.float32, h.dtype
+        x = _rms(h, cfg.rms_norm_eps) * w["router_norm"].astype(dt) \
+            * jnp.asarray(cfg.hidden_size ** -0.5, dt)
+        logits = backend.project(x, w["router"], layer, n=cfg.num_experts, out_dtype=dt)
+        probs = jax.nn.softmax(logits.astype(f32), axis=-1)
+        weights, ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+        weights = weights / weights.sum(-1, keepdims=True)
+        weights = weights * w["per_expert_scale"].astype(f32)[ids]
+        out = backend.moe(rms_norm(h, w["moe_pre_norm"], cfg), ids.astype(jnp.int32), weights,
+                          w["experts_gate_up"], w["experts_down"], layer,
+                          experts=cfg.num_experts, ffn=cfg.moe_intermediate_size,
+                          activation=cfg.activation, dtype=dt, expert_parallel=False)
+        return out.astype(dt)
+
     def _init_attention(self, cfg: ModelConfig, seed: int, L: int, prefix: str) -> None:
         super()._init_attention(cfg, seed, L, prefix)
         if self.shared:  # q only: the K/V come from the producer's cache
@@ -161,6 +202,9 @@ class Gemma4Layers(DenseLayers):
         h = h + a
         m = gated_mlp(backend, widths, w, rms_norm(h, w["mlp_norm"], cfg), layer,
                       cfg.activation)
+        if cfg.num_experts:  # the MoE block beside the MLP, each output normed, then summed
+            m = rms_norm(m, w["mlp_post_norm"], cfg) \
+                + rms_norm(self._experts(backend, w, h, layer), w["moe_post_norm"], cfg)
         h = h + rms_norm(m, w["post_mlp_norm"], cfg)
         if local["ple"] is not None:
             g = ACTIVATIONS[cfg.activation](_dot(h, w["ple_gate"])) * local["ple"]

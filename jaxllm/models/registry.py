@@ -245,9 +245,10 @@ def _gemma4(c) -> dict:
                           "is not supported")
     if getattr(c, "attention_bias", False):
         raise ConfigError("Gemma 4 with attention_bias=True is not supported")
-    if getattr(c, "enable_moe_block", False):
-        raise ConfigError("Gemma 4 with enable_moe_block=True (its MoE variant) is not "
-                          "supported yet")
+    moe = {}
+    if getattr(c, "enable_moe_block", False):  # experts beside every layer's dense MLP
+        moe = dict(num_experts=c.num_experts, num_experts_per_tok=c.top_k_experts,
+                   moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=True)
     spec = Gemma4Spec.from_hf(c)
     # The config's head_dim and KV heads vary per layer (transformers refuses to read them
     # globally); the model-wide values are the sliding layers', Gemma4Spec has the full ones'.
@@ -260,7 +261,7 @@ def _gemma4(c) -> dict:
                 embed_scale=c.hidden_size ** 0.5, sandwich_norms=True, qk_norm=True,
                 attention_multiplier=1.0, norm_scale_f32=True,
                 final_logit_softcap=c.final_logit_softcapping, qkv_bias=False, o_bias=False,
-                gemma4=spec)
+                gemma4=spec, **moe)
 
 
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
