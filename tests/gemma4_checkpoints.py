@@ -19,8 +19,9 @@ TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_lay
             tie_word_embeddings=True)
 
 
-def build(path: str, tokenizer, seed: int = 0, **kw) -> str:
-    """A Gemma4ForCausalLM checkpoint of TEXT updated by kw, saved with `tokenizer` at path."""
+def build(path: str, tokenizer, seed: int = 0, multimodal: bool = False, **kw) -> str:
+    """A Gemma4ForCausalLM checkpoint of TEXT updated by kw, saved with `tokenizer` at path;
+    multimodal: a Gemma4ForConditionalGeneration one with a tiny vision and audio tower."""
     import torch
     import transformers as tr
     from conftest import _randomize
@@ -28,13 +29,25 @@ def build(path: str, tokenizer, seed: int = 0, **kw) -> str:
     ids = dict(bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
     cfg = tr.Gemma4TextConfig(**dict(TEXT, **kw), **ids)
-    cfg.architectures = ["Gemma4ForCausalLM"]
     torch.manual_seed(seed)
-    model = tr.Gemma4ForCausalLM(cfg).to(torch.float32)
+    if multimodal:
+        cfg = tr.Gemma4Config(
+            text_config=cfg.to_dict(),
+            vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=64),
+            audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              output_proj_dims=32, subsampling_conv_channels=[8, 8]), **ids)
+        cfg.architectures = ["Gemma4ForConditionalGeneration"]
+        model = tr.Gemma4ForConditionalGeneration(cfg).to(torch.float32)
+        text = model.model.language_model
+    else:
+        cfg.architectures = ["Gemma4ForCausalLM"]
+        model = tr.Gemma4ForCausalLM(cfg).to(torch.float32)
+        text = model.model
     _randomize(model, False, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for layer in model.model.layers:
+        for layer in text.layers:
             layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=g))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -111,6 +111,42 @@ def test_gemma4_kv_sharing_matches_transformers(make_gemma4, load, greedy):
     assert_greedy_matches_transformers(path, model, _prompts(PROMPT_LENS), greedy)
 
 
+@pytest.mark.slow  # a second checkpoint and model: ~20 s
+def test_gemma4_multimodal_checkpoint_text_only(make_gemma4, load, greedy, tiny_llama):
+    """A Gemma4ForConditionalGeneration checkpoint (vision and audio towers) loads its
+    language model, the towers skipped, with the logits of transformers' model on text;
+    a prompt with images is refused."""
+    import torch
+    from transformers import AutoTokenizer, Gemma4ForConditionalGeneration
+
+    from jaxllm.engine.input_processor import InputProcessor
+
+    import glob
+
+    from safetensors import safe_open
+
+    path = make_gemma4(multimodal=True)
+    names = [n for f in glob.glob(f"{path}/*.safetensors")
+             for n in safe_open(f, "np").keys()]
+    assert any(n.startswith("model.vision_tower.") for n in names)
+    assert any(n.startswith("model.audio_tower.") for n in names)
+    model, cfg, _ = load(path)
+    assert cfg.architecture == "Gemma4ForConditionalGeneration" and cfg.vision is None
+    prompts = _prompts((9, 20))
+    prefill, _, _ = greedy(model, prompts, 1, block_size=4)
+    hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                        attn_implementation="eager").eval()
+    for ours, prompt in zip(prefill, prompts):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0].numpy()
+        np.testing.assert_allclose(ours, want, atol=1e-4, rtol=0)
+    inputs = InputProcessor(AutoTokenizer.from_pretrained(tiny_llama), cfg, max_logprobs=0,
+                            eos_token_ids=frozenset())
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        inputs.process_prompt({"prompt_token_ids": [5, 6],
+                               "multi_modal_data": {"image": object()}})
+
+
 @pytest.mark.slow  # ~60 s: the engine's programs
 def test_gemma4_engine_equals_transformers_and_one_by_one(make_gemma4, monkeypatch):
     """Through the engine, KV sharing on: continuous batching with chunked prefill (16-token

@@ -15,6 +15,17 @@ from jaxllm.models.gemma4 import group_config
 from jaxllm.models.model_config import ModelConfig
 
 
+def text_name(name: str):
+    """A Gemma4ForConditionalGeneration checkpoint's tensor name -> the text model's (None: its
+    vision or audio tower or their embedders, skipped: text-only use)."""
+    if name.startswith(("model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
+                        "model.embed_audio.")):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    return name  # lm_head and anything else: checked against the targets as it is
+
+
 def _layer(c: ModelConfig, shared: bool, k_eq_v: bool) -> list:
     """One layer's tensors: (name in the layer, parameter, start, HF shape, HF -> block)."""
     E, F, D, K, G = c.hidden_size, c.intermediate_size, c.head_dim, c.num_kv_heads, c.q_per_kv

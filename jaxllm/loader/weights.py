@@ -323,7 +323,8 @@ def _llama4_text_name(name: str):
 # and those with their vision tower, names normalized.
 TEXT_NAMES = {"Gemma3ForConditionalGeneration": _language_model_name,
               "Llama4ForConditionalGeneration": _llama4_text_name,
-              "Qwen2_5_VLForConditionalGeneration": checkpoint_name}
+              "Qwen2_5_VLForConditionalGeneration": checkpoint_name,
+              "Gemma4ForConditionalGeneration": gemma4_weights.text_name}
 
 
 def _vision_targets(cfg: ModelConfig) -> dict[str, list[Target]]:

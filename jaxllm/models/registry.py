@@ -289,6 +289,7 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "Qwen3NextForCausalLM": _qwen3_next,
     "Qwen3_5ForCausalLM": _qwen3_next,  # the same layers; its checkpoint splits in_proj
     "Gemma4ForCausalLM": _gemma4,
+    "Gemma4ForConditionalGeneration": _gemma4,  # its text model only (loader/gemma4_weights.py)
 }
 
 # Architectures with a vision tower: top-level config -> ModelConfig.vision.
