@@ -180,6 +180,8 @@ class Decoder(nnx.Module):
         """Hidden states entering layer `start` -> those leaving layer end - 1 (static bounds;
         end None = the last layer). Caches of groups outside the range pass through."""
         cfg = self.cfg
+        if cfg.gemma4 is not None:  # its groups run in gemma4.run_layers (from __call__)
+            raise ValueError("Gemma 4 runs its layers in jaxllm.models.gemma4.run_layers")
         if (lora_slots is None) != (cfg.lora is None):
             raise ValueError("lora_slots are the step's input exactly when the model has LoRA "
                              "slots (cfg.lora)")
