@@ -187,6 +187,58 @@ def test_gemma4_other_backends(backend, make_gemma4, load, greedy):
     assert_greedy_matches_transformers(path, model, _prompts(PROMPT_LENS), greedy)
 
 
+@pytest.mark.slow  # two step programs exported
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_gemma4_step_exports(platform):
+    """The whole step of a Gemma 4 model (KV sharing and MoE on) exports for TPU and CUDA on
+    a 2-way mesh (test_export's step): only the platform's attention kernel, no CPU-only
+    call (the full layers' single KV head, replicated, attends under shard_map too), and
+    both head dims' caches in the program."""
+    import re
+
+    from transformers import Gemma4TextConfig
+
+    from jaxllm.config import EngineArgs
+    from jaxllm.models.model_config import ModelConfig
+    from test_export import CPU_ONLY, KERNEL, exported_step
+
+    hf = Gemma4TextConfig(**dict(TEXT, **SHARED, **MOE, hidden_size=128, head_dim=32,
+                                 global_head_dim=64))
+    hf.architectures = ["Gemma4ForCausalLM"]
+    cfg = ModelConfig.from_hf(hf, EngineArgs(model="tiny", dtype="bfloat16")
+                              .create_engine_config().model)
+    text = exported_step(platform, 2, cfg).mlir_module()
+    assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {KERNEL[platform]}
+    assert not [name for name in CPU_ONLY if name in text]
+    # each layer type's cache pages (2 KV heads of 32, 1 of 64; blocks of 16), and the KV-shared
+    # groups' caches without layers
+    assert "x2x16x32xbf16>" in text and "x1x16x64xbf16>" in text
+    assert re.search(r"tensor<0x\d+x2x16x32xbf16>", text)
+    assert re.search(r"tensor<0x\d+x1x16x64xbf16>", text)
+
+
+@pytest.mark.slow  # a bf16 program and two transformers models
+def test_gemma4_bfloat16_error_is_transformers_bfloat16_error(make_gemma4, load, greedy):
+    """bfloat16 strays from float32 transformers no more than transformers' own bfloat16
+    model does (KV sharing and MoE on)."""
+    import torch
+
+    from test_models import ATOL, _hf_model
+
+    path = make_gemma4(**SHARED, **MOE)
+    model, cfg, _ = load(path, dtype="bfloat16")
+    assert cfg.dtype == "bfloat16"
+    prompts = _prompts((9, 20))
+    prefill, _, _ = greedy(model, prompts, 1)
+    hf, hf_bf16 = _hf_model(path), _hf_model(path).to(torch.bfloat16)
+    for ours, prompt in zip(prefill, prompts):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0].numpy()
+            theirs = hf_bf16(torch.tensor([prompt])).logits[0].float().numpy()
+        err, their_err = np.abs(ours - want).max(), np.abs(theirs - want).max()
+        assert their_err > ATOL and err <= 1.5 * their_err + 0.02
+
+
 @pytest.mark.slow  # a subprocess on 2 virtual devices, 2 loads
 def test_gemma4_tensor_parallel_matches_one_device(make_gemma4):
     """tp=2 (sliding layers' 2 KV heads split, the FFNs and experts' FFNs split; KV sharing
