@@ -59,7 +59,7 @@ def test_gemma4_refusals():
 
     from jaxllm.config import ConfigError
     from jaxllm.engine_config import ModelOptions
-    from jaxllm.models.decoder import abstract_decoder
+    from jaxllm.models.decoder import abstract_decoder, layer_groups
     from jaxllm.models.model_config import ModelConfig
 
     for kw, name in [(dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
@@ -70,6 +70,13 @@ def test_gemma4_refusals():
         c.architectures = ["Gemma4ForCausalLM"]
         with pytest.raises(ConfigError, match=name):
             ModelConfig.from_hf(c)
+    # --disable-sliding-window: every layer attends fully, each keeps its type's geometry
+    c = Gemma4TextConfig(**TEXT)
+    c.architectures = ["Gemma4ForCausalLM"]
+    cfg = ModelConfig.from_hf(c, ModelOptions(disable_sliding_window=True))
+    assert cfg.sliding_window == (0,) * 6 and cfg.max_model_len == 8
+    assert [g.kind for g in layer_groups(cfg)] == ["gemma4_sliding", "gemma4_full"] * 2
+    assert cfg.kv_values_all_layers == 4 * 2 * 2 * 16 + 2 * 2 * 1 * 32
     # the MoE variant's experts are not built for expert parallelism
     c = Gemma4TextConfig(**dict(TEXT, **MOE))
     c.architectures = ["Gemma4ForCausalLM"]

@@ -43,8 +43,8 @@ from jaxllm.models.rope import apply_rope, rope_tables
 def group_kinds(cfg: ModelConfig) -> list[str]:
     """Each layer's group kind: `gemma4_sliding` / `gemma4_full`, `_shared` when it reads
     another layer's cache."""
-    return [f"gemma4_{'sliding' if w else 'full'}{'_shared' if p >= 0 else ''}"
-            for w, p in zip(cfg.sliding_window, cfg.gemma4.kv_producer)]
+    return [f"gemma4_{'full' if f else 'sliding'}{'_shared' if p >= 0 else ''}"
+            for f, p in zip(cfg.gemma4.full_layers, cfg.gemma4.kv_producer)]
 
 
 def group_config(cfg: ModelConfig, full: bool, shared: bool) -> ModelConfig:

@@ -23,6 +23,9 @@ class Gemma4Spec:
     # layer of its type), or -1 when it projects and caches its own K/V.
     kv_producer: tuple[int, ...]
     double_wide_mlp: bool     # use_double_wide_mlp: the KV-shared layers' FFN is twice as wide
+    # Per layer: a full-attention layer (else sliding). Its geometry, whatever the windows
+    # (--disable-sliding-window sets them all to 0).
+    full_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_hf(cls, c) -> "Gemma4Spec":
@@ -55,4 +58,5 @@ class Gemma4Spec:
             global_kv_heads=(geometry.num_key_value_heads if geometry is not None
                              else c.num_key_value_heads),
             k_eq_v=bool(c.attention_k_eq_v), per_layer_size=P, per_layer_vocab=vocab_p,
-            kv_producer=tuple(producers), double_wide_mlp=bool(c.use_double_wide_mlp))
+            kv_producer=tuple(producers), double_wide_mlp=bool(c.use_double_wide_mlp),
+            full_layers=tuple(t == "full_attention" for t in types))

@@ -155,9 +155,9 @@ class ModelConfig:
         g = self.gemma4
         if g is None:
             return self.num_kv_layers * self.kv_values_per_token
-        return sum(2 * (g.global_kv_heads * g.global_head_dim if w == 0
+        return sum(2 * (g.global_kv_heads * g.global_head_dim if full
                         else self.num_kv_heads * self.head_dim)
-                   for w, p in zip(self.sliding_window, g.kv_producer) if p < 0)
+                   for full, p in zip(g.full_layers, g.kv_producer) if p < 0)
 
     @property
     def q_per_kv(self) -> int:
