@@ -182,6 +182,28 @@ def test_gemma4_engine_equals_transformers_and_one_by_one(make_gemma4, monkeypat
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.slow  # two engines
+def test_gemma4_spec_decode_and_kv_offload(make_gemma4):
+    """KV sharing with the engine's other cache users: n-gram speculative decoding (verify
+    steps of several tokens a sequence) gives transformers' greedy tokens, and a prompt's
+    blocks saved to host memory and loaded back (every group's cache, the KV-shared groups'
+    empty ones too) give its first run's tokens and logprobs."""
+    from test_engine import GREEDY, NEW, hf_greedy, mixed_prompts, small_llm, token_ids
+    from test_kv_offload import ENGINE, _host_round_trip
+    from test_spec_engine import NGRAM
+
+    from jaxllm import LLM
+
+    path = make_gemma4(**SHARED, **MOE)
+    prompts = mixed_prompts(4, seed=7, hi=30)
+    prompts = [p + p[:6] for p in prompts]  # repeats for the n-gram lookup to draft from
+    llm = small_llm(path, speculative_config=NGRAM, max_model_len=128)
+    assert token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                  use_tqdm=False)) == hf_greedy(path, prompts, NEW)
+    assert llm.llm_engine.stats().spec_decode.num_accepted_tokens > 0
+    _host_round_trip(LLM(path, **ENGINE))
+
+
 @pytest.mark.slow  # the XLA reference and the Pallas GPU kernel (interpreted) are slow on CPU
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 def test_gemma4_other_backends(backend, make_gemma4, load, greedy):
