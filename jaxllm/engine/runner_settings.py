@@ -118,8 +118,9 @@ def num_kv_blocks(config: EngineConfig, mc, dtype, layers: Optional[int] = None,
     budget given as a total (CPU, --kv-cache-memory-bytes) is shared in proportion to layers,
     an accelerator's free memory is the stage's own."""
     cache, block_size = config.cache, config.cache.block_size
+    per_block = block_size * jnp.dtype(dtype).itemsize * (
+        mc.kv_values_all_layers if layers is None else layers * mc.kv_values_per_token)
     layers = mc.num_kv_layers if layers is None else layers
-    per_block = layers * block_size * mc.kv_values_per_token * jnp.dtype(dtype).itemsize
     if cache.num_gpu_blocks_override is not None:
         num, source = cache.num_gpu_blocks_override, "--num-gpu-blocks-override"
     else:

@@ -179,7 +179,7 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
         times["hosts"] = time.perf_counter() - t
     logger.info("KV cache: %d blocks x %d tokens (%s, %d bytes per token), max_model_len %d",
                 num_blocks, block_size, jnp.dtype(dtype).name,
-                mc.num_kv_layers * mc.kv_values_per_token * jnp.dtype(dtype).itemsize,
+                mc.kv_values_all_layers * jnp.dtype(dtype).itemsize,
                 mc.max_model_len)
     if mc.linear_layers:
         logger.info("Linear-attention state: %d slots, %.2f MiB", sched.max_num_seqs,

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxllm.loader.mxfp4 import dequantized_experts
-from jaxllm.loader import qwen3_next_weights
+from jaxllm.loader import gemma4_weights, qwen3_next_weights
 from jaxllm.loader.quantized import Target, quantized_targets, storage_cast
 from jaxllm.models.decoder import MOE_KINDS, Decoder, layer_groups
 from jaxllm.models.llama4 import deinterleave_rows
@@ -43,6 +43,8 @@ class CheckpointError(ValueError):
 def hf_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
     """Every tensor name a checkpoint of this model must provide, and where it goes (a
     quantized model's projection tensors: `quantized_targets`)."""
+    if cfg.gemma4 is not None:  # per-layer-type geometry (jaxllm/loader/gemma4_weights.py)
+        return gemma4_weights.targets(cfg)
     targets = _float_targets(cfg)
     if cfg.vision is not None:
         targets.update(_vision_targets(cfg))
@@ -333,7 +335,8 @@ TEXT_NAMES = {"Gemma3ForConditionalGeneration": gemma3_vision.checkpoint_name,
               "Llama4ForConditionalGeneration": _llama4_text_name,
               "Qwen2_5_VLForConditionalGeneration": checkpoint_name,
               "Qwen3_5ForConditionalGeneration": _qwen3_5_text_name,
-              "Qwen3_5MoeForConditionalGeneration": _qwen3_5_text_name}
+              "Qwen3_5MoeForConditionalGeneration": _qwen3_5_text_name,
+              "Gemma4ForConditionalGeneration": gemma4_weights.text_name}
 
 
 def _vision_targets(cfg: ModelConfig) -> dict[str, list[Target]]:

@@ -22,7 +22,7 @@ from jaxllm.layers.attention import AttentionMetadata, KVCache
 from jaxllm.layers.backends.base import Backend
 from jaxllm.layers.backends.reference import ACTIVATIONS, ReferenceBackend
 from jaxllm.layers.lora import lora_batch
-from jaxllm.models import llama4
+from jaxllm.models import gemma4, llama4
 from jaxllm.models.dense import DenseLayers
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.models.mla import MlaLayers, MlaMoeLayers
@@ -37,7 +37,7 @@ from jaxllm.models.rope import rope_tables
 
 GROUP_KINDS = {"dense": DenseLayers, "moe": MoeLayers, "mla": MlaLayers, "mla_moe": MlaMoeLayers,
                "gdn": GdnLayers, "gdn_moe": GdnMoeLayers, "gated_attn": GatedAttnLayers,
-               "gated_attn_moe": GatedAttnMoeLayers}
+               "gated_attn_moe": GatedAttnMoeLayers, **gemma4.GROUP_KINDS}
 MOE_KINDS = ("moe", "mla_moe", "gdn_moe", "gated_attn_moe")
 STATE_KINDS = ("gdn", "gdn_moe")  # groups whose cache is per-sequence state (state_shapes)
 
@@ -58,6 +58,8 @@ def layer_groups(cfg: ModelConfig) -> tuple[LayerGroup, ...]:
     if cfg.linear_layers:  # Qwen3-Next (jaxllm/models/qwen3_next.py)
         kinds = [("gdn" if linear else "gated_attn") + ("_moe" if k == "moe" else "")
                  for linear, k in zip(cfg.linear_layers, kinds)]
+    if cfg.gemma4 is not None:  # a group per run of one layer type (jaxllm/models/gemma4.py)
+        kinds = gemma4.group_kinds(cfg)
     groups, first = [], 0
     for i in range(1, cfg.num_layers + 1):
         if i == cfg.num_layers or kinds[i] != kinds[first]:
@@ -93,6 +95,13 @@ class Decoder(nnx.Module):
         # A vision-language model's image encoder (its embeddings enter at the first stage).
         tower = SiglipTower if isinstance(cfg.vision, Gemma3VisionSpec) else VisionTower
         self.vision = tower(cfg.vision, seed, dt) if cfg.vision and first else None
+        # Gemma 4's per-layer inputs, made from the token ids with the embeddings.
+        if cfg.gemma4 is not None and not (first and last):
+            raise ConfigError("Gemma 4: pipeline parallelism is not supported (its per-layer "
+                              "inputs and KV-shared layers span the stages)")
+        self.per_layer_inputs = (gemma4.PerLayerInputs(cfg, seed)
+                                 if cfg.gemma4 is not None and cfg.gemma4.per_layer_size
+                                 else None)
 
     def __call__(self, kv_caches: tuple[KVCache, ...], token_ids: jax.Array, positions: jax.Array,
                  md: AttentionMetadata, lora_slots: Optional[jax.Array] = None,
@@ -106,6 +115,12 @@ class Decoder(nnx.Module):
         h = self.embed_tokens(token_ids)
         if mm_embeds is not None:
             h = jnp.where(mm_embeds[1][:, None], mm_embeds[0].astype(h.dtype), h)
+        if self.cfg.gemma4 is not None:
+            per_layer = (None if self.per_layer_inputs is None
+                         else self.per_layer_inputs(self.backend, token_ids, h))
+            h, kv_caches = gemma4.run_layers(self, h, kv_caches, positions, md, 0,
+                                             self.cfg.num_layers, per_layer)
+            return self.apply_final_norm(h), kv_caches
         h, kv_caches = self.run_layers(h, kv_caches, positions, md, lora_slots=lora_slots)
         return self.apply_final_norm(h), kv_caches
 
@@ -141,6 +156,8 @@ class Decoder(nnx.Module):
         model's linear-attention groups KVCache(conv state, recurrent state) over
         `state_slots` per-sequence slots (jaxllm/models/qwen3_next.py)."""
         c = self.cfg
+        if c.gemma4 is not None:
+            return gemma4.kv_cache_shapes(c, self.groups, num_blocks, block_size)
         if c.linear_layers:
             return tuple(state_shapes(c, g.count, state_slots) if g.kind in STATE_KINDS
                          else (g.count, num_blocks, c.num_kv_heads, block_size, c.head_dim)
@@ -166,6 +183,8 @@ class Decoder(nnx.Module):
         """Hidden states entering layer `start` -> those leaving layer end - 1 (static bounds;
         end None = the last layer). Caches of groups outside the range pass through."""
         cfg = self.cfg
+        if cfg.gemma4 is not None:  # its groups run in gemma4.run_layers (from __call__)
+            raise ValueError("Gemma 4 runs its layers in jaxllm.models.gemma4.run_layers")
         if (lora_slots is None) != (cfg.lora is None):
             raise ValueError("lora_slots are the step's input exactly when the model has LoRA "
                              "slots (cfg.lora)")

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxllm.config import ConfigError
 from jaxllm.engine_config import LoRAConfig, ModelOptions
 from jaxllm.layers.quantization import QuantSpec
+from jaxllm.models.gemma4_spec import Gemma4Spec
 from jaxllm.models.quant_config import quant_spec
 from jaxllm.models.registry import VISION_TOWERS, arch_features
 from jaxllm.models.rope import RopeSpec
@@ -128,6 +129,8 @@ class ModelConfig:
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     linear_conv_kernel: int = 0
+    # Gemma 4 (jaxllm/models/gemma4.py): per-layer-type geometry, per-layer inputs, KV sharing.
+    gemma4: Optional[Gemma4Spec] = None
 
     @property
     def kv_values_per_token(self) -> int:
@@ -141,7 +144,20 @@ class ModelConfig:
     def num_kv_layers(self) -> int:
         """Layers that keep a paged KV cache (a hybrid model's linear-attention layers keep a
         per-sequence state instead)."""
+        if self.gemma4 is not None:  # KV-shared layers read another layer's cache
+            return sum(p < 0 for p in self.gemma4.kv_producer)
         return self.num_layers - sum(self.linear_layers)
+
+    @property
+    def kv_values_all_layers(self) -> int:
+        """Cache values one token holds over all layers (Gemma 4's layer types differ in
+        head dim and KV heads; its KV-shared layers hold none)."""
+        g = self.gemma4
+        if g is None:
+            return self.num_kv_layers * self.kv_values_per_token
+        return sum(2 * (g.global_kv_heads * g.global_head_dim if full
+                        else self.num_kv_heads * self.head_dim)
+                   for full, p in zip(g.full_layers, g.kv_producer) if p < 0)
 
     @property
     def q_per_kv(self) -> int:

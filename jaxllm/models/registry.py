@@ -11,6 +11,7 @@ import copy
 from typing import Callable
 
 from jaxllm.config import ConfigError
+from jaxllm.models.gemma4_spec import Gemma4Spec
 from jaxllm.models.vision_spec import Gemma3VisionSpec, VisionSpec, mrope_section
 
 
@@ -251,6 +252,34 @@ def _qwen3_5_moe(c) -> dict:
     return _qwen3_next(c)
 
 
+def _gemma4(c) -> dict:
+    """Gemma 4 text (jaxllm/models/gemma4.py): Gemma's sandwich norms (scaling by w, not
+    1 + w), q/k norms and a weightless v norm, attention scale 1, per-layer-type head dims and
+    KV heads, per-layer inputs, KV sharing; its Gemma4Spec carries what only it has."""
+    if getattr(c, "use_bidirectional_attention", None) == "all":
+        raise ConfigError("Gemma 4 with use_bidirectional_attention='all' (an embedding model) "
+                          "is not supported")
+    if getattr(c, "attention_bias", False):
+        raise ConfigError("Gemma 4 with attention_bias=True is not supported")
+    moe = {}
+    if getattr(c, "enable_moe_block", False):  # experts beside every layer's dense MLP
+        moe = dict(num_experts=c.num_experts, num_experts_per_tok=c.top_k_experts,
+                   moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=True)
+    spec = Gemma4Spec.from_hf(c)
+    # The config's head_dim and KV heads vary per layer (transformers refuses to read them
+    # globally); the model-wide values are the sliding layers', Gemma4Spec has the full ones'.
+    # (c is from_hf's own copy of the config.)
+    sliding = c.layer_types.index("sliding_attention") if "sliding_attention" in c.layer_types \
+        else 0
+    geometry = c.per_layer_config[sliding]
+    c.allow_global_per_layer_attribute_access = True
+    return dict(head_dim=geometry.head_dim, num_kv_heads=geometry.num_key_value_heads,
+                embed_scale=c.hidden_size ** 0.5, sandwich_norms=True, qk_norm=True,
+                attention_multiplier=1.0, norm_scale_f32=True,
+                final_logit_softcap=c.final_logit_softcapping, qkv_bias=False, o_bias=False,
+                gemma4=spec, **moe)
+
+
 ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -279,6 +308,8 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     # their language models only (loader/weights.py); images refused (a text-only model)
     "Qwen3_5ForConditionalGeneration": _qwen3_next,
     "Qwen3_5MoeForConditionalGeneration": _qwen3_5_moe,
+    "Gemma4ForCausalLM": _gemma4,
+    "Gemma4ForConditionalGeneration": _gemma4,  # its text model only (loader/gemma4_weights.py)
 }
 
 # Architectures with a vision tower: top-level config -> ModelConfig.vision.

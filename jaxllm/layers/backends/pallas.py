@@ -7,7 +7,9 @@ The kernel variant is picked per lowering platform (`lax.platform_dependent`), n
 host's default backend, so a program exported for TPU or CUDA from a CPU host holds that
 platform's kernel. On CPU the GPU variant runs in interpret mode (tests).
 On a mesh that shards the KV heads the kernel runs per shard under `shard_map` (XLA cannot
-partition a Mosaic call; each shard attends with its own heads, no collective needed).
+partition a Mosaic call; each shard attends with its own heads, no collective needed); KV
+heads that do not divide over the mesh (Gemma 4's full layers) are replicated, and each
+device runs the whole kernel under `shard_map`.
 """
 
 from __future__ import annotations
@@ -62,8 +64,12 @@ class PallasBackend(ReferenceBackend):
         args = (q, kc, vc, layer, sliding_window, sinks, chunk, md.kv_lens, md.block_tables,
                 md.cu_q_lens, md.num_seqs)
         n = 1 if self.mesh is None else self.mesh.shape["model"]
-        if n == 1 or kc.shape[2] % n:  # one device, or KV heads replicated (do not divide)
+        if n == 1:
             return attend(*args)
+        if kc.shape[2] % n:  # KV heads replicated (do not divide): every device attends with
+            # all heads, still under shard_map (XLA cannot partition a Mosaic call)
+            return jax.shard_map(attend, mesh=self.mesh, in_specs=(P(),) * len(args),
+                                 out_specs=P(), check_vma=False)(*args)
         heads, kv_heads = P(None, "model", None), P(None, None, "model", None, None)
         rest = [P()] * (len(args) - 3)
         rest[2] = P() if sinks is None else P("model")
