@@ -4,7 +4,8 @@ Each new mechanism as a tiny random float32 model, built with the suite's own re
 modules' configs and checkpoint builders, so the check and the suite test the same models):
 multi-head latent attention over the latent cache (DeepSeek-V3), attention sinks with sliding
 windows and YaRN (GPT-OSS), chunked local attention with NoPE layers (Llama 4), gated DeltaNet
-beside gated attention with the state cache (Qwen3-Next). Each runs through the offline engine
+beside gated attention with the state cache (Qwen3-Next), per-layer-type geometry with
+KV-shared layers (Gemma 4). Each runs through the offline engine
 (`LLM`: scheduler, the jitted step, the kernels the platform picks), greedy with the sampled
 tokens' logprobs, against transformers' greedy decoding of the same weights on the same device.
 """
@@ -58,9 +59,12 @@ def builders(cf, dirs: _Dirs):
     import transformers as tr
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import gemma4_checkpoints
     from gptoss_checkpoints import make_gptoss
     from qwen3_next_checkpoints import make_qwen3_next
     from test_deepseek import V3
+    from test_gemma4 import MOE as GEMMA4_MOE
+    from test_gemma4 import SHARED as GEMMA4_SHARED
     from test_llama4 import TEXT
 
     tok = cf._train_tokenizer()
@@ -82,6 +86,9 @@ def builders(cf, dirs: _Dirs):
         "llama4": ("chunked local attention, NoPE layers, top-1 MoE", llama4),
         "qwen3_next": ("gated DeltaNet state cache, gated attention",
                        lambda: make_qwen3_next(dirs, tok, {})),
+        "gemma4": ("per-layer-type head dims, KV-shared layers, per-layer inputs, MoE beside MLP",
+                   lambda: gemma4_checkpoints.build(dirs.mktemp("gemma4"), tok,
+                                                    **GEMMA4_SHARED, **GEMMA4_MOE)),
     }
 
 

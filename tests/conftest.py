@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Optional
 
 import numpy as np
 import pytest
 
-# The suite compiles the same small programs in many tests and processes: JAX's persistent
-# cache (which jaxllm leaves to the user) keeps it within CI's time.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      os.path.join(tempfile.gettempdir(), "jaxllm-tests-xla"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# JAX's persistent compilation cache stays off, as users run by default: jaxllm's own
+# executable cache ($JAXLLM_CACHE_DIR) keeps the engine's programs across tests and processes,
+# and with JAX's on, the engine's compiles must run one at a time (a load from it racing a
+# lowering crashed the process: jaxllm/worker/executable_cache.py), which cost more than it saved.
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe",
          "qwen3_moe", "granite", "granitemoe", "olmoe", "phi3", "gemma3_mm")
@@ -389,3 +387,31 @@ def pytest_runtest_makereport(item, call):
         status = proc.poll() if proc is not None else None
         report.sections.append((f"server log (exit status {status})", server.output()))
     return report
+
+
+_SPREAD_WEIGHTS = (1, 2, 3, 5, 7, 11, 13, 17)
+
+
+def spread_grid(*axes, keep: int) -> list:
+    """pytest.params of the product of `axes` (each a list of values; a tuple value fills
+    several argnames), all but about 1/keep of them marked slow. The default suite keeps the
+    combinations whose value indices, weighted 1, 2, 3, 5, ..., sum to 0 mod `keep`; collection
+    fails if that leaves some value of an axis out, so the default suite meets every value and
+    the slow run covers the whole grid."""
+    import itertools
+
+    params, kept = [], [set() for _ in axes]
+    for idx in itertools.product(*(range(len(a)) for a in axes)):
+        values = []
+        for a, i in zip(axes, idx):
+            values += list(a[i]) if isinstance(a[i], tuple) else [a[i]]
+        default = sum(w * i for w, i in zip(_SPREAD_WEIGHTS, idx)) % keep == 0
+        if default:
+            for seen, i in zip(kept, idx):
+                seen.add(i)
+        params.append(pytest.param(*values, marks=() if default else (pytest.mark.slow,)))
+    missing = [n for n, (a, seen) in enumerate(zip(axes, kept)) if len(seen) < len(a)]
+    if missing:
+        raise ValueError(f"spread_grid(keep={keep}) leaves values of axes {missing} out of the "
+                         "default suite: use a smaller keep")
+    return params

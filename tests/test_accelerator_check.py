@@ -66,7 +66,7 @@ def test_dry_run_passes_every_phase(tmp_path):
     assert [m["arch"] for m in models] == list(ARCHS) and not r["models"].get("not_run")
     assert all(m["tokens_equal"] and m["max_logit_err"] < 1e-3 for m in models), models
     archs = r["archs"]["archs"]  # this wave's mechanisms, each through the offline LLM
-    assert [a["arch"] for a in archs] == ["deepseek_v3", "gpt_oss", "llama4", "qwen3_next"]
+    assert [a["arch"] for a in archs] == ["deepseek_v3", "gpt_oss", "llama4", "qwen3_next", "gemma4"]
     assert all(a["tokens_equal"] and a["max_logprob_err"] < 1e-3 for a in archs), archs
 
     hf, e2e = r["e2e_hf"], r["e2e"]

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import spread_grid
 from jaxllm.layers.backends import resolve_backend
 from pallas_kernels.ragged_paged_attention import kernel_cpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
@@ -91,11 +92,12 @@ def _tiles_reference(q, kc, vc, layer, kv_lens, tables, cu, n, *, sm_scale, slid
     return out
 
 
-@pytest.mark.parametrize("hq,hkv,d,bs", [(12, 4, 64, 16), (9, 3, 64, 16), (4, 4, 32, 8),
-                                         (8, 1, 16, 4), (8, 2, 128, 16), (2, 1, 20, 4)])
-@pytest.mark.parametrize("window,soft_cap", [(None, None), (7, None), (None, 5.0), (7, 5.0)])
-@pytest.mark.parametrize("ragged", [False, True], ids=["decode", "ragged"])
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+# 96 cases; the default suite runs a spread of 12 that meets every value (conftest.spread_grid).
+@pytest.mark.parametrize("hq,hkv,d,bs,window,soft_cap,ragged,cache_dtype", spread_grid(
+    [(12, 4, 64, 16), (9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 4), (8, 2, 128, 16),
+     (2, 1, 20, 4)],
+    [(None, None), (7, None), (None, 5.0), (7, 5.0)], [False, True], ["float32", "bfloat16"],
+    keep=8))
 def test_kernel_matches_reference(hq, hkv, d, bs, window, soft_cap, ragged, cache_dtype):
     """Outputs and written caches equal the reference's write_kv + attention (a bf16 cache:
     k/v rounded to nearest even, bit for bit); the caches come back updated in place when

@@ -192,8 +192,8 @@ def test_only_the_engines_thread_loads_from_the_cache(tmp_path):
     assert np.allclose(on_demand.run(key(5), f, *args(5)), 2 + c)
 
 
-def test_with_jax_cache_on_a_compile_waits_for_the_lowering_lock():
-    """A compile may load from JAX's persistent cache (the suite turns it on, as a user may):
+def test_with_jax_cache_on_a_compile_waits_for_the_lowering_lock(tmp_path):
+    """A compile may load from JAX's persistent cache (when a user turns it on):
     it then waits for `mlir_lock`, which the engine's thread holds while it lowers. A load
     racing a lowering in `compile_now`'s compiler threads crashed the process."""
     import threading
@@ -203,13 +203,23 @@ def test_with_jax_cache_on_a_compile_waits_for_the_lowering_lock():
 
     from jaxllm.worker.executable_cache import compile_lowered, jax_cache_in_use, mlir_lock
 
-    assert jax_cache_in_use()  # conftest sets JAX_COMPILATION_CACHE_DIR
-    c = float(np.random.default_rng().random())
-    lowered = jax.jit(lambda x: x * 3 + c).lower(np.ones(7, np.float32))
-    done = threading.Event()
-    thread = threading.Thread(target=lambda: (compile_lowered(lowered), done.set()))
-    with mlir_lock:
-        thread.start()
-        assert not done.wait(1.0)  # held back while the lock is held
-    assert done.wait(120)
-    thread.join()
+    # JAX decides at a process's first compile whether it uses its cache: compiling first
+    # keeps it off for the rest of the suite whatever the setting says below; the lock
+    # follows the setting.
+    jax.block_until_ready(jax.jit(lambda x: x + 1)(np.float32(1)))
+    saved = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        assert jax_cache_in_use()
+        c = float(np.random.default_rng().random())
+        lowered = jax.jit(lambda x: x * 3 + c).lower(np.ones(7, np.float32))
+        done = threading.Event()
+        thread = threading.Thread(target=lambda: (compile_lowered(lowered), done.set()))
+        with mlir_lock:
+            thread.start()
+            assert not done.wait(1.0)  # held back while the lock is held
+        assert done.wait(120)
+        thread.join()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", saved)
+    assert not jax_cache_in_use()  # the suite's default: compiles run in parallel
