@@ -167,6 +167,7 @@ def test_attention_query_does_not_depend_on_batch_or_chunks(window, cache_dtype)
             np.testing.assert_array_equal(got, whole[250:300], err_msg=f"{parts}")
 
 
+@pytest.mark.slow  # an engine of its own (~20 s); the layers' row tests above stay default
 def test_sampled_row_does_not_depend_on_batch():
     """sample_rows over the real vocabulary: a seeded row (top_p, top_k or plain, with
     logprobs) gives the same token and logprobs alone, in a batch of 9, of 40 and of 64,

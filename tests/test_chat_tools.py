@@ -105,6 +105,7 @@ def test_content_format_auto_reads_the_template():
     assert content_format_of(looping, "string") == "string"
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_tools_and_history_reach_the_prompt(http, client):
     body = {"model": NAME, "messages": HISTORY, "tools": TOOLS}
     r = http.post("/tokenize", json={**body, "return_token_strs": True})
@@ -152,6 +153,7 @@ def check_same(full, streamed) -> None:
     assert all(c["id"].startswith("chatcmpl-tool-") for c in calls)
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_auto_without_a_call_is_content_streamed_or_not(client):
     kw = dict(model=NAME, messages=HISTORY, tools=TOOLS, max_tokens=12, **GREEDY,
               extra_body={"ignore_eos": True})
@@ -174,6 +176,7 @@ def valid_calls(calls) -> None:
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_required_returns_one_valid_call(client):
     kw = dict(tool_choice="required", parallel_tool_calls=False, max_tokens=200)
     full = constrained(client, **kw)
@@ -184,6 +187,7 @@ def test_required_returns_one_valid_call(client):
     check_same(full, assemble(constrained(client, stream=True, **kw)))
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_required_parallel_calls_are_valid(client):
     """The random model may add calls until max_tokens cuts one off: every complete call
     still fits its schema, and the cut one comes back as content."""
@@ -199,6 +203,7 @@ def test_required_parallel_calls_are_valid(client):
     check_same(full, assemble(constrained(client, stream=True, **kw)))
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_named_function_returns_its_arguments(client):
     kw = dict(tool_choice={"type": "function", "function": {"name": "get_weather"}},
               max_tokens=60)
@@ -213,6 +218,7 @@ HERMES_CALL = ('<think>Paris needs a forecast.</think>Let me look.<tool_call>{"n
                '"get_weather", "arguments": {"city": "Paris", "days": 3}}</tool_call>')
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_auto_parses_a_hermes_call_after_reasoning(client):
     """The regex leaves the model one output, a hermes call after reasoning, so this is the
     `auto` path end to end: reasoning split, then the call parsed, streamed or not."""
@@ -235,6 +241,7 @@ def test_auto_parses_a_hermes_call_after_reasoning(client):
     ({"tool_choice": "required", "tools": None}, ["tools"]),
     ({"tool_choice": "whenever"}, ["whenever"]),
 ])
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_bad_tool_choice_is_a_400_naming_it(http, body, words):
     r = http.post("/v1/chat/completions", json={
         "model": NAME, "messages": HISTORY, "tools": TOOLS, **body})
@@ -245,6 +252,7 @@ def test_bad_tool_choice_is_a_400_naming_it(http, body, words):
         assert word in error["message"]
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_a_second_constraint_is_refused(http):
     r = http.post("/v1/chat/completions", json={
         "model": NAME, "messages": HISTORY, "tools": TOOLS, "tool_choice": "required",

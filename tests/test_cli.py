@@ -168,6 +168,7 @@ def _requests_done(http) -> float:
                if k.startswith("jaxllm:request_success_total"))
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 @pytest.mark.parametrize("command", ["chat", "complete"])
 def test_quick(server, http, command):
     before = _requests_done(http)
@@ -178,6 +179,7 @@ def test_quick(server, http, command):
     assert _requests_done(http) == before + 1
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_interactive_chat_keeps_the_conversation(server, http):
     before = metrics(http)["jaxllm:prompt_tokens_total"]
     r = jaxllm("chat", "--url", server.url + "/v1", "--api-key", API_KEY, "--model-name", NAME,
@@ -189,6 +191,7 @@ def test_interactive_chat_keeps_the_conversation(server, http):
     assert metrics(http)["jaxllm:prompt_tokens_total"] - before > 2 * first["count"]
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_interactive_complete_reads_lines(server, http):
     before = _requests_done(http)
     r = jaxllm("complete", "--url", server.url + "/v1", "--api-key", API_KEY, "--max-tokens",
@@ -197,11 +200,13 @@ def test_interactive_complete_reads_lines(server, http):
     assert _requests_done(http) == before + 3
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_wrong_key_is_reported(server):
     r = jaxllm("complete", "--url", server.url + "/v1", "--api-key", "wrong", "-q", "x")
     assert r.returncode == 1 and "401" in r.stderr
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_bench_serve_without_the_key_says_so(server, monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     r = jaxllm("bench", "serve", "--base-url", server.url, "--num-prompts", "1")
@@ -211,6 +216,7 @@ def test_bench_serve_without_the_key_says_so(server, monkeypatch):
     assert "Benchmark Result" not in r.stdout
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_bench_serve_prints_vllms_table_and_saves_the_result(server, http, tmp_path):
     before = _requests_done(http)
     results = tmp_path / "results"
@@ -286,6 +292,7 @@ def test_run_batch_mixed_file(tmp_path, tiny_llama, server, http):
     assert "2 succeeded, 6 failed" in r.stderr
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_generate_matches_the_server(tiny_llama, http):
     r = jaxllm("generate", tiny_llama, "--prompt", "Hello", "--max-tokens", "4",
                "--temperature", "0", "--ignore-eos", *ENGINE_FLAGS)
@@ -324,6 +331,7 @@ def test_offline_bench_runs_and_reports(tiny_llama, tmp_path, mode):
     assert f"Results written to {out}" in r.stdout and not r.stdout.lstrip().startswith("{")
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_generate_takes_the_models_generation_config_and_logs_only_its_own_lines(
         tiny_llama, tmp_path, http):
     """Unset sampling flags come from generation_config.json (vLLM's `--generation-config

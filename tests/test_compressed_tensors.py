@@ -90,8 +90,8 @@ def test_quantized_checkpoint_serves_through_llm(tiny_llama, tmp_path):
     # (asymmetric experts: transformers 5.24 cannot load them into its fused experts, so
     # there is no oracle; dense asymmetric checkpoints are tested above)
     ("mixtral", "w4a16", 16, True),
-    ("qwen2_moe", "w8a16", None, True),
-    ("qwen2_moe", "fp8", None, True),
+    pytest.param("qwen2_moe", "w8a16", None, True, marks=pytest.mark.slow),  # ~10 s each
+    pytest.param("qwen2_moe", "fp8", None, True, marks=pytest.mark.slow),
 ])
 def test_moe_checkpoint_equals_transformers(make_tiny_checkpoint, load, greedy, tmp_path, arch,
                                             scheme, group, symmetric):

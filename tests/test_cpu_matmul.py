@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import spread_grid
 from flax import nnx
 
 from pallas_kernels.matmul import kernel_cpu, reference
@@ -145,8 +146,9 @@ def test_kernel_refuses_a_layer_out_of_range():
         kernel_cpu.matmul(jnp.ones((1, 8)), w, 0, n=8, out_dtype=jnp.float16)
 
 
-@pytest.mark.parametrize("tokens", [4, 64, 128])  # streaming, register-blocked, three row blocks
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# tokens: streaming, register-blocked, three row blocks (a spread of 3 of the 6 by default)
+@pytest.mark.parametrize("dtype,tokens", spread_grid(["float32", "bfloat16"], [4, 64, 128],
+                                                     keep=2))
 def test_decoder_native_steps_match_xla_dots(dtype, tokens, tiny_llama, load):
     """On backend 'cpu' every step runs the projections and the LM head (packed by the runner;
     the tied embedding is looked up in the packed LM head) in the kernel (bf16 weights as bits,

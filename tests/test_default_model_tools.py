@@ -47,6 +47,7 @@ def ask(client, **kw):
                                              "temperature": 0.0, "max_tokens": 100, **kw})
 
 
+@pytest.mark.slow  # the default model's server (~40 s to start)
 def test_required_returns_a_call_that_fits_the_schema(client):
     choice = ask(client, tool_choice="required").choices[0]
     assert choice.finish_reason == "tool_calls", choice
@@ -56,6 +57,7 @@ def test_required_returns_a_call_that_fits_the_schema(client):
         jsonschema.validate(json.loads(call.function.arguments), WEATHER)
 
 
+@pytest.mark.slow  # the default model's server (~40 s to start)
 def test_required_single_call_streamed(client):
     streamed = assemble(ask(client, tool_choice="required", parallel_tool_calls=False,
                             stream=True))
@@ -65,6 +67,7 @@ def test_required_single_call_streamed(client):
     jsonschema.validate(json.loads(call["arguments"]), WEATHER)
 
 
+@pytest.mark.slow  # the default model's server (~40 s to start)
 def test_dropped_tools_are_logged_once_naming_the_model(server, client):
     """SmolLM2's template has no `tools`: "auto" cannot call what the model never saw."""
     for choice in ("auto", "required", "auto"):

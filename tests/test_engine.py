@@ -79,15 +79,19 @@ def test_batch_equals_transformers_and_one_by_one(llm, prompts, expected):
     assert singles == expected[:6]
 
 
+# (each variant starts an engine: the slow run has the ones other default tests come near)
 @pytest.mark.parametrize("kw", [
-    dict(enable_chunked_prefill=False, max_num_batched_tokens=64),
-    dict(enable_prefix_caching=False),
-    dict(num_gpu_blocks_override=64),  # 256 slots; 8 running sequences need ~400: preemption
-    dict(enforce_eager=True),
-    dict(async_scheduling=True, num_gpu_blocks_override=64),
-    dict(attention_backend="reference"),
-], ids=["no-chunked-prefill", "no-prefix-caching", "preemption", "eager", "async-preemption",
-        "reference-attention"])
+    pytest.param(dict(enable_chunked_prefill=False, max_num_batched_tokens=64),
+                 id="no-chunked-prefill", marks=pytest.mark.slow),
+    pytest.param(dict(enable_prefix_caching=False), id="no-prefix-caching"),
+    # 256 slots; 8 running sequences need ~400: preemption
+    pytest.param(dict(num_gpu_blocks_override=64), id="preemption"),
+    pytest.param(dict(enforce_eager=True), id="eager", marks=pytest.mark.slow),
+    pytest.param(dict(async_scheduling=True, num_gpu_blocks_override=64),
+                 id="async-preemption"),
+    pytest.param(dict(attention_backend="reference"), id="reference-attention",
+                 marks=pytest.mark.slow),
+])
 def test_engine_variants_match_transformers(tiny_llama, prompts, expected, kw):
     llm = small_llm(tiny_llama, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
