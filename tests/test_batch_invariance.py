@@ -230,9 +230,13 @@ def test_backends_say_why_they_are_not_batch_invariant():
 
     from jaxllm.layers.quantization import QuantSpec
 
-    dense = SimpleNamespace(moe_layers=(), num_experts=0, quant=None, lora=None)
-    moe = SimpleNamespace(moe_layers=(False, True), num_experts=8, quant=None, lora=None)
+    dense = SimpleNamespace(moe_layers=(), num_experts=0, quant=None, lora=None, vision=None)
+    moe = SimpleNamespace(moe_layers=(False, True), num_experts=8, quant=None, lora=None,
+                          vision=None)
     assert CpuBackend().batch_variance(dense, jnp.bfloat16) is None
+    gemma3_images = SimpleNamespace(**{**vars(dense),
+                                       "vision": SimpleNamespace(bidirectional_images=True)})
+    assert "bidirectional image" in CpuBackend().batch_variance(gemma3_images, jnp.float32)
     assert CpuBackend().batch_variance(dense, jnp.float32) is None
     for backend in (ReferenceBackend(), PallasBackend()):
         assert "XLA dots" in backend.batch_variance(dense, jnp.float32)
