@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-from accelerator_models import ROOT, _hf_greedy, load_conftest, optional_imports, torch_device
+from accelerator_models import (ROOT, _hf_greedy, load_conftest, optional_imports,
+                                summarize_token_rows, torch_device)
 from accelerator_phases import Context, _sig, accelerator
 
 PROMPT_LENS = (5, 17, 30)
@@ -163,14 +164,8 @@ def phase_archs(rec, ctx: Context) -> None:
 
 
 def summarize_archs(r: dict) -> list[str]:
-    rows = r.get("archs", [])
-    equal = [m["arch"] for m in rows if m["tokens_equal"]]
-    worst = max((m["max_logprob_err"] for m in rows), default=0.0)
-    lines = [f"{len(equal)}/{len(rows)} new architectures through LLM: greedy tokens equal "
-             f"transformers; worst logprob error {worst:.2g}"]
-    if len(equal) < len(rows):
-        lines.append("tokens differ: " + ", ".join(m["arch"] for m in rows
-                                                   if not m["tokens_equal"]))
+    lines = summarize_token_rows(r.get("archs", []), "new architectures through LLM",
+                                 "max_logprob_err", "logprob")
     if r.get("not_run"):
         lines.append("not run (out of time): " + ", ".join(r["not_run"]))
     return lines

@@ -134,16 +134,22 @@ def phase_models(rec, ctx: Context) -> None:
                   max_logit_err=_sig(err))
 
 
-def summarize_models(r: dict) -> list[str]:
-    rows = r.get("models", [])
+def summarize_token_rows(rows: list[dict], what: str, err_key: str, err: str) -> list[str]:
+    """The table lines of a phase whose rows are architectures against transformers."""
     equal = [m["arch"] for m in rows if m["tokens_equal"]]
-    worst = max((m["max_logit_err"] for m in rows), default=0.0)
-    lines = [f"{len(equal)}/{len(rows)} architectures: greedy tokens equal transformers "
-             f"({r.get('setup', {}).get('torch_device')}); worst logit error {worst:.2g}"]
+    worst = max((m[err_key] for m in rows), default=0.0)
+    lines = [f"{len(equal)}/{len(rows)} {what}: greedy tokens equal transformers; worst "
+             f"{err} error {worst:.2g}"]
     if len(equal) < len(rows):
         lines.append("tokens differ: " + ", ".join(m["arch"] for m in rows
                                                    if not m["tokens_equal"]))
     return lines
+
+
+def summarize_models(r: dict) -> list[str]:
+    device = r.get("setup", {}).get("torch_device")
+    return summarize_token_rows(r.get("models", []), f"architectures ({device})",
+                                "max_logit_err", "logit")
 
 
 # --- e2e: a Llama-3.2-1B-shaped model, transformers and jaxllm ----------------------------------
