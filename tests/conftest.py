@@ -332,6 +332,18 @@ def greedy_record(model, prompts: list[list[int]], new_tokens: int) -> dict:
             "tokens": tokens}
 
 
+def tp_greedy_report(path: str) -> dict:
+    """A tensor-parallel child's report (run_with_host_devices, 2 devices): the model at TP 1
+    and TP 2, each with its sharded parameters and `greedy_record` of two prompts."""
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(3, VOCAB, n)] for n in (7, 19)]
+    report = {}
+    for name, tp in (("tp1", 1), ("tp2", 2)):
+        model, _, _ = load_tiny(path, tp=tp)
+        report[name] = {"sharded": sharded_params(model), **greedy_record(model, prompts, 24)}
+    return report
+
+
 def load_tiny(path: str, tp: int = 1, **engine_args):
     """load_model on a `tp`-device mesh, float32 unless `dtype` is given, no progress bar."""
     from jaxllm.config import EngineArgs

@@ -288,22 +288,8 @@ def test_gemma4_tensor_parallel_matches_one_device(make_gemma4):
     assert tp2["tokens"] == base["tokens"]
 
 
-def _parallel_child(path: str) -> dict:
-    import os
+if __name__ == "__main__":  # the TP child of run_with_host_devices
     import sys
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from conftest import greedy_record, load_tiny, sharded_params
-
-    prompts = _prompts((7, 19), seed=1)
-    report = {}
-    for name, tp in (("tp1", 1), ("tp2", 2)):
-        model, _, _ = load_tiny(path, tp=tp)
-        report[name] = {"sharded": sharded_params(model), **greedy_record(model, prompts, 24)}
-    return report
-
-
-if __name__ == "__main__":
-    import sys
-
-    print(json.dumps(_parallel_child(sys.argv[1])))
+    from conftest import tp_greedy_report
+    print(json.dumps(tp_greedy_report(sys.argv[1])))

@@ -223,21 +223,6 @@ def test_llama4_pipeline_stages_match_one_device(make_llama4, monkeypatch):
     assert report["pp2"] == report["base"] and len(report["base"]) == 3
 
 
-def _parallel_child(path: str) -> dict:
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from conftest import greedy_record, load_tiny, sharded_params
-
-    prompts = _prompts((7, 19), seed=1)
-    report = {}
-    for name, tp in (("tp1", 1), ("tp2", 2)):
-        model, _, _ = load_tiny(path, tp=tp)
-        report[name] = {"sharded": sharded_params(model), **greedy_record(model, prompts, 24)}
-    return report
-
-
 @pytest.mark.parametrize("platform", [pytest.param("tpu", marks=pytest.mark.slow), "cuda"])
 def test_llama4_step_exports_with_chunked_attention(platform):
     """The whole step of a Llama 4 model exports for TPU and CUDA on a 2-way mesh (test_export's
@@ -281,10 +266,11 @@ def test_llama4_bfloat16_error_is_transformers_bfloat16_error(make_llama4, load,
         assert their_err > ATOL and err <= 1.5 * their_err + 0.02
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the TP child of run_with_host_devices
     import sys
 
-    print(json.dumps(_parallel_child(sys.argv[1])))
+    from conftest import tp_greedy_report
+    print(json.dumps(tp_greedy_report(sys.argv[1])))
 
 
 @pytest.mark.parametrize("parser,output", [
