@@ -114,9 +114,10 @@ def test_refusals_name_the_problem(tiny_llama, adapters, tmp_path):
 
 
 @pytest.mark.parametrize("extra", [
-    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                             "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
-    dict(num_scheduler_steps=4)], ids=["ngram", "multi-step"])
+    pytest.param(dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                          "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
+                 id="ngram", marks=pytest.mark.slow),  # an engine with a drafter (~15 s)
+    pytest.param(dict(num_scheduler_steps=4), id="multi-step")])
 def test_with_speculation_and_multi_step(tiny_llama, adapters, extra):
     """Drafts are verified, and multi-step bursts run, with each token's adapter."""
     llm = lora_llm(tiny_llama, **extra)
@@ -146,6 +147,7 @@ def test_structured_output_with_an_adapter(tiny_llama, adapters):
     assert chat.outputs[0].text in ("alpha", "beta") and chat.lora_request.lora_name == "qv"
 
 
+@pytest.mark.slow  # two engines in bfloat16 (~25 s); the float32 tests cover the path
 def test_bfloat16_on_the_default_backend(tiny_llama, adapters):
     """bf16 weights and adapters (the CPU backend keeps them as bits: the slots are written
     so): the adapter's teacher-forced logprobs are near its float32 oracle's, far from the
@@ -169,7 +171,7 @@ def test_bfloat16_on_the_default_backend(tiny_llama, adapters):
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])  # TP 2: ~15-40 s
 def test_lora_step_exports_for_the_accelerators(platform, tp):
     """The step with adapter slots lowers for TPU and GPU with only the platform's attention
     kernel as a custom call (the LoRA delta is plain XLA: dots, gathers, a conditional), its

@@ -323,6 +323,7 @@ def _token_ids(client, model: str) -> list[int]:
     return [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
 
 
+@pytest.mark.slow  # the module's server (~40 s to start); test_lora.py checks peft offline
 def test_each_adapter_generates_as_transformers_and_peft(client, adapters):
     _, expected = adapters
     got = {model: _token_ids(client, model) for model in (NAME, "sql", "chat")}
@@ -333,6 +334,7 @@ def test_each_adapter_generates_as_transformers_and_peft(client, adapters):
     assert chat.model == "chat"
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_models_lists_the_adapters(client, adapters, tiny_llama):
     paths, _ = adapters
     cards = {m.id: m for m in client.models.list().data}
@@ -342,6 +344,7 @@ def test_models_lists_the_adapters(client, adapters, tiny_llama):
         assert (cards[name].root, cards[name].parent) == (paths[name], NAME)
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_unknown_model_is_a_404(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
@@ -349,6 +352,7 @@ def test_unknown_model_is_a_404(client):
     assert e.value.body["param"] == "model"
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_load_and_unload_at_run_time(server, client, http, adapters):
     paths, expected = adapters
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "sql2", "lora_path": paths["sql"]})
@@ -368,6 +372,7 @@ def test_load_and_unload_at_run_time(server, client, http, adapters):
     assert _token_ids(client, "sql") == expected["sql"]
 
 
+@pytest.mark.slow  # the module's server (~40 s to start)
 def test_lora_requests_info_metric(http):
     text = http.get("/metrics").text
     line = next(ln for ln in text.splitlines() if ln.startswith("vllm:lora_requests_info{"))
