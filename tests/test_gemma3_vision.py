@@ -152,20 +152,14 @@ def test_reference_attention_attend_to(window):
 def test_chunk_never_ends_inside_an_image():
     """The scheduler's cut: before an image a chunk would end inside, or nothing when the
     chunk starts inside it (a prefix-cache hit) and cannot finish it."""
-    from types import SimpleNamespace
+    from jaxllm.engine.scheduler import image_chunk_cut
 
-    from jaxllm.engine.scheduler import Scheduler
-
-    sched = Scheduler.__new__(Scheduler)
-    sched.whole_images, sched.max_num_batched_tokens = True, 8
-    seq = SimpleNamespace(mm=SimpleNamespace(starts=(5, 20), num_tokens=(4, 4)))
-    assert sched._image_cut(seq, 0, 7) == 5    # would end inside image 1: stops before it
-    assert sched._image_cut(seq, 0, 9) == 9    # ends right after it
-    assert sched._image_cut(seq, 6, 2) == 0    # starts inside it, cannot finish it
-    assert sched._image_cut(seq, 6, 3) == 3
-    assert sched._image_cut(seq, 9, 13) == 11  # image 2 at 20..23: cut before it
-    sched.whole_images = False
-    assert sched._image_cut(seq, 0, 7) == 7
+    starts, lengths = (5, 20), (4, 4)
+    assert image_chunk_cut(starts, lengths, 0, 7) == 5    # would end inside image 1
+    assert image_chunk_cut(starts, lengths, 0, 9) == 9    # ends right after it
+    assert image_chunk_cut(starts, lengths, 6, 2) == 0    # starts inside, cannot finish it
+    assert image_chunk_cut(starts, lengths, 6, 3) == 3
+    assert image_chunk_cut(starts, lengths, 9, 13) == 11  # image 2 at 20..23: cut before it
 
 
 def test_chat_with_image_parts(ckpt, llm):

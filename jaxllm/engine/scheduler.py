@@ -198,14 +198,9 @@ class Scheduler:
         return SchedulerOutput(list(scheduled.values()), preempted, self.kv.take_transfers())
 
     def _image_cut(self, seq: Sequence, start: int, n: int) -> int:
-        """The chunk [start, start + n) cut short before an image it would end inside of
-        (0: it starts inside the image and the budget cannot finish it) with whole_images."""
         if not self.whole_images or seq.mm is None:
             return n
-        for s, k in zip(seq.mm.starts, seq.mm.num_tokens):
-            if s < start + n < s + k:
-                return max(0, s - start)
-        return n
+        return image_chunk_cut(seq.mm.starts, seq.mm.num_tokens, start, n)
 
     def advance(self, sched: SchedulerOutput) -> None:
         """Move every scheduled sequence past its dispatched step, before its sampled tokens
@@ -340,3 +335,13 @@ class Scheduler:
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Finish on a token stop; the step after, if already dispatched, loses its token."""
         self.finish_seqs([seq.seq_id], status)
+
+
+def image_chunk_cut(starts, lengths, start: int, n: int) -> int:
+    """How much of the chunk [start, start + n) to schedule when images (at `starts`, of
+    `lengths` tokens) must be prefilled whole: cut short before an image it would end inside
+    of (0: it starts inside the image and n cannot finish it)."""
+    for s, k in zip(starts, lengths):
+        if s < start + n < s + k:
+            return max(0, s - start)
+    return n
