@@ -303,10 +303,11 @@ def test_generate_matches_the_server(tiny_llama, http):
     assert r.stdout == served["choices"][0]["text"] + "\n"
 
 
-@pytest.mark.parametrize("mode", [["latency", "--batch-size", "2", "--num-iters", "2",
-                                   "--num-iters-warmup", "1", "--seed", "3"],
-                                  pytest.param(["throughput", "--num-prompts", "5"],
-                                               marks=pytest.mark.slow)])  # same path, ~25 s
+# (a cold jaxllm process each, ~25 s: the bench's arithmetic is tested in test_bench_cli.py)
+@pytest.mark.parametrize("mode", [
+    pytest.param(["latency", "--batch-size", "2", "--num-iters", "2", "--num-iters-warmup", "1",
+                  "--seed", "3"], marks=pytest.mark.slow),
+    pytest.param(["throughput", "--num-prompts", "5"], marks=pytest.mark.slow)])
 def test_offline_bench_runs_and_reports(tiny_llama, tmp_path, mode):
     """`jaxllm bench latency|throughput` end to end, with and without engine flags given."""
     out = tmp_path / "bench.json"

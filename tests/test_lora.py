@@ -79,6 +79,7 @@ def test_waits_for_a_slot_and_keeps_kv_apart(tiny_llama, adapters):
         assert list(out.outputs[0].token_ids) == oracle(adapters[name][1], prompt, NEW)[0]
 
 
+@pytest.mark.slow  # an engine per refusal (~30 s in all)
 def test_refusals_name_the_problem(tiny_llama, adapters, tmp_path):
     with pytest.raises(ConfigError, match="--max-loras.*needs --enable-lora"):
         LLM(tiny_llama, max_loras=2)

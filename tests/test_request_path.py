@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
@@ -22,6 +24,7 @@ import request_path  # noqa: E402
 SAMPLER = "jaxllm/layers/sampler.py"
 
 
+@pytest.mark.slow  # an engine and a server in one traced process (~30 s)
 def test_streaming_chat_request_path(tmp_path):
     out = tmp_path / "path.json"
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}

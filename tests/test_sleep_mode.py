@@ -134,6 +134,7 @@ def dev_server(tiny_llama):
     srv.stop()
 
 
+@pytest.mark.slow  # the module's server (~40 s to start); LLM.sleep is tested offline above
 def test_server_sleep_routes(dev_server, tiny_llama):
     with httpx.Client(base_url=dev_server.url, timeout=120) as http:
         def complete():
