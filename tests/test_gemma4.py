@@ -250,22 +250,15 @@ def test_gemma4_step_exports(platform):
 def test_gemma4_bfloat16_error_is_transformers_bfloat16_error(make_gemma4, load, greedy):
     """bfloat16 strays from float32 transformers no more than transformers' own bfloat16
     model does (KV sharing and MoE on)."""
-    import torch
-
-    from test_models import ATOL, _hf_model
+    from test_models import ATOL, bf16_and_transformers_errors
 
     path = make_gemma4(**SHARED, **MOE)
     model, cfg, _ = load(path, dtype="bfloat16")
     assert cfg.dtype == "bfloat16"
     prompts = _prompts((9, 20))
     prefill, _, _ = greedy(model, prompts, 1)
-    hf, hf_bf16 = _hf_model(path), _hf_model(path).to(torch.bfloat16)
-    for ours, prompt in zip(prefill, prompts):
-        with torch.no_grad():
-            want = hf(torch.tensor([prompt])).logits[0].numpy()
-            theirs = hf_bf16(torch.tensor([prompt])).logits[0].float().numpy()
-        err, their_err = np.abs(ours - want).max(), np.abs(theirs - want).max()
-        assert their_err > ATOL and err <= 1.5 * their_err + 0.02
+    for err, their_err in bf16_and_transformers_errors(path, prefill, prompts):
+        assert their_err.max() > ATOL and err.max() <= 1.5 * their_err.max() + 0.02
 
 
 @pytest.mark.slow  # a subprocess on 2 virtual devices, 2 loads

@@ -20,7 +20,8 @@ import pytest
 
 from conftest import run_with_host_devices
 from gptoss_checkpoints import make_gptoss, make_gptoss_mxfp4
-from test_models import _hf_model, _prompts, assert_greedy_matches_transformers
+from test_models import (_hf_model, _prompts, assert_greedy_matches_transformers,
+                         bf16_and_transformers_errors)
 
 
 @pytest.fixture(scope="module")
@@ -186,18 +187,12 @@ def test_bfloat16_error_is_transformers_bfloat16_error(gptoss, load, greedy):
     from float32 transformers no more than transformers' own bfloat16 model does, on average:
     the largest errors sit where a near-tie in the router picks another expert, which each
     bfloat16 model does at its own positions."""
-    import torch
-
     model, cfg, _ = load(gptoss, dtype="bfloat16")
     assert cfg.dtype == "bfloat16" and cfg.norm_scale_f32
     prompts = _prompts()
     prefill, _, _ = greedy(model, prompts, 1)
-    hf, hf_bf16 = _hf_model(gptoss), _hf_model(gptoss).to(torch.bfloat16)
-    for ours, prompt in zip(prefill, prompts):
-        with torch.no_grad():
-            want = hf(torch.tensor([prompt])).logits[0].numpy()
-            theirs = hf_bf16(torch.tensor([prompt])).logits[0].float().numpy()
-        assert np.abs(ours - want).mean() <= 1.5 * np.abs(theirs - want).mean()
+    for err, their_err in bf16_and_transformers_errors(gptoss, prefill, prompts):
+        assert err.mean() <= 1.5 * their_err.mean()
 
 
 @pytest.mark.slow

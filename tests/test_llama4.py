@@ -250,20 +250,15 @@ def test_llama4_step_exports_with_chunked_attention(platform):
 def test_llama4_bfloat16_error_is_transformers_bfloat16_error(make_llama4, load, greedy):
     """bfloat16 (vLLM's default for float32 checkpoints) strays from float32 transformers no
     more than transformers' own bfloat16 model does."""
-    from test_models import ATOL, _hf_model
+    from test_models import ATOL, bf16_and_transformers_errors
 
     path = make_llama4(**TEXT)
     model, cfg, _ = load(path, dtype="bfloat16")
     assert cfg.dtype == "bfloat16"
     prompts = _prompts((9, 20))
     prefill, _, _ = greedy(model, prompts, 1)
-    hf, hf_bf16 = _hf_model(path), _hf_model(path).to(torch.bfloat16)
-    for ours, prompt in zip(prefill, prompts):
-        with torch.no_grad():
-            want = hf(torch.tensor([prompt])).logits[0].numpy()
-            theirs = hf_bf16(torch.tensor([prompt])).logits[0].float().numpy()
-        err, their_err = np.abs(ours - want).max(), np.abs(theirs - want).max()
-        assert their_err > ATOL and err <= 1.5 * their_err + 0.02
+    for err, their_err in bf16_and_transformers_errors(path, prefill, prompts):
+        assert their_err.max() > ATOL and err.max() <= 1.5 * their_err.max() + 0.02
 
 
 if __name__ == "__main__":  # the TP child of run_with_host_devices

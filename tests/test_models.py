@@ -57,6 +57,19 @@ def _hf_model(path):
                                                 attn_implementation="eager").eval()
 
 
+def bf16_and_transformers_errors(path, prefill, prompts):
+    """Per prompt, (|ours - f32 transformers|, |transformers bf16 - f32 transformers|) over the
+    prefill logits: what the "bf16 strays no more than transformers' own bf16" tests compare."""
+    hf, hf_bf16 = _hf_model(path), _hf_model(path).to(torch.bfloat16)
+    pairs = []
+    for ours, prompt in zip(prefill, prompts):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0].numpy()
+            theirs = hf_bf16(torch.tensor([prompt])).logits[0].float().numpy()
+        pairs.append((np.abs(ours - want), np.abs(theirs - want)))
+    return pairs
+
+
 @torch.no_grad()
 def _hf_greedy(model, prompt, n):
     """(prefill logits [len, V], logits of each of the n steps [n, V], n greedy tokens)."""
@@ -118,12 +131,8 @@ def test_bfloat16_error_is_transformers_bfloat16_error(tiny_llama, load, greedy)
     assert cfg.dtype == "bfloat16"
     prompts = _prompts()
     prefill, _, _ = greedy(model, prompts, 1)
-    hf, hf_bf16 = _hf_model(tiny_llama), _hf_model(tiny_llama).to(torch.bfloat16)
-    for ours, prompt in zip(prefill, prompts):
-        with torch.no_grad():
-            want = hf(torch.tensor([prompt])).logits[0].numpy()
-            theirs = hf_bf16(torch.tensor([prompt])).logits[0].float().numpy()
-        assert np.abs(ours - want).max() <= 1.5 * np.abs(theirs - want).max() + 0.02
+    for err, their_err in bf16_and_transformers_errors(tiny_llama, prefill, prompts):
+        assert err.max() <= 1.5 * their_err.max() + 0.02
 
 
 def test_bfloat16_weights_as_bits_match_plain_bfloat16(tiny_llama, load):

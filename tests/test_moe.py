@@ -9,7 +9,8 @@ step's logits within ATOL = 1e-4 of transformers and the 32 tokens identical.
 import numpy as np
 import pytest
 
-from test_models import _hf_model, _prompts, assert_greedy_matches_transformers
+from test_models import (_prompts, assert_greedy_matches_transformers,
+                         bf16_and_transformers_errors)
 
 MOE_CASES = [
     pytest.param("mixtral", {}, id="mixtral-top2"),
@@ -171,19 +172,13 @@ def test_moe_bfloat16_error_is_transformers_bfloat16_error(make_tiny_checkpoint,
     bfloat16 does. Fixed weights: with other random weights, a router near-tie that bf16 rounding flips (differently in each
     implementation) sends a token to another expert and both errors jump (seen: 0.67 against
     transformers' 0.15)."""
-    import torch
-
     path = make_tiny_checkpoint("qwen2_moe", seed=0)
     model, cfg, _ = load(path, dtype="bfloat16", attention_backend=backend)
     assert model.backend.name == backend
     prompts = _prompts((5, 17, 30))
     prefill, _, _ = greedy(model, prompts, 1)
-    hf, hf_bf16 = _hf_model(path), _hf_model(path).to(torch.bfloat16)
-    for ours, prompt in zip(prefill, prompts):
-        with torch.no_grad():
-            want = hf(torch.tensor([prompt])).logits[0].numpy()
-            theirs = hf_bf16(torch.tensor([prompt])).logits[0].float().numpy()
-        assert np.abs(ours - want).max() <= 1.5 * np.abs(theirs - want).max() + 0.02
+    for err, their_err in bf16_and_transformers_errors(path, prefill, prompts):
+        assert err.max() <= 1.5 * their_err.max() + 0.02
 
 
 def test_moe_tiled_prefill_matches_transformers(make_tiny_checkpoint, load, greedy):
