@@ -148,11 +148,12 @@ def test_load_and_unload_reach_every_replica(lora_pair):
 
 
 def test_topologies_with_lora_accepted_or_refused_by_name():
-    """DP and PP take --enable-lora; several hosts and the pooling runner still do not."""
+    """DP, PP and several hosts take --enable-lora; the pooling runner still does not."""
     assert EngineArgs(enable_lora=True, data_parallel_size=2).data_parallel_size == 2
     assert EngineArgs(enable_lora=True, pipeline_parallel_size=2).pipeline_parallel_size == 2
-    for kw, flag in ((dict(nnodes=2), "--nnodes"), (dict(runner="pooling"), "--runner")):
-        with pytest.raises(ConfigError, match=f"{flag}.*with --enable-lora is not implemented"):
+    assert EngineArgs(enable_lora=True, nnodes=2).nnodes == 2
+    for kw in (dict(runner="pooling"), dict(convert="embed")):
+        with pytest.raises(ConfigError, match="--runner.*with --enable-lora is not implemented"):
             EngineArgs(enable_lora=True, **kw)
 
 
@@ -171,6 +172,26 @@ def test_router_roots_prefix_affinity_at_the_adapter():
     assert r.choose(prompt, [load(1), load(0)]) == 1
     assert r.choose(prompt, [load(0), load(1)], root=("b", 2, "/b")) == 0
     assert r.affinity_hits == 2
+
+
+def test_a_stage_gets_its_own_layers_of_an_adapter():
+    """An adapter in slot layout, keyed by the model's layer groups, cut to a stage: a stage
+    running the last layer of group 0 and the first two of group 1 (`stage_cuts`) gets
+    those layers, keyed by its own groups 0 and 1; other groups' projections are absent."""
+    from jaxllm.models.pipeline_stage import stage_lora_share
+
+    def ab(L, tag):
+        return (np.full((L, 4, 2), tag, np.float32) + np.arange(L)[:, None, None],
+                np.full((L, 2, 4), -tag, np.float32) - np.arange(L)[:, None, None])
+
+    weights = {(0, "qkv"): ab(3, 10), (1, "qkv"): ab(4, 20), (1, "down"): ab(4, 30),
+               (2, "o"): ab(2, 40)}
+    share = stage_lora_share(weights, [(0, 2, 3), (1, 0, 2)])
+    assert set(share) == {(0, "qkv"), (1, "qkv"), (1, "down")}
+    for (j, proj), (i, lo, hi) in (((0, "qkv"), (0, 2, 3)), ((1, "qkv"), (1, 0, 2)),
+                                   ((1, "down"), (1, 0, 2))):
+        for got, whole in zip(share[(j, proj)], weights[(i, proj)]):
+            np.testing.assert_array_equal(got, whole[lo:hi])
 
 
 # --- real engines: DP 2 and PP 2 against one engine (slow) ------------------------------------

@@ -142,15 +142,14 @@ class PipelineRunner(ModelRunner):
         return (self.stage_states[s], self.stage_kv[s], x, inputs.positions, inputs.metadata,
                 inputs.logits_indices, inputs.lora_slots)
 
-    def write_lora_slot(self, slot: int, weights: dict) -> None:
-        """Put a LoRA adapter in slot `slot` of every stage: each stage's share, its own
-        layers' (`stage_lora_share`), onto its devices."""
+    def _write_lora_here(self, slot: int, weights: dict) -> None:
+        """A LoRA adapter into slot `slot` of this host's stages: each stage's share, its own
+        layers' (`stage_lora_share`), onto its devices (another host's stages are written
+        there, when it replays the call: ModelRunner.write_lora_slot)."""
         for s, state in enumerate(self.stage_states):
-            if not self.local[s]:  # another host's stage (LoRA across hosts is refused)
-                raise RuntimeError("LoRA slots of another host's pipeline stage cannot be "
-                                   "written from this one")
-            fill_slot(state["layers"], slot, stage_lora_share(weights, self.stage_cuts[s]),
-                      self._write_slot)
+            if self.local[s]:
+                fill_slot(state["layers"], slot, stage_lora_share(weights, self.stage_cuts[s]),
+                          self._write_slot)
 
     def _run_forward(self, key: ProgramKey, inputs: StepInputs):
         """Dispatch every stage without waiting: stage s+1's program is queued on its devices
