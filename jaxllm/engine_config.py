@@ -198,8 +198,11 @@ def check_pipeline(args: Any) -> None:
 
 
 def check_lora(args: Any, bad: Callable[[str, str], None]) -> None:
-    """--enable-lora's sizes, and the layouts it does not combine with yet (each would need the
-    adapter slots written on other hosts or replicas, or a stage's share of them)."""
+    """--enable-lora's sizes, and the pooling runner it does not combine with yet. Every layout
+    takes it: data-parallel replicas each hold their own slots (jaxllm/deploy/
+    data_parallel.py), pipeline stages their own layers' share of them (jaxllm/worker/
+    pipeline_runner.py), and with several hosts rank 0's slot writes are replayed on every
+    host (ModelRunner.write_lora_slot)."""
     if not args.enable_lora:
         for name, default in (("max_loras", 1), ("max_lora_rank", 16), ("max_cpu_loras", None),
                               ("lora_dtype", "auto")):
@@ -210,12 +213,8 @@ def check_lora(args: Any, bad: Callable[[str, str], None]) -> None:
         bad("max_loras", "must be positive")
     if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
         bad("max_cpu_loras", f"must be at least --max-loras ({args.max_loras})")
-    for name, on in (("pipeline_parallel_size", args.pipeline_parallel_size > 1),
-                     ("data_parallel_size", args.data_parallel_size > 1),
-                     ("nnodes", args.nnodes > 1),
-                     ("runner", args.runner == "pooling" or args.convert == "embed")):
-        if on:
-            bad(name, "with --enable-lora is not implemented yet; drop one of the two")
+    if args.runner == "pooling" or args.convert == "embed":
+        bad("runner", "with --enable-lora is not implemented yet; drop one of the two")
 
 
 def check_sleep_mode(args: Any, bad: Callable[[str, str], None]) -> None:

@@ -83,8 +83,8 @@ def test_waits_for_a_slot_and_keeps_kv_apart(tiny_llama, adapters):
 def test_refusals_name_the_problem(tiny_llama, adapters, tmp_path):
     with pytest.raises(ConfigError, match="--max-loras.*needs --enable-lora"):
         LLM(tiny_llama, max_loras=2)
-    with pytest.raises(ConfigError, match="--pipeline-parallel-size.*--enable-lora"):
-        LLM(tiny_llama, enable_lora=True, pipeline_parallel_size=2)
+    with pytest.raises(ConfigError, match="--runner.*--enable-lora"):
+        LLM(tiny_llama, enable_lora=True, runner="pooling")
     with pytest.raises(ConfigError, match="--batch-invariant.*LoRA"):
         lora_llm(tiny_llama, batch_invariant=True, dtype="bfloat16")
     llm = lora_llm(tiny_llama, max_lora_rank=8)

@@ -8,6 +8,14 @@ Each replica is a whole `LLMEngine` (scheduler, KV cache, weights, compiled prog
 devices, so replicas share nothing and a request runs exactly as on one engine: outputs equal
 the single-engine ones token for token. `step()` steps every replica with work in its own
 thread (a step's device work releases the GIL), so replicas' devices run at once.
+
+LoRA adapters (--enable-lora): each replica has its own slots and host cache. A request's
+adapter travels with it to the replica that serves it, which registers and reads it on first
+use; `add_lora` (the server's --lora-modules and load route) registers it on every replica, so
+a bad adapter is refused at load and any replica can take its requests; `remove_lora` reaches
+every replica. The router roots its prefix affinity at the adapter (a replica's cached blocks
+are its adapter's only), so requests with one adapter and a shared prefix land together; it
+does not otherwise prefer a replica with the adapter resident (as vLLM's DP).
 """
 
 from __future__ import annotations
@@ -37,17 +45,17 @@ def make_engine(args: EngineArgs):
     return DataParallelEngine(args) if args.data_parallel_size > 1 else LLMEngine(args)
 
 
-def _no_lora():
-    raise ValueError("LoRA adapters are not supported with --data-parallel-size > 1 (each "
-                     "replica would need them); serve them from one replica")
-
-
 def _step(replica) -> list:
     """A replica's step; a remote one lost during it has no outputs (its requests fail)."""
     try:
         return replica.step()
     except ReplicaLostError:
         return []
+
+
+def _adapter_key(req: Optional[LoRARequest]) -> Optional[tuple]:
+    """What roots a prompt's prefix hashes on a replica: its adapter (None: the base)."""
+    return None if req is None else (req.lora_name, req.lora_int_id, req.lora_path)
 
 
 class DataParallelEngine:
@@ -76,6 +84,9 @@ class DataParallelEngine:
         self.router = PrefixAffinityRouter(args.block_size)
         self._replica_of: dict[str, LLMEngine] = {}
         self._failed: list[ReplicaLostError] = []
+        # Every adapter sent to a replica, by name: one name or id is one adapter across all
+        # replicas (each replica only checks its own).
+        self._loras: dict[str, LoRARequest] = {}
         self._pool = ThreadPoolExecutor(max_workers=len(self.replicas),
                                         thread_name_prefix="jaxllm-dp")
         atexit.register(self.close)
@@ -103,7 +114,7 @@ class DataParallelEngine:
                     arrival_time: Optional[float] = None,
                     lora_request: Optional[LoRARequest] = None) -> None:
         if lora_request is not None:
-            _no_lora()
+            self._check_lora(lora_request)
         if request_id in self._replica_of:
             raise ValueError(f"request id {request_id!r} is already running")
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
@@ -115,23 +126,79 @@ class DataParallelEngine:
         # node's own replicas are never lost, so this ends).
         while True:
             replica = self.replicas[self.router.choose(
-                ids, [r.stats() for r in self.replicas], [r.alive for r in self.replicas])]
+                ids, [r.stats() for r in self.replicas], [r.alive for r in self.replicas],
+                root=_adapter_key(lora_request))]
+            adapter = {} if lora_request is None else {"lora_request": lora_request}
             try:
                 replica.add_request(request_id, {"prompt": text, "prompt_token_ids": ids},
-                                    params, priority, arrival_time)
+                                    params, priority, arrival_time, **adapter)
                 break
             except ReplicaLostError:
                 self._fail_lost()
         self._replica_of[request_id] = replica
+        if lora_request is not None:
+            self._loras[lora_request.lora_name] = lora_request
 
+    # --- LoRA adapters: on every replica -------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        _no_lora()
+        """Register and read an adapter on every live replica (False: every one had it). If
+        one refuses it (a bad adapter; a folder another node cannot read), the replicas that
+        took it forget it again and the refusal is raised."""
+        self._check_lora(lora_request)
+        took, new = [], False
+        for r in self._live():
+            try:
+                added = r.add_lora(lora_request)
+            except ReplicaLostError:
+                self._fail_lost()
+                continue
+            except Exception:
+                for t in took:
+                    self._call_live(t, "remove_lora", lora_request.lora_int_id)
+                raise
+            new |= added
+            if added:
+                took.append(r)
+        self._loras[lora_request.lora_name] = lora_request
+        return new
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        _no_lora()
+        """Forget an adapter on every replica (False if none knew it); requests running with
+        it finish with it."""
+        known = [n for n, r in self._loras.items() if r.lora_int_id == lora_int_id]
+        for n in known:
+            del self._loras[n]
+        removed = [self._call_live(r, "remove_lora", lora_int_id) for r in self._live()]
+        return bool(known) or any(removed)
 
     def list_loras(self) -> set[int]:
-        return set()
+        """The ids of the adapters registered through this engine (on load, or by a request
+        on the replica that ran it)."""
+        return {r.lora_int_id for r in self._loras.values()}
+
+    def _check_lora(self, req: LoRARequest) -> None:
+        """The refusal LoRASlots gives on one replica, across all of them: a name or id
+        already another adapter's."""
+        for other in self._loras.values():
+            same = (other.lora_name, other.lora_int_id, other.lora_path) == (
+                req.lora_name, req.lora_int_id, req.lora_path)
+            if not same and (other.lora_name == req.lora_name
+                             or other.lora_int_id == req.lora_int_id):
+                raise ValueError(
+                    f"LoRA adapter {req.lora_name!r} (id {req.lora_int_id}, {req.lora_path}): "
+                    f"{other.lora_name!r} (id {other.lora_int_id}, {other.lora_path}) is "
+                    f"registered under the same name or id; remove it first")
+
+    def _live(self) -> list:
+        return [r for r in self.replicas if r.alive]
+
+    def _call_live(self, replica, method: str, *args):
+        """replica.method(*args); None if the replica is lost meanwhile."""
+        try:
+            return getattr(replica, method)(*args)
+        except ReplicaLostError:
+            self._fail_lost()
+            return None
 
     def encode(self, request_id: str, prompt: PromptType,
                params: Optional[PoolingParams] = None) -> PoolingRequestOutput:

@@ -3,8 +3,9 @@ that the data-parallel engine (jaxllm/deploy/data_parallel.py) drives like a loc
 
 Why a socket per replica and not jax.distributed: replicas share no array and run no
 collective with one another (expert parallelism stays inside a replica), so each node is a JAX
-process of its own and only the engine's calls cross: `add_request`, `abort_request`, `step`
-and `encode`, pickled, one request and one reply each (frames from jaxllm/parallel/wire.py).
+process of its own and only the engine's calls cross: `add_request` (its LoRA adapter's
+request included), `abort_request`, `step`, `encode` and the LoRA registry's `add_lora`,
+`remove_lora` and `list_loras`, pickled, one request and one reply each (frames from jaxllm/parallel/wire.py).
 Every reply carries the replica's `stats()`, its unfinished count and its clock, so routing,
 `has_unfinished_requests()` and /metrics need no call of their own, and the request timings
 in its outputs (monotonic clocks differ between hosts) are moved onto this node's clock.
@@ -150,10 +151,11 @@ class RemoteReplica:
 
     def add_request(self, request_id, prompt, params=None, priority=0, arrival_time=None,
                     lora_request=None):
-        if lora_request is not None:
-            raise ValueError("LoRA adapters are not supported on data-parallel replicas")
+        """lora_request (a LoRARequest, pickled with the call): the node reads the adapter
+        from its folder, so the path must be one the node can read (as with vLLM's nodes)."""
         arrival = (time.monotonic() if arrival_time is None else arrival_time) - self._offset
-        self._call("add_request", request_id, prompt, params, priority, arrival)
+        adapter = () if lora_request is None else (lora_request,)
+        self._call("add_request", request_id, prompt, params, priority, arrival, *adapter)
 
     def abort_request(self, request_ids) -> None:
         if self.alive:
@@ -171,13 +173,13 @@ class RemoteReplica:
         return self._call("encode", request_id, prompt, params)
 
     def add_lora(self, lora_request) -> bool:
-        raise ValueError("LoRA adapters are not supported on data-parallel replicas")
+        return self._call("add_lora", lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        raise ValueError("LoRA adapters are not supported on data-parallel replicas")
+        return self._call("remove_lora", lora_int_id)
 
     def list_loras(self) -> set[int]:
-        return set()
+        return self._call("list_loras")
 
     def has_unfinished_requests(self) -> bool:
         return self._unfinished > 0

@@ -29,7 +29,8 @@ from jaxllm.parallel.wire import no_delay, recv_frame, send_frame
 
 logger = logging.getLogger("jaxllm")
 
-CALLS = ("add_request", "abort_request", "step", "encode")
+CALLS = ("add_request", "abort_request", "step", "encode", "add_lora", "remove_lora",
+         "list_loras")
 
 
 def local_replicas(args: EngineArgs) -> list[LLMEngine]:

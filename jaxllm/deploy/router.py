@@ -12,7 +12,7 @@ no replica is asked, so routing costs a few dictionary look-ups per block.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 from jaxllm.engine.stats import EngineStats
 
@@ -31,24 +31,26 @@ class PrefixAffinityRouter:
         `capacity`, so the router's memory is bounded."""
         return len(self._owner)
 
-    def _prefix_hashes(self, token_ids: Sequence[int]) -> list[int]:
-        out, h, bs = [], 0, self.block_size
+    def _prefix_hashes(self, token_ids: Sequence[int], root: Hashable = None) -> list[int]:
+        out, h, bs = [], 0 if root is None else hash(root), self.block_size
         for i in range(len(token_ids) // bs):
             h = hash((h, tuple(token_ids[i * bs:(i + 1) * bs])))
             out.append(h)
         return out
 
     def choose(self, token_ids: Sequence[int], loads: Sequence[EngineStats],
-               alive: Optional[Sequence[bool]] = None) -> int:
+               alive: Optional[Sequence[bool]] = None, root: Hashable = None) -> int:
         """The replica for a prompt, given each replica's `stats()` and which are alive (a
-        lost remote one is never chosen, its prefixes go elsewhere); remembers the choice."""
+        lost remote one is never chosen, its prefixes go elsewhere); remembers the choice.
+        root: what the replicas' prefix caches root the prompt's blocks at besides the tokens
+        (a LoRA adapter: the same tokens under another adapter share no cached block)."""
         def load(i):
             s = loads[i]
             return s.num_waiting, s.kv_cache_usage, s.num_running
 
         live = [i for i in range(len(loads)) if alive is None or alive[i]]
         least = min(live, key=load)
-        hashes = self._prefix_hashes(token_ids)
+        hashes = self._prefix_hashes(token_ids, root)
         owner = next((self._owner[h] for h in reversed(hashes) if h in self._owner), None)
         if owner in live and (loads[owner].num_waiting
                                   <= loads[least].num_waiting + self.slack):

@@ -30,7 +30,7 @@ from jaxllm.loader.classifier_head import ClassifierHead, read_classifier_head
 from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.loader import describe_weights, load_model, model_path, weight_bytes
 from jaxllm.engine.hybrid import hybrid_engine_config, state_cache_bytes
-from jaxllm.models.pipeline_stage import split_stage
+from jaxllm.models.pipeline_stage import split_stage, stage_cuts
 from jaxllm.parallel import distributed
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.pipeline import is_local, stage_layer_ranges, stage_meshes
@@ -220,7 +220,9 @@ def build_pipeline_runner(config: EngineConfig, model, mc, meshes: list,
     num_blocks = min(num_kv_blocks(config, mc, dtype, layers=b - a,
                                    device=mesh.devices.flat[0])
                      for (a, b), mesh in zip(ranges, meshes))
-    runner = PipelineRunner(stages, meshes, mc, num_blocks=num_blocks, **runner_args)
+    runner = PipelineRunner(stages, meshes, mc, num_blocks=num_blocks,
+                            stage_cuts=[stage_cuts(model, a, b) for a, b in ranges],
+                            **runner_args)
     for (a, b), r in zip(ranges, runner.memory_report()):
         logger.info("Pipeline stage %d: layers [%d, %d) on host %d, devices %s; per device "
                     "%.1f MiB of weights, %.1f MiB of KV cache", r["stage"], a, b, r["host"],

@@ -74,6 +74,10 @@ class EngineStats:
             d["spec_decode"] = SpecDecodeStats(**sd)
         if d.get("expert_load") is not None:
             d["expert_load"] = {int(k): v for k, v in d["expert_load"].items()}
+        if d.get("lora") is not None:
+            lora = d["lora"]
+            d["lora"] = LoraStats(tuple(lora["running"]), tuple(lora["waiting"]),
+                                  lora["max_lora"])
         d["replicas"] = tuple(cls.from_dict(r) for r in d.get("replicas", ()))
         return cls(**d)
 
@@ -92,6 +96,11 @@ def sum_stats(per: list[EngineStats], **extra) -> EngineStats:
     if per[0].expert_load is not None:
         total["expert_load"] = {layer: np.sum([s.expert_load[layer] for s in per], axis=0)
                                 for layer in per[0].expert_load}
+    loras = [s.lora for s in per if s.lora is not None]
+    if loras:  # the adapters running (waiting) on any replica; each replica's own slots
+        total["lora"] = LoraStats(tuple(sorted({n for s in loras for n in s.running})),
+                                  tuple(sorted({n for s in loras for n in s.waiting})),
+                                  loras[0].max_lora)
     return EngineStats(**total, replicas=tuple(per), **extra)
 
 

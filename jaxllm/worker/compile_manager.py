@@ -32,7 +32,9 @@ logger = logging.getLogger("jaxllm")
 class ProgramKey(NamedTuple):
     """Names one compiled program. kind: 'forward' (one model step over T tokens), 'sample'
     (the sampler), 'prompt_logprobs' (over a step's T hidden states) or 'burst' (`steps`
-    decode steps of `tokens` rows, forward and sampler, in one program)."""
+    decode steps of `tokens` rows, forward and sampler, in one program). The step launcher also
+    sends uncompiled calls under a key: a pipeline's transfers ('to_stage', 'to_reader') and
+    LoRA slot writes ('lora_write', ModelRunner.write_lora_slot)."""
     kind: str
     tokens: int = 0            # T (forward, prompt_logprobs, burst)
     decode_only: bool = False  # forward: the decode-only attention tiling

@@ -166,6 +166,8 @@ class ModelRunner(MemoryTiers):
 
     def replay(self, key: ProgramKey, args: tuple):
         """A follower host's run of rank 0's call key(*args)."""
+        if key.kind == "lora_write":
+            return self._write_lora_here(*args)
         return self.launcher.run(key, self.program(key), *args, first_use=True)
 
     def lead_hosts(self, leader) -> None:
@@ -174,7 +176,14 @@ class ModelRunner(MemoryTiers):
         self.launcher.lead_hosts(leader)
 
     def write_lora_slot(self, slot: int, weights: dict) -> None:
-        """Put a LoRA adapter in device slot `slot` (between steps; `fill_slot`)."""
+        """Put a LoRA adapter in device slot `slot` (between steps). A call of the launcher:
+        on several hosts every host writes the slot (the adapter's host arrays go down the
+        step channel, so only rank 0 reads adapter folders), before the steps that use it."""
+        self.launcher.call(ProgramKey("lora_write"), self._write_lora_here, slot, weights)
+
+    def _write_lora_here(self, slot: int, weights: dict) -> None:
+        """This host's share of write_lora_slot (`fill_slot`: the state updated in place, so
+        the step channel's weights names stay valid)."""
         fill_slot(self.state["layers"], slot, weights, self._write_slot)
 
     def add_step_hook(self, hook: Callable[[StepEvent], None]) -> Callable[[], None]:

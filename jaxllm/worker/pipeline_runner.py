@@ -48,7 +48,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.layers.attention import empty_kv_caches, kv_cache_shardings
-from jaxllm.models.pipeline_stage import stage_forward
+from jaxllm.layers.lora import fill_slot
+from jaxllm.models.pipeline_stage import stage_forward, stage_lora_share
 from jaxllm.parallel.pipeline import is_local
 from jaxllm.worker.compile_manager import ProgramKey
 from jaxllm.worker.input_batch import StepInputs
@@ -61,15 +62,17 @@ logger = logging.getLogger("jaxllm")
 
 class PipelineRunner(ModelRunner):
     def __init__(self, stages: list, meshes: list[Mesh], model_config, *, num_blocks: int,
-                 block_size: int, kv_cache_dtype, **kwargs):
-        """stages: the stage models (`split_stage`), meshes: their sub-meshes. The keyword
-        arguments are ModelRunner's (without executable_dir: stage programs are not cached
-        on disk)."""
+                 block_size: int, kv_cache_dtype, stage_cuts: Optional[list] = None, **kwargs):
+        """stages: the stage models (`split_stage`), meshes: their sub-meshes, stage_cuts:
+        each stage's groups as the model's (`pipeline_stage.stage_cuts`; needed with LoRA
+        slots). The other keyword arguments are ModelRunner's (without executable_dir: stage
+        programs are not cached on disk)."""
         # The plain runner's parts (sampler, prompt logprobs, compile manager) run on the
         # last stage; its forward program is replaced by the stages' (`_run_forward`).
         super().__init__(stages[-1], model_config, meshes[-1], num_blocks=num_blocks,
                          block_size=block_size, kv_cache_dtype=kv_cache_dtype, **kwargs)
         self.meshes = meshes
+        self.stage_cuts = stage_cuts
         self.stage_graphdefs, self.stage_states, self.stage_kv = [], [], []
         for model, mesh in zip(stages[:-1], meshes[:-1]):
             graphdef, state = nnx.split(model)
@@ -128,13 +131,25 @@ class PipelineRunner(ModelRunner):
             return self.program(key)(*args)
         return super().replay(key, args)
 
-    def _stage_fn(self, s: int, state, kv_cache, x, positions, md, logits_indices):
+    def _stage_fn(self, s: int, state, kv_cache, x, positions, md, logits_indices,
+                  lora_slots=None):
         return stage_forward(nnx.merge(self.stage_graphdefs[s], state), kv_cache, x,
-                             positions, md, logits_indices)
+                             positions, md, logits_indices, lora_slots)
 
     def _stage_args(self, s: int, x, inputs: StepInputs) -> tuple:
+        """A stage's inputs; each token's LoRA slot (the scheduler's, once per step) goes to
+        every stage with the tokens."""
         return (self.stage_states[s], self.stage_kv[s], x, inputs.positions, inputs.metadata,
-                inputs.logits_indices)
+                inputs.logits_indices, inputs.lora_slots)
+
+    def _write_lora_here(self, slot: int, weights: dict) -> None:
+        """A LoRA adapter into slot `slot` of this host's stages: each stage's share, its own
+        layers' (`stage_lora_share`), onto its devices (another host's stages are written
+        there, when it replays the call: ModelRunner.write_lora_slot)."""
+        for s, state in enumerate(self.stage_states):
+            if self.local[s]:
+                fill_slot(state["layers"], slot, stage_lora_share(weights, self.stage_cuts[s]),
+                          self._write_slot)
 
     def _run_forward(self, key: ProgramKey, inputs: StepInputs):
         """Dispatch every stage without waiting: stage s+1's program is queued on its devices
