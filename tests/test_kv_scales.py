@@ -1,0 +1,216 @@
+"""fp8 KV cache with per-layer scales (issue 45): checkpoint scales, --calculate-kv-scales, the
+1.0 default's warning, and the scales reaching every attention path.
+
+The checkpoint (tests/kv_scale_checkpoints.py) is the tiny random Llama with each layer's k/v
+stretched beyond float8 e4m3's range (x60 in layer 0, x600 in layer 1) and q/o shrunk to match,
+so the float model computes the same function. Logits are compared with the same model run
+with a float32 cache, by the root mean square of their difference. Tolerance: what a float8
+cache costs this model whatever the scales, i.e. the unstretched model's own fp8-cache error
+(its k/v fit e4m3 unscaled), times 1.5. e4m3 keeps 3 mantissa bits (each cached value within
+2^-4 of itself), which this random model's wide weights carry to logit errors of about a tenth
+(logits of a few units); which values round which way differs with the scale, hence the 1.5:
+the bound says the scales lose nothing beyond the format itself. Scales of 1.0 saturate every
+k/v beyond 448, and layer 0's scales in layer 1 saturate layer 1's: each is checked to be at
+least 4x worse.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kv_scale_checkpoints import add_scales, stretched_checkpoint
+
+from jaxllm.config import ConfigError, EngineArgs
+from jaxllm.layers.attention import AttentionMetadata, KVCache
+from jaxllm.loader.weights import CheckpointError
+
+PROMPT = [5, 17, 42, 99, 3, 250, 77, 8, 140, 66, 23, 300, 12, 9, 480, 31, 200, 7, 61, 88]
+FP8 = jnp.float8_e4m3fn
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _run(graphdef, state, caches, ids, positions, md):
+    m = nnx.merge(graphdef, state)
+    hidden, caches = m(caches, ids, positions, md)
+    return m.compute_logits(hidden), caches
+
+
+def prefill(model, cache_dtype, kv_scales=None, ids=PROMPT):
+    """(the model's prefill logits of `ids` [len, V], its caches) on a cache of `cache_dtype`
+    (kv_scales: set the model's [layers, 2] scales first). One compiled program per model
+    structure and cache dtype: the scales are part of the state."""
+    if kv_scales is not None:
+        set_kv_scales(model, kv_scales)
+    T, n, bs = 32, len(ids), 16
+    graphdef, state = nnx.split(model)
+    state = model.backend.relayout(jax.tree.map(jnp.copy, state), model.cfg)
+    caches = tuple(KVCache(jnp.zeros(s, cache_dtype), jnp.zeros(s, cache_dtype))
+                   for s in model.kv_cache_shapes(T // bs, bs))
+    padded = np.zeros(T, np.int32)
+    padded[:n] = ids
+    slots = np.where(np.arange(T) < n, np.arange(T), -1).astype(np.int32)
+    md = AttentionMetadata(jnp.asarray(slots), jnp.asarray([n, 0], jnp.int32),
+                           jnp.asarray([[0, 1], [0, 0]], jnp.int32),
+                           jnp.asarray([0, n, n], jnp.int32), jnp.asarray([1], jnp.int32))
+    logits, caches = _run(graphdef, state, caches, jnp.asarray(padded),
+                          jnp.arange(T, dtype=jnp.int32), md)
+    return np.asarray(logits)[:n], caches
+
+
+def amax_scales(caches, top: float = 448.0) -> np.ndarray:
+    """amax / top of each layer's k and v in float caches (after RoPE, as attention caches
+    them): [layers, 2]."""
+    out = []
+    for c in caches:
+        k, v = (np.abs(np.asarray(x, np.float32)).reshape(x.shape[0], -1).max(1)
+                for x in (c.k, c.v))
+        out.append(np.stack([k, v], axis=1))
+    return np.concatenate(out) / top
+
+
+def kv_scales_of(model) -> np.ndarray:
+    state = nnx.state(model)
+    return np.concatenate([np.asarray(state["layers"][i]["kv_scales"].get_value())
+                           for i in range(len(model.groups))])
+
+
+def set_kv_scales(model, scales) -> None:
+    state = nnx.state(model)
+    (var,) = [state["layers"][i]["kv_scales"] for i in range(len(model.groups))]
+    var.set_value(jnp.asarray(scales, jnp.float32))
+    nnx.update(model, state)
+
+
+def err(a, b) -> float:
+    d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean(d * d)))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_llama, load, tmp_path_factory):
+    """(stretched checkpoint without scales, the same with kv_cache_scheme scales, the
+    scales [layers, 2], the float model's prefill logits [len, V], the tolerance)."""
+    bare = stretched_checkpoint(tiny_llama, str(tmp_path_factory.mktemp("kv") / "bare"))
+    model, _, _ = load(bare)
+    want, caches = prefill(model, jnp.float32)
+    scales = amax_scales(caches) * 1.25  # headroom, as for prompts other than the calibration
+    scaled = add_scales(stretched_checkpoint(tiny_llama,
+                                             str(tmp_path_factory.mktemp("kv") / "ct")), scales)
+    unstretched, _, _ = load(tiny_llama, kv_cache_dtype="fp8")
+    limit = 1.5 * err(prefill(unstretched, FP8)[0], want)
+    return bare, scaled, scales, want, limit
+
+
+def check_scaled_logits(model, scales, want, limit) -> None:
+    """With `scales` the logits are within `limit`; with 1.0, or layer 0's in every layer,
+    they are at least 4x worse and past it."""
+    got = err(prefill(model, FP8, scales)[0], want)
+    assert got < limit, (got, limit)
+    ones = err(prefill(model, FP8, np.ones_like(scales))[0], want)
+    first = err(prefill(model, FP8, np.broadcast_to(scales[:1], scales.shape))[0], want)
+    assert ones > 4 * got and ones > limit, (ones, got)
+    assert first > 4 * got and first > limit, (first, got)
+
+
+def test_checkpoint_scales_are_read_per_layer(ckpt, load, caplog):
+    _, scaled, scales, _, _ = ckpt
+    with caplog.at_level(logging.WARNING, logger="jaxllm"):
+        model, cfg, _ = load(scaled, kv_cache_dtype="fp8")
+    assert cfg.kv_scales == "checkpoint" and cfg.quant is None  # kv_cache_scheme only
+    np.testing.assert_allclose(kv_scales_of(model), scales, rtol=1e-6)
+    assert scales[1, 0] > 5 * scales[0, 0] and scales[1, 1] > 5 * scales[0, 1]
+    assert "KV cache scaling factor 1.0" not in caplog.text
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("reference", marks=pytest.mark.slow),
+                                     pytest.param("pallas", marks=pytest.mark.slow)])
+def test_fp8_logits_match_the_float_model_with_scales(ckpt, load, backend):
+    """Checkpoint scales on each backend (the CPU backend's float8 cache runs the XLA
+    reference attention; Pallas: the GPU kernel interpreted)."""
+    _, scaled, scales, want, limit = ckpt
+    model, _, _ = load(scaled, kv_cache_dtype="fp8", attention_backend=backend)
+    assert model.attention_backend == backend
+    check_scaled_logits(model, scales, want, limit)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("names", ["output_scale", "kv_scale"])
+def test_other_checkpoint_names(ckpt, load, tmp_path, names):
+    """The older k_proj/v_proj.output_scale names, and one kv_scale for both (the larger)."""
+    bare, _, scales, _, _ = ckpt
+    import shutil
+    path = add_scales(shutil.copytree(bare, str(tmp_path / names)), scales, names)
+    model, _, _ = load(path, kv_cache_dtype="fp8")
+    want = scales if names == "output_scale" else np.repeat(scales.max(1, keepdims=True), 2, 1)
+    np.testing.assert_allclose(kv_scales_of(model), want, rtol=1e-6)
+
+
+def test_no_scales_warn_once_and_use_one(ckpt, load, caplog):
+    bare = ckpt[0]
+    with caplog.at_level(logging.WARNING, logger="jaxllm"):
+        model, cfg, _ = load(bare, kv_cache_dtype="fp8_e4m3")
+    assert cfg.kv_scales == "checkpoint"
+    assert caplog.text.count("using KV cache scaling factor 1.0") == 1
+    np.testing.assert_array_equal(kv_scales_of(model), np.ones((2, 2), np.float32))
+
+
+def test_scales_ignored_without_an_fp8_cache(ckpt, load):
+    """vLLM ignores a checkpoint's KV scales for an 'auto' cache: the model holds none."""
+    model, cfg, _ = load(ckpt[1])
+    assert cfg.kv_scales is None
+    assert "kv_scales" not in nnx.state(model)["layers"][0]
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_bad_scale_is_refused_naming_the_tensor(ckpt, load, tmp_path, bad):
+    import shutil
+    _, _, scales, _, _ = ckpt
+    scales = scales.copy()
+    scales[1, 1] = bad
+    path = add_scales(shutil.copytree(ckpt[0], str(tmp_path / "bad")), scales)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.v_scale.*"
+                                              "positive finite"):
+        load(path, kv_cache_dtype="fp8")
+
+
+def test_calculate_kv_scales_flag_is_checked():
+    with pytest.raises(ConfigError, match="--calculate-kv-scales.*fp8"):
+        EngineArgs(model="m", calculate_kv_scales=True)
+    with pytest.raises(ConfigError, match="--calculate-kv-scales.*sleep"):
+        EngineArgs(model="m", calculate_kv_scales=True, kv_cache_dtype="fp8",
+                   enable_sleep_mode=True)
+
+
+def test_calculate_kv_scales(ckpt, load, caplog):
+    """--calculate-kv-scales: each layer's scale is its k/v amax over the calibration prefill
+    / 448 (measured here from a float cache over the same ids), the checkpoint's scales are
+    not read, and the logits of another prompt are as close as with checkpoint scales."""
+    from jaxllm.engine.kv_calibration import calculate_kv_scales, calibration_ids
+    from jaxllm.tokenizer import get_tokenizer
+
+    bare, scaled, _, want, limit = ckpt
+    with caplog.at_level(logging.WARNING, logger="jaxllm"):
+        model, cfg, _ = load(scaled, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    assert cfg.kv_scales == "calculate" and "scaling factor 1.0" not in caplog.text
+    np.testing.assert_array_equal(kv_scales_of(model), np.ones((2, 2)))  # not read
+    tok = get_tokenizer(EngineArgs(model=bare).create_engine_config().load)
+    ids = calibration_ids(tok, cfg.vocab_size)
+    assert len(ids) > 40  # the calibration text, tokenized
+    got = calculate_kv_scales(model, FP8, tok)
+    np.testing.assert_allclose(kv_scales_of(model), got)
+    float_model, _, _ = load(bare)
+    T = 32  # the float prefill's bucket: the calibration's first 32 tokens and the rest
+    first = amax_scales(prefill(float_model, jnp.float32, ids=list(ids[:T - 1]))[1])
+    assert (got >= first * (1 - 1e-6)).all()  # the whole calibration sees at least these
+    assert got[1, 0] > 5 * got[0, 0]
+    short = calculate_kv_scales(model, FP8, ids=ids[:T - 1])
+    np.testing.assert_allclose(short, first, rtol=1e-5)
+    calculate_kv_scales(model, FP8, tok)
+    assert err(prefill(model, FP8)[0], want) < limit
