@@ -214,3 +214,73 @@ def test_calculate_kv_scales(ckpt, load, caplog):
     np.testing.assert_allclose(short, first, rtol=1e-5)
     calculate_kv_scales(model, FP8, tok)
     assert err(prefill(model, FP8)[0], want) < limit
+
+
+@pytest.mark.parametrize("variant", ["gpu", pytest.param("tpu", marks=pytest.mark.slow)])
+def test_pallas_kernel_takes_per_layer_scales_in_a_scan(variant):
+    """The kernel (interpreted) inside a scan over layers, each layer's k/v scales traced
+    scalars, against the reference given the same: both read the same float8 values, so the
+    float32 tolerance holds; and it is the static-float path's result for each layer."""
+    from test_pallas_attention import ATOL, check, make_case
+
+    from pallas_kernels.ragged_paged_attention import kernel, reference
+
+    ker, ref, n = make_case(np.random.default_rng(7), [3, 1, 9], [30, 41, 9], 4, 2, 64, 16,
+                            layers=3)
+    scales = jnp.asarray([[0.5, 0.25], [2.0, 1.0], [8.0, 4.0]], jnp.float32)
+
+    def with_fp8(args):  # layer l holds x / its scale, in float8 (padding NaN stays NaN)
+        q, kc, vc, *rest = args
+        return (q, *[(c / scales[:, col, None, None, None, None]).astype(FP8)
+                     for col, c in ((0, kc), (1, vc))], *rest)
+
+    ker, ref = with_fp8(ker), with_fp8(ref)
+
+    def run(attn, args):
+        q, kc, vc, _, *meta = args
+
+        def layer(carry, xs):
+            i, s = xs
+            return carry, attn(q, kc, vc, i, *meta, sm_scale=0.125, k_scale=s[0],
+                               v_scale=s[1])
+        return jax.lax.scan(layer, 0, (jnp.arange(3), scales))[1]
+
+    attn = functools.partial(kernel.ragged_paged_attention, variant=variant, chunk_blocks=2)
+    out = jax.jit(functools.partial(run, attn))(ker)
+    want = jax.jit(functools.partial(run, reference.ragged_paged_attention))(ref)
+    for layer in range(3):
+        check(out[layer], want[layer], n, ATOL[jnp.float32])
+    q, kc, vc, _, *meta = ker
+    static = kernel.ragged_paged_attention(q, kc, vc, 2, *meta, sm_scale=0.125, k_scale=8.0,
+                                           v_scale=4.0, variant=variant, chunk_blocks=2)
+    check(out[2], static, n, ATOL[jnp.float32])
+    assert err(out[2][:n], out[0][:n]) > 0.1  # the layers' scales really differ
+
+
+@pytest.mark.parametrize("platform,tp", [("tpu", 1), ("cuda", 1),
+                                         pytest.param("tpu", 2, marks=pytest.mark.slow)])
+def test_fp8_step_with_scales_exports(platform, tp):
+    """The step (test_export.py's, Pallas backend) with a float8 cache and per-layer scales
+    exports for TPU and CUDA: the platform's kernel and nothing CPU-only, each attention call
+    taking one operand more (the layer's scales) than the same step's without scales."""
+    import dataclasses
+    import re
+    from collections import Counter
+
+    from test_export import CPU_ONLY, KERNEL, export_config, exported_step
+
+    cfg = dataclasses.replace(export_config(), kv_scales="checkpoint")
+
+    def kernel_operands(text):
+        calls = [line for line in text.splitlines() if f"custom_call @{KERNEL[platform]}" in line]
+        assert calls
+        return Counter(len(re.findall(r"%[\w#]+", line.split("(", 1)[1].split(")", 1)[0]))
+                       for line in calls)
+
+    exported = exported_step(platform, tp, cfg, cache_dtype=FP8)
+    text = exported.mlir_module()
+    assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {KERNEL[platform]}
+    assert not [name for name in CPU_ONLY if name in text]
+    plain = exported_step(platform, tp, export_config(), cache_dtype=FP8).mlir_module()
+    with_scales, without = kernel_operands(text), kernel_operands(plain)
+    assert with_scales == Counter({k + 1: c for k, c in without.items()}), (with_scales, without)
