@@ -412,7 +412,8 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
                for path, sh in nnx.to_flat_state(shardings)}
 
     dtype, seen = cfg.jnp_dtype, set()
-    for name, array in tqdm(tensors, total=len(targets), desc="Loading weights", unit="tensor",
+    total = sum(not is_kv_scale(n) for n in targets)  # (KV scales: optional, not counted)
+    for name, array in tqdm(tensors, total=total, desc="Loading weights", unit="tensor",
                             disable=None if progress else True, leave=False):
         ts = targets.get(name)
         if ts is None:
