@@ -189,6 +189,7 @@ def test_calculate_kv_scales_flag_is_checked():
                    enable_sleep_mode=True)
 
 
+@pytest.mark.slow
 def test_calculate_kv_scales(ckpt, load, caplog):
     """--calculate-kv-scales: each layer's scale is its k/v amax over the calibration prefill
     / 448 (measured here from a float cache over the same ids), the checkpoint's scales are
@@ -290,17 +291,16 @@ def test_fp8_step_with_scales_exports(platform, tp):
 @pytest.mark.slow
 def test_engine_with_calculated_scales(ckpt, load):
     """The engine (LLM) with --calculate-kv-scales: its runner's scales are the calibration's
-    (not 1.0), and greedy decoding starts with the float engine's token (the float model's
-    top two logits at the prompt's end are further apart than the fp8 error moves them)."""
+    (not 1.0), and its greedy tokens are those of the fp8 prefill with those scales (the
+    engine's steps run the same attention: the CPU backend's reference for a float8 cache),
+    within the float tolerance of the float model's logits."""
     from jaxllm import LLM, SamplingParams
     from jaxllm.engine.kv_calibration import calculate_kv_scales
     from jaxllm.tokenizer import get_tokenizer
 
-    bare, _, _, want_logits, limit = ckpt
-    top2 = np.sort(want_logits[-1])[-2:]
-    assert top2[1] - top2[0] > 20 * limit, (top2, limit)
-    kw = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64, dtype="float32")
-    llm = LLM(model=bare, kv_cache_dtype="fp8", calculate_kv_scales=True, **kw)
+    bare, _, _, want, limit = ckpt
+    llm = LLM(model=bare, kv_cache_dtype="fp8", calculate_kv_scales=True, max_model_len=64,
+              max_num_seqs=2, max_num_batched_tokens=64, dtype="float32")
     state = llm.llm_engine.runner.state
     got = np.concatenate([np.asarray(state["layers"][i]["kv_scales"].get_value())
                           for i in range(len(state["layers"]))])
@@ -308,9 +308,10 @@ def test_engine_with_calculated_scales(ckpt, load):
     tok = get_tokenizer(EngineArgs(model=bare).create_engine_config().load)
     np.testing.assert_allclose(got, calculate_kv_scales(model, FP8, tok), rtol=1e-5)
     assert got[1, 0] > 5 * got[0, 0]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    fp8 = llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids
-    del llm
-    ref = LLM(model=bare, **kw).generate([{"prompt_token_ids": PROMPT}], params)
-    want = ref[0].outputs[0].token_ids
-    assert len(fp8) == 8 and fp8[0] == want[0] == int(want_logits[-1].argmax()), (fp8, want)
+    logits = prefill(model, FP8)[0]
+    assert err(logits, want) < limit
+    top2 = np.sort(logits[-1])[-2:]
+    assert top2[1] - top2[0] > 1e-3  # no near-tie for summation order to break
+    out = llm.generate([{"prompt_token_ids": PROMPT}],
+                       SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids
+    assert list(out) == [int(logits[-1].argmax())]
