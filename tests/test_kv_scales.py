@@ -221,7 +221,8 @@ def test_calculate_kv_scales(ckpt, load, caplog):
 def test_pallas_kernel_takes_per_layer_scales_in_a_scan(variant):
     """The kernel (interpreted) inside a scan over layers, each layer's k/v scales traced
     scalars, against the reference given the same: both read the same float8 values, so the
-    float32 tolerance holds; and it is the static-float path's result for each layer."""
+    float32 tolerance holds (tests/test_pallas_attention.py checks the static-float scales'
+    path against the same reference)."""
     from test_pallas_attention import ATOL, check, make_case
 
     from pallas_kernels.ragged_paged_attention import kernel, reference
@@ -251,10 +252,6 @@ def test_pallas_kernel_takes_per_layer_scales_in_a_scan(variant):
     want = jax.jit(functools.partial(run, reference.ragged_paged_attention))(ref)
     for layer in range(3):
         check(out[layer], want[layer], n, ATOL[jnp.float32])
-    q, kc, vc, _, *meta = ker
-    static = kernel.ragged_paged_attention(q, kc, vc, 2, *meta, sm_scale=0.125, k_scale=8.0,
-                                           v_scale=4.0, variant=variant, chunk_blocks=2)
-    check(out[2], static, n, ATOL[jnp.float32])
     assert err(out[2][:n], out[0][:n]) > 0.1  # the layers' scales really differ
 
 
