@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxllm.config import ConfigError
 from jaxllm.layers.attention import AttentionMetadata, KVCache
 from jaxllm.layers.backends.reference import ReferenceBackend
 from jaxllm.models.decoder import abstract_decoder
@@ -81,6 +82,12 @@ def calculate_kv_scales(model, cache_dtype, tokenizer=None,
                            jnp.max(jnp.abs(c.v), axis=(1, 2, 3, 4))], axis=1) for c in caches]
 
     found = amax(state, jnp.asarray(ids), jnp.arange(T, dtype=jnp.int32), md)
+    bad = [(g.first + j, "kv"[c]) for (_, g), a in zip(groups, found)
+           for j, c in zip(*np.nonzero(~np.isfinite(np.asarray(a))))]
+    if bad:
+        raise ConfigError(f"--calculate-kv-scales: the calibration prefill's k/v are not "
+                          f"finite in layer {bad[0][0]} ({bad[0][1]}); the weights overflow "
+                          f"in {cfg.dtype}?")
     out = []
     for (i, _), a in zip(groups, found):
         # an all-zero layer (e.g. zero weights) keeps a scale that stores zeros exactly
