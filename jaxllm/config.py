@@ -84,9 +84,8 @@ class EngineArgs:
     kv_cache_dtype: str = _arg("KV cache dtype ('auto' = model dtype).", choices=KV_CACHE_DTYPES,
                                default="auto")
     calculate_kv_scales: bool = _arg(
-        "With an fp8 --kv-cache-dtype: compute each layer's k/v scales at start-up, from the "
-        "k/v of a calibration prefill (amax / the format's largest value, then fixed), instead "
-        "of the checkpoint's (or 1.0 where it has none).", default=False)
+        "With an fp8 --kv-cache-dtype: each layer's k/v scales from a calibration prefill at "
+        "start-up (amax / the format's largest value), not the checkpoint's.", default=False)
     seed: int = _arg("Random seed.", default=0)
     max_model_len: Optional[int] = _arg("Model context length (prompt + output); accepts 1k "
                                         "(1000) and 1K (1024).", parse=parse_size, default=None)

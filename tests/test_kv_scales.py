@@ -189,6 +189,23 @@ def test_calculate_kv_scales_flag_is_checked():
                    enable_sleep_mode=True)
 
 
+def test_models_without_per_layer_scales(caplog):
+    """Latent-attention, hybrid and Gemma 4 layers take no scales: their fp8 cache stays
+    unscaled with a warning, and --calculate-kv-scales is refused naming the architecture."""
+    from jaxllm.engine_config import ModelOptions
+    from jaxllm.models.kv_scales import kv_scales_wanted
+
+    fields = {"architecture": "DeepseekV3ForCausalLM", "kv_lora_rank": 512}
+    assert kv_scales_wanted(fields, ModelOptions()) is None
+    with caplog.at_level(logging.WARNING, logger="jaxllm"):
+        assert kv_scales_wanted(fields, ModelOptions(kv_cache_dtype="fp8")) is None
+    assert "DeepseekV3ForCausalLM's attention layers take no per-layer KV scales" in caplog.text
+    with pytest.raises(ConfigError, match="--calculate-kv-scales: DeepseekV3ForCausalLM"):
+        kv_scales_wanted(fields, ModelOptions(kv_cache_dtype="fp8", calculate_kv_scales=True))
+    dense = {"architecture": "LlamaForCausalLM"}
+    assert kv_scales_wanted(dense, ModelOptions(kv_cache_dtype="fp8_e5m2")) == "checkpoint"
+
+
 @pytest.mark.slow
 def test_calculate_kv_scales(ckpt, load, caplog):
     """--calculate-kv-scales: each layer's scale is its k/v amax over the calibration prefill

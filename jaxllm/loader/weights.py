@@ -419,9 +419,7 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
         if ts is None:
             if name.endswith(IGNORED_SUFFIXES) or name.startswith(HEAD_PREFIXES) \
                     or (name == "lm_head.weight" and cfg.tie_word_embeddings) \
-                    or _past_last_layer(cfg, name) or is_kv_scale(name):
-                # (KV scales are read only for a float8 cache, and not with
-                # --calculate-kv-scales: jaxllm/loader/kv_scales.py)
+                    or _past_last_layer(cfg, name) or is_kv_scale(name):  # unused KV scales
                 continue
             raise CheckpointError(f"{origin(name)}: unexpected tensor {name!r} (shape "
                                   f"{tuple(array.shape)}) for {cfg.architecture}")
