@@ -83,6 +83,9 @@ class EngineArgs:
                       default="auto")
     kv_cache_dtype: str = _arg("KV cache dtype ('auto' = model dtype).", choices=KV_CACHE_DTYPES,
                                default="auto")
+    calculate_kv_scales: bool = _arg(
+        "With an fp8 --kv-cache-dtype: each layer's k/v scales from a calibration prefill at "
+        "start-up (amax / the format's largest value), not the checkpoint's.", default=False)
     seed: int = _arg("Random seed.", default=0)
     max_model_len: Optional[int] = _arg("Model context length (prompt + output); accepts 1k "
                                         "(1000) and 1K (1024).", parse=parse_size, default=None)
@@ -311,6 +314,12 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             bad("quantization", f"{self.quantization!r} is not supported (supported: "
                 f"{', '.join(QUANTIZATION_METHODS)})")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            bad("calculate_kv_scales", "needs an fp8 --kv-cache-dtype (fp8, fp8_e4m3, "
+                "fp8_e5m2): only a float8 cache is stored scaled")
+        if self.calculate_kv_scales and self.enable_sleep_mode:
+            bad("calculate_kv_scales", "with --enable-sleep-mode is not implemented (a wake-up "
+                "that reads the weights again would drop the computed scales); drop one")
         if self.tokenizer_mode != "auto":
             bad("tokenizer_mode", "only 'auto' is implemented")
         self._validate_structured_outputs()

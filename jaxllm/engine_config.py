@@ -78,6 +78,10 @@ class ModelOptions:
     quantization: Optional[str] = None  # --quantization (the checkpoint's own when None)
     lora: Optional["LoRAConfig"] = None  # --enable-lora: the layers hold adapter slots
     limit_mm_per_prompt: Optional[dict] = None  # --limit-mm-per-prompt: {"image": most images}
+    # --kv-cache-dtype (a float8 cache gives the attention layers per-layer k/v scales) and
+    # --calculate-kv-scales (computed at start-up; jaxllm/engine/kv_calibration.py).
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
 
 
 @dataclass(frozen=True)

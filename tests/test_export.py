@@ -48,7 +48,9 @@ def export_config() -> ModelConfig:
                                .create_engine_config().model)
 
 
-def exported_step(platform: str, tp: int, cfg: ModelConfig = None) -> export.Exported:
+def exported_step(platform: str, tp: int, cfg: ModelConfig = None,
+                  cache_dtype=None) -> export.Exported:
+    """cache_dtype: the KV caches' (default the model's dtype)."""
     cfg = cfg or export_config()
     mesh = AbstractMesh((1, tp, 1), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     model = abstract_decoder(cfg, PallasBackend(mesh if tp > 1 else None))
@@ -73,7 +75,8 @@ def exported_step(platform: str, tp: int, cfg: ModelConfig = None) -> export.Exp
 
     params = jax.tree.map(lambda v: arg(v, v.get_metadata()["out_sharding"]), state,
                           is_leaf=lambda x: isinstance(x, nnx.Variable))
-    caches = tuple(KVCache(*[arg(jax.ShapeDtypeStruct(s, cfg.jnp_dtype), KV_CACHE_AXES)] * 2)
+    caches = tuple(KVCache(*[arg(jax.ShapeDtypeStruct(s, cache_dtype or cfg.jnp_dtype),
+                                 KV_CACHE_AXES)] * 2)
                    for s in model.kv_cache_shapes(NUM_BLOCKS, BLOCK))
     i32 = lambda *shape: arg(jax.ShapeDtypeStruct(shape, jnp.int32))  # noqa: E731
     md = AttentionMetadata(i32(T), i32(S), i32(S, TABLE), i32(S + 1), i32(1))

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ConfigError
+from jaxllm.engine.kv_calibration import calculate_kv_scales
+from jaxllm.models.kv_scales import CALCULATED
 from jaxllm.engine.runner_settings import (executable_cache_dir, kv_cache_dtype,
                                            max_num_batched_tokens, num_kv_blocks,
                                            pooling_convert, runner_type)
@@ -139,6 +141,8 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
         eos = {tokenizer.eos_token_id}
     times["tokenizer"] = time.perf_counter() - t
     dtype = kv_cache_dtype(config.cache, mc.jnp_dtype, model.attention_backend)
+    if mc.kv_scales == CALCULATED:  # before the runner lays the weights out for its backend
+        calculate_kv_scales(model, dtype, tokenizer)
     why = model.backend.batch_variance(mc, dtype)
     if why is not None and options.batch_invariant:
         raise ConfigError(f"--batch-invariant: outputs would depend on the batch here: {why}")

@@ -19,6 +19,9 @@ from tqdm.auto import tqdm
 
 from jaxllm.loader.mxfp4 import dequantized_experts
 from jaxllm.loader import gemma4_weights, qwen3_next_weights
+from jaxllm.loader.kv_scales import (is_kv_scale, kv_scale_targets, missing_layers,
+                                     warn_missing)
+from jaxllm.models.kv_scales import FROM_CHECKPOINT
 from jaxllm.loader.quantized import Target, quantized_targets, storage_cast
 from jaxllm.models.decoder import MOE_KINDS, Decoder, layer_groups
 from jaxllm.models.llama4 import deinterleave_rows
@@ -54,6 +57,8 @@ def hf_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
                                   "projections) are not supported")
     if cfg.architecture in FUSED_LAYOUTS:
         targets = _fused(targets, cfg, FUSED_LAYOUTS[cfg.architecture])
+    if cfg.kv_scales == FROM_CHECKPOINT:  # optional: a layer without them keeps 1.0
+        targets.update(kv_scale_targets(layer_groups(cfg)))
     if cfg.quant is None:
         return targets
     return quantized_targets(targets, cfg.quant, (cfg.num_kv_heads, cfg.head_dim))
@@ -400,17 +405,21 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
     state = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), state),
                     out_shardings=shardings)()
     params = dict(nnx.to_flat_state(state))
+    for path, var in params.items():  # KV scales the checkpoint does not give stay 1.0
+        if path[-1] == "kv_scales":
+            var.set_value(jnp.ones_like(var.get_value()))
     writers = {path: jax.jit(_write, donate_argnums=0, out_shardings=sh.get_value())
                for path, sh in nnx.to_flat_state(shardings)}
 
     dtype, seen = cfg.jnp_dtype, set()
-    for name, array in tqdm(tensors, total=len(targets), desc="Loading weights", unit="tensor",
+    total = sum(not is_kv_scale(n) for n in targets)  # (KV scales: optional, not counted)
+    for name, array in tqdm(tensors, total=total, desc="Loading weights", unit="tensor",
                             disable=None if progress else True, leave=False):
         ts = targets.get(name)
         if ts is None:
             if name.endswith(IGNORED_SUFFIXES) or name.startswith(HEAD_PREFIXES) \
                     or (name == "lm_head.weight" and cfg.tie_word_embeddings) \
-                    or _past_last_layer(cfg, name):
+                    or _past_last_layer(cfg, name) or is_kv_scale(name):  # unused KV scales
                 continue
             raise CheckpointError(f"{origin(name)}: unexpected tensor {name!r} (shape "
                                   f"{tuple(array.shape)}) for {cfg.architecture}")
@@ -433,7 +442,9 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
             var.set_value(writers[t.param](var.get_value(), block,
                                            np.asarray(t.start, np.int32)))
 
-    missing = [n for n in targets if n not in seen]
+    if cfg.kv_scales == FROM_CHECKPOINT:
+        warn_missing(missing_layers(cfg.num_layers, seen), cfg.num_layers)
+    missing = [n for n in targets if n not in seen and not is_kv_scale(n)]
     if missing:
         raise CheckpointError(f"{origin(missing[0])}: {len(missing)} tensor(s) missing for "
                               f"{cfg.architecture}, e.g. {', '.join(missing[:4])}")

@@ -66,6 +66,9 @@ class DenseLayers(nnx.Module):
         # GPT-OSS: each query head's learned sink logit, sharded with the heads
         self.sinks = (constant(0.0, (L, K, G), ("layers", "kv_heads", "q_per_kv"), dt)
                       if cfg.attention_sinks else None)
+        # fp8 KV cache: each layer's (k_scale, v_scale), float32 (jaxllm/models/kv_scales.py)
+        self.kv_scales = (constant(1.0, (L, 2), ("layers", None), jnp.float32)
+                          if cfg.kv_scales else None)
         self.post_attn_norm = norm() if cfg.sandwich_norms else None
         self.mlp_norm = norm()
         self.post_mlp_norm = norm() if cfg.sandwich_norms else None
@@ -213,7 +216,8 @@ def _layer(group: DenseLayers, backend: Backend, w: dict, h: jax.Array, cache: K
     o, cache = backend.attention(q, k, v, cache, layer, md, sm_scale=cfg.sm_scale,
                                  sliding_window=window, soft_cap=cfg.attn_logit_softcap,
                                  sinks=sinks,
-                                 attention_chunk=None if local is None else local["chunk"])
+                                 attention_chunk=None if local is None else local["chunk"],
+                                 kv_scales=w["kv_scales"] if cfg.kv_scales else None)
     a = project_("o", o.reshape(T, K * G * D), bias=w["o_bias"] if cfg.o_bias else None)
     if cfg.sandwich_norms:
         a = rms_norm(a, w["post_attn_norm"], cfg)

@@ -20,6 +20,7 @@ from jaxllm.config import ConfigError
 from jaxllm.engine_config import LoRAConfig, ModelOptions
 from jaxllm.layers.quantization import QuantSpec
 from jaxllm.models.gemma4_spec import Gemma4Spec
+from jaxllm.models.kv_scales import kv_scales_wanted
 from jaxllm.models.quant_config import quant_spec
 from jaxllm.models.registry import VISION_TOWERS, arch_features
 from jaxllm.models.rope import RopeSpec
@@ -131,6 +132,10 @@ class ModelConfig:
     linear_conv_kernel: int = 0
     # Gemma 4 (jaxllm/models/gemma4.py): per-layer-type geometry, per-layer inputs, KV sharing.
     gemma4: Optional[Gemma4Spec] = None
+    # fp8 KV cache (--kv-cache-dtype fp8*): the attention layers hold per-layer (k_scale,
+    # v_scale), from the checkpoint ('checkpoint') or computed at start-up ('calculate');
+    # None: no scales (jaxllm/models/kv_scales.py).
+    kv_scales: Optional[str] = None
 
     @property
     def kv_values_per_token(self) -> int:
@@ -248,6 +253,7 @@ class ModelConfig:
             checkpoint_quant = None
         fields["quant"] = quant_spec(checkpoint_quant, options.quantization)
         fields["lora"] = options.lora
+        fields["kv_scales"] = kv_scales_wanted(fields, options)
         if options.lora is not None and fields.get("nope_layers"):
             raise ConfigError("--enable-lora: Llama 4 adapters are not supported (the loader "
                               "reorders q_proj/k_proj rows for RoPE, adapters are not)")

@@ -68,21 +68,24 @@ def gguf_spec(qc: dict) -> QuantSpec:
     return QuantSpec("gguf", dtype, group_size=32, symmetric=symmetric, checkpoint_format=kind)
 
 
-def compressed_tensors_spec(qc: dict) -> QuantSpec:
+def compressed_tensors_spec(qc: dict) -> Optional[QuantSpec]:
     """llm-compressor's config: one scheme for every decoder projection (weights int8, int4
     or float8 per channel, per tensor or per group; activations dynamic or static, not
-    quantized here)."""
+    quantized here); None for a config with only a kv_cache_scheme (float weights)."""
     def refuse(what: str) -> ConfigError:
         return ConfigError(f"compressed-tensors checkpoint: {what} is not supported (supported: "
                            f"formats {', '.join(CT_FORMATS)}; int8, int4 or float8 weights per "
                            "channel, tensor or group)")
 
+    if qc.get("kv_cache_scheme"):
+        check_kv_cache_scheme(qc["kv_cache_scheme"])
+        if not qc.get("config_groups"):  # KV scales only: the weights are float
+            return None
     fmt = qc.get("format")
     if fmt not in CT_FORMATS:
         raise refuse(f"format {fmt!r}")
-    for key in ("kv_cache_scheme", "transform_config"):
-        if qc.get(key):
-            raise refuse(key)
+    if qc.get("transform_config"):
+        raise refuse("transform_config")
     sparsity = qc.get("sparsity_config") or {}
     if sparsity.get("format", "dense") != "dense":
         raise refuse(f"sparsity format {sparsity.get('format')!r}")
@@ -127,6 +130,18 @@ def compressed_tensors_spec(qc: dict) -> QuantSpec:
     return QuantSpec(method="compressed-tensors", weight_dtype=dtype,
                      group_size=int(w["group_size"]) if strategy == "group" else None,
                      symmetric=symmetric, activations=activations, checkpoint_format=fmt)
+
+
+def check_kv_cache_scheme(scheme: dict) -> None:
+    """compressed-tensors' kv_cache_scheme: static float8 per-tensor scales, one k_scale and
+    one v_scale per layer (read with --kv-cache-dtype fp8, jaxllm/loader/kv_scales.py; an
+    'auto' cache ignores them, as vLLM)."""
+    got = (scheme.get("num_bits"), scheme.get("type"), scheme.get("strategy") or "tensor",
+           bool(scheme.get("dynamic")), bool(scheme.get("symmetric", True)))
+    if got != (8, "float", "tensor", False, True):
+        raise ConfigError(f"compressed-tensors checkpoint: kv_cache_scheme {scheme!r} is not "
+                          "supported (supported: 8-bit float, strategy tensor, static, "
+                          "symmetric: one k_scale and v_scale per layer)")
 
 
 def gptq_spec(qc: dict) -> QuantSpec:

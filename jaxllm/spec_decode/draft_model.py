@@ -33,6 +33,8 @@ import jax
 import numpy as np
 
 from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.engine.kv_calibration import calculate_kv_scales
+from jaxllm.models.kv_scales import CALCULATED
 from jaxllm.engine.runner_settings import (executable_cache_dir, kv_cache_dtype,
                                            max_num_batched_tokens, num_kv_blocks)
 from jaxllm.engine_config import EngineConfig
@@ -79,6 +81,8 @@ class DraftModelProposer:
         # every decode step of the batch (its extra drafts are cut by its limit).
         mc = dataclasses.replace(mc, max_model_len=self.max_len + self.k)
         dtype = kv_cache_dtype(draft.cache, mc.jnp_dtype, model.attention_backend)
+        if mc.kv_scales == CALCULATED:  # --calculate-kv-scales: the draft's own (no tokenizer
+            calculate_kv_scales(model, dtype)  # here: the calibration's fallback ids)
         block_size, sched = draft.cache.block_size, draft.scheduler
         if num_blocks is None:
             num_blocks = num_kv_blocks(draft, mc, dtype)

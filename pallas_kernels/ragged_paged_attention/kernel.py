@@ -10,7 +10,9 @@ one plan, set here:
     its rows can see (causal end, sliding-window start) with an online softmax in float32.
     Rows of other sequences are masked, which leaves their running state untouched.
   * Matmul inputs are in `compute_dtype` (a cache dtype that converts exactly), accumulation
-    in float32; fp8 scales are applied to the f32 scores (k) and to the output (v).
+    in float32; fp8 scales are applied to the f32 scores (k) and to the output (v): static
+    floats folded into the kernel's constants, or run-time values (`scales`, a layer's own,
+    from SMEM on TPU, a pointer on GPU).
 Variant by backend: 'tpu' (Mosaic) on TPU, 'gpu' (Triton) on GPU. On CPU the default is the
 GPU variant in interpret mode: the same algorithm, and orders of magnitude faster to interpret
 than the TPU variant, whose simulated DMAs and semaphores are host callbacks
@@ -96,10 +98,34 @@ def _float_or(x, default: Optional[float]) -> Optional[float]:
     return default if x is None else float(x)
 
 
+def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer,
+                           kv_lens: jax.Array, block_tables: jax.Array, cu_q_lens: jax.Array,
+                           num_seqs: jax.Array, *, k_scale=None, v_scale=None, **kw) -> jax.Array:
+    """Attention output [T, Hq, D] in q's dtype; arguments as in the reference (see
+    `_attention` for the kernel's own). k_scale / v_scale: None, a Python float (folded into
+    the kernel as a constant), or a float32 scalar array, maybe traced (a layer's scale read
+    from the checkpoint: passed to the kernel as an operand, so one program serves every
+    layer)."""
+    static = {}
+    arrays = []
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if x is None or isinstance(x, (int, float)):
+            static[name] = None if x is None else float(x)
+            arrays.append(1.0 if x is None else float(x))
+        else:
+            arrays.append(x)
+    scales = None
+    if len(static) < 2:  # an array among them: both go as one float32 [2] operand
+        scales = jnp.stack([jnp.asarray(x, jnp.float32).reshape(()) for x in arrays])
+        static = {}
+    return _attention(q, k_cache, v_cache, layer, kv_lens, block_tables, cu_q_lens, num_seqs,
+                      scales=scales, **static, **kw)
+
+
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "soft_cap", "k_scale", "v_scale", "max_q_len", "chunk_blocks",
     "q_tile", "variant", "interpret"))
-def ragged_paged_attention(
+def _attention(
     q: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
@@ -121,6 +147,7 @@ def ragged_paged_attention(
     interpret: Any = None,
     sinks: Optional[jax.Array] = None,
     attention_chunk=None,
+    scales: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Attention output [T, Hq, D] in q's dtype; arguments as in the reference.
 
@@ -130,7 +157,8 @@ def ragged_paged_attention(
     interpret: None = when the backend is CPU; the TPU variant also takes
     `pltpu.InterpretParams`. sinks: None or float32 [Hq] (the reference's attention sinks);
     attention_chunk: None or an int32 scalar, the reference's chunked local attention; both
-    variants take both.
+    variants take both. scales: None, or float32 [2], (k_scale, v_scale) as run-time values
+    (then k_scale / v_scale, the static ones, are None).
     """
     variant = variant or default_variant()
     if interpret is None:
@@ -164,6 +192,8 @@ def ragged_paged_attention(
     if sinks is not None:  # one sink per row, in the rows' layout: the running max starts there
         sk = jnp.pad(sinks.astype(jnp.float32).reshape(hkv, g), ((0, 0), (0, blk.group - g)))
         extra["sinks"] = jnp.tile(sk, (1, t_pad))  # [Hkv, T_pad * group]
+    if scales is not None:  # the kernel multiplies sm_scale by scales[0], its output by [1]
+        extra["scales"] = scales.astype(jnp.float32).reshape(2)
     impl = importlib.import_module(f"pallas_kernels.ragged_paged_attention.kernel_{variant}")
     out = impl.attend(
         rows, k_cache, v_cache, meta, first_seq.astype(jnp.int32), cu_q_lens,

@@ -26,8 +26,12 @@ from pallas_kernels.ragged_paged_attention.kernel import (
 
 def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
             queries, group, pages, sm_scale, v_scale, soft_cap, has_window, has_chunk,
-            compute_dtype):
-    sink_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
+            compute_dtype, has_sinks, has_scales):
+    sink_ref = refs[0] if has_sinks else None
+    scale_ref = refs[int(has_sinks)] if has_scales else None
+    o_ref = refs[-1]
+    if scale_ref is not None:  # run-time scales: the layer's own
+        sm_scale, v_scale = sm_scale * scale_ref[0], scale_ref[1]
     h, i = pl.program_id(0), pl.program_id(1)
     num_seqs, layer = meta_ref[META_NUM_SEQS], meta_ref[META_LAYER]
     window = meta_ref[META_WINDOW] if has_window else None
@@ -89,9 +93,10 @@ def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref, q_ref, k_ref, 
 
 def attend(rows, k_cache, v_cache, meta, first_seq, cu_q_lens, kv_lens, block_tables, *,
            blocks: Blocks, sm_scale, v_scale, soft_cap, has_window, has_chunk,
-           compute_dtype, interpret, sinks=None) -> jax.Array:
+           compute_dtype, interpret, sinks=None, scales=None) -> jax.Array:
     """rows [Hkv, T_pad * group, D] -> attention rows of the same shape (see kernel.py);
-    sinks: None or float32 [Hkv, T_pad * group], each row's sink logit."""
+    sinks: None or float32 [Hkv, T_pad * group], each row's sink logit; scales: None or
+    float32 [2], run-time (k, v) scales."""
     hkv, n_rows, d = rows.shape
     lanes = max(block_sizes.pow2_ceil(d), block_sizes.GPU_MIN_HEAD_DIM)
     rows = jnp.pad(rows, ((0, 0), (0, 0), (0, lanes - d)))
@@ -99,20 +104,21 @@ def attend(rows, k_cache, v_cache, meta, first_seq, cu_q_lens, kv_lens, block_ta
     kernel = functools.partial(
         _kernel, queries=blocks.queries, group=blocks.group, pages=blocks.pages,
         sm_scale=sm_scale, v_scale=v_scale, soft_cap=soft_cap, has_window=has_window,
-        has_chunk=has_chunk,
-        compute_dtype=compute_dtype)
+        has_chunk=has_chunk, compute_dtype=compute_dtype, has_sinks=sinks is not None,
+        has_scales=scales is not None)
     whole = pl.BlockSpec(memory_space=pl.ANY)
     q_spec = pl.BlockSpec((None, tile, lanes), lambda h, i: (h, i, 0))
     out = pl.pallas_call(
         kernel,
         grid=(hkv, n_rows // tile),
         in_specs=[whole] * 5 + [q_spec, whole, whole]
-        + ([] if sinks is None else [pl.BlockSpec((None, tile), lambda h, i: (h, i))]),
+        + ([] if sinks is None else [pl.BlockSpec((None, tile), lambda h, i: (h, i))])
+        + ([] if scales is None else [whole]),
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.GPU_NUM_WARPS,
                                              num_stages=block_sizes.GPU_NUM_STAGES),
         interpret=bool(interpret),
     )(meta, first_seq, cu_q_lens, kv_lens, block_tables, rows, k_cache, v_cache,
-      *(() if sinks is None else (sinks,)))
+      *(() if sinks is None else (sinks,)), *(() if scales is None else (scales,)))
     return out[..., :d]

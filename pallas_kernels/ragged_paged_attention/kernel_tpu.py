@@ -37,11 +37,15 @@ def _wait(copy):
 
 def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref,  # SMEM (scalar prefetch)
             q_ref, k_hbm, v_hbm,                                     # q tile in VMEM; caches
-            *refs,  # [sinks tile,] out tile, then scratch: k_buf, v_buf, sems, m, l, acc
+            *refs,  # [sinks tile,] [scales,] out tile, then scratch: k_buf, v_buf, sems,
+            # m, l, acc
             queries, group, pages, table_width, num_seq_slots, sm_scale, v_scale, soft_cap,
-            has_window, has_chunk, compute_dtype):
-    sink_ref = refs[0] if len(refs) == 8 else None
+            has_window, has_chunk, compute_dtype, has_sinks, has_scales):
+    sink_ref = refs[0] if has_sinks else None
+    scale_ref = refs[int(has_sinks)] if has_scales else None
     o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs[-7:]
+    if scale_ref is not None:  # run-time scales (SMEM): the layer's own
+        sm_scale, v_scale = sm_scale * scale_ref[0], scale_ref[1]
     h, i = pl.program_id(0), pl.program_id(1)
     num_seqs, layer = meta_ref[META_NUM_SEQS], meta_ref[META_LAYER]
     window = meta_ref[META_WINDOW] if has_window else None
@@ -133,9 +137,10 @@ def _kernel(meta_ref, first_ref, cu_ref, kv_lens_ref, tables_ref,  # SMEM (scala
 
 def attend(rows, k_cache, v_cache, meta, first_seq, cu_q_lens, kv_lens, block_tables, *,
            blocks: Blocks, sm_scale, v_scale, soft_cap, has_window, has_chunk,
-           compute_dtype, interpret, sinks=None) -> jax.Array:
+           compute_dtype, interpret, sinks=None, scales=None) -> jax.Array:
     """rows [Hkv, T_pad * group, D] -> attention rows of the same shape (see kernel.py);
-    sinks: None or float32 [Hkv, T_pad * group], each row's sink logit."""
+    sinks: None or float32 [Hkv, T_pad * group], each row's sink logit; scales: None or
+    float32 [2], run-time (k, v) scales (in SMEM)."""
     hkv, n_rows, d = rows.shape
     _, _, _, bs, _ = k_cache.shape
     num_seq_slots, table_width = block_tables.shape
@@ -144,7 +149,8 @@ def attend(rows, k_cache, v_cache, meta, first_seq, cu_q_lens, kv_lens, block_ta
         _kernel, queries=blocks.queries, group=blocks.group, pages=blocks.pages,
         table_width=table_width, num_seq_slots=num_seq_slots, sm_scale=sm_scale,
         v_scale=v_scale, soft_cap=soft_cap, has_window=has_window, has_chunk=has_chunk,
-        compute_dtype=compute_dtype)
+        compute_dtype=compute_dtype, has_sinks=sinks is not None,
+        has_scales=scales is not None)
     q_spec = pl.BlockSpec((None, tile, d), lambda h, i, *_: (h, i, 0))
     buf = (2, blocks.pages, bs, d)
     if interpret is True:
@@ -157,7 +163,8 @@ def attend(rows, k_cache, v_cache, meta, first_seq, cu_q_lens, kv_lens, block_ta
             in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY),
                       pl.BlockSpec(memory_space=pl.ANY)]
             + ([] if sinks is None
-               else [pl.BlockSpec((None, tile, 1), lambda h, i, *_: (h, i, 0))]),
+               else [pl.BlockSpec((None, tile, 1), lambda h, i, *_: (h, i, 0))])
+            + ([] if scales is None else [pl.BlockSpec(memory_space=pltpu.SMEM)]),
             out_specs=q_spec,
             scratch_shapes=[
                 pltpu.VMEM(buf, k_cache.dtype), pltpu.VMEM(buf, v_cache.dtype),
@@ -169,4 +176,4 @@ def attend(rows, k_cache, v_cache, meta, first_seq, cu_q_lens, kv_lens, block_ta
         out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
         interpret=interpret or False,
     )(meta, first_seq, cu_q_lens, kv_lens, block_tables.reshape(-1), rows, k_cache, v_cache,
-      *(() if sinks is None else (sinks[..., None],)))
+      *(() if sinks is None else (sinks[..., None],)), *(() if scales is None else (scales,)))

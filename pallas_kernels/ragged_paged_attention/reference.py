@@ -38,9 +38,27 @@ import jax.numpy as jnp
 ArrayOrInt = Union[jax.Array, int]
 
 
-def _dequant(x: jax.Array, scale: Optional[float]) -> jax.Array:
+# A KV scale: None (statically absent: values stored as they are), a float, or a float32
+# scalar array, maybe traced (per layer: the layer scan's slice of the checkpoint's scales).
+Scale = Union[jax.Array, float, None]
+
+
+def _dequant(x: jax.Array, scale: Scale) -> jax.Array:
     x = x.astype(jnp.float32)
     return x if scale is None else x * scale
+
+
+def quantize_kv(x: jax.Array, scale: Scale, dtype) -> jax.Array:
+    """k or v as a cache of `dtype` stores it: divided by its scale (if any), and for a float8
+    cache saturated to the format's largest finite value (as vLLM's conversion does; a plain
+    cast makes e4m3 overflow NaN and e5m2 overflow inf). Values in range convert as a plain
+    cast does."""
+    if scale is not None:
+        x = x.astype(jnp.float32) / scale
+    if jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -top, top)
+    return x.astype(dtype)
 
 
 def chunk_start(pos, chunk):
@@ -50,22 +68,20 @@ def chunk_start(pos, chunk):
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, layer: ArrayOrInt, k: jax.Array,
-             v: jax.Array, slot_mapping: jax.Array, *, k_scale: Optional[float] = None,
-             v_scale: Optional[float] = None) -> tuple[jax.Array, jax.Array]:
+             v: jax.Array, slot_mapping: jax.Array, *, k_scale: Scale = None,
+             v_scale: Scale = None) -> tuple[jax.Array, jax.Array]:
     """Scatter this step's k/v [T, Hkv, D] into slots (block * BS + offset); slot < 0 = padding.
+    The cache stores k / k_scale and v / v_scale (`quantize_kv`); attention multiplies back.
 
     Run under jit with the caches donated, this updates them in place.
     """
     nb, bs = k_cache.shape[1], k_cache.shape[3]
     blk = jnp.where(slot_mapping < 0, nb, slot_mapping // bs)  # out of range -> dropped
     off = slot_mapping % bs
-
-    def quant(x, scale):
-        x = x.astype(jnp.float32) / scale if scale is not None else x
-        return x.astype(k_cache.dtype)
-
-    k_cache = k_cache.at[layer, blk, :, off].set(quant(k, k_scale), mode="drop")
-    v_cache = v_cache.at[layer, blk, :, off].set(quant(v, v_scale), mode="drop")
+    k_cache = k_cache.at[layer, blk, :, off].set(quantize_kv(k, k_scale, k_cache.dtype),
+                                                 mode="drop")
+    v_cache = v_cache.at[layer, blk, :, off].set(quantize_kv(v, v_scale, v_cache.dtype),
+                                                 mode="drop")
     return k_cache, v_cache
 
 
@@ -82,8 +98,8 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: Optional[ArrayOrInt] = None,
     soft_cap: Optional[float] = None,
-    k_scale: Optional[float] = None,
-    v_scale: Optional[float] = None,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
     sinks: Optional[jax.Array] = None,
     attention_chunk: Optional[ArrayOrInt] = None,
     attend_to: Optional[jax.Array] = None,
@@ -105,6 +121,8 @@ def ragged_paged_attention(
     chunk_blocks: pages per online-softmax step (default: ~256 keys per step).
     sinks: None (static: no cost) or float32 [Hq]; the online softmax then starts from the
       sink's logit (running max = sink, denominator = exp(0) = 1, no value).
+    k_scale / v_scale: None, or what the cache's values are multiplied by when read (a float8
+      cache holds k / k_scale; a float32 scalar, maybe traced: the layer's own).
     """
     T, hq, d = q.shape
     _, _, hkv, bs, _ = k_cache.shape

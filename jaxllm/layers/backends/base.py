@@ -85,14 +85,18 @@ class Backend:
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,
                   md: AttentionMetadata, *, sm_scale: float, sliding_window=None,
                   soft_cap: Optional[float] = None,
-                  sinks: Optional[jax.Array] = None, attention_chunk=None
-                  ) -> tuple[jax.Array, KVCache]:
+                  sinks: Optional[jax.Array] = None, attention_chunk=None,
+                  kv_scales: Optional[jax.Array] = None) -> tuple[jax.Array, KVCache]:
         """Write this step's k/v [T, Hkv, D] into layer `layer` of the cache, then attend:
         q [T, Hq, D] -> (out [T, Hq, D], updated cache). Layout: see
         pallas_kernels/ragged_paged_attention/reference.py. sinks: None (statically absent)
         or float32 [Hq], one learned logit per head in the softmax denominator (GPT-OSS).
         attention_chunk: None (statically absent) or an int32 scalar, maybe traced (per
-        layer; <= 0: none): a query sees only keys of its own chunk (Llama 4)."""
+        layer; <= 0: none): a query sees only keys of its own chunk (Llama 4).
+        kv_scales: None (statically absent: k/v stored as they are) or float32 [2], this
+        layer's (k_scale, v_scale), maybe traced (the layer scan's slice): the cache stores
+        k / k_scale and v / v_scale (a float8 cache saturates) and attention multiplies
+        them back, as vLLM's fp8 KV cache does."""
         raise NotImplementedError
 
     def mla_attention(self, q: jax.Array, latent: jax.Array, cache: KVCache, layer,

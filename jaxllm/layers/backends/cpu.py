@@ -151,13 +151,15 @@ class CpuBackend(ReferenceBackend):
                               lambda h, sizes: run(h, w_down, sizes, n=x.shape[1]))
 
     def attention(self, q, k, v, cache, layer, md, *, sm_scale, sliding_window=None,
-                  soft_cap=None, sinks=None, attention_chunk=None):
+                  soft_cap=None, sinks=None, attention_chunk=None, kv_scales=None):
         # The native kernel is causal only: bidirectional image tokens (md.attend_to, Gemma 3)
-        # run the XLA reference.
-        if not native_cpu_attention(self.name, cache.k.dtype) or md.attend_to is not None:
+        # run the XLA reference; so do float8 caches (and KV scales, which only they carry).
+        if (not native_cpu_attention(self.name, cache.k.dtype) or md.attend_to is not None
+                or kv_scales is not None):
             return super().attention(q, k, v, cache, layer, md, sm_scale=sm_scale,
                                      sliding_window=sliding_window, soft_cap=soft_cap,
-                                     sinks=sinks, attention_chunk=attention_chunk)
+                                     sinks=sinks, attention_chunk=attention_chunk,
+                                     kv_scales=kv_scales)
         out, kc, vc = attention_cpu.ragged_paged_attention(
             q, k, v, cache.k, cache.v, layer, md.slot_mapping, md.kv_lens, md.block_tables,
             md.cu_q_lens, md.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,

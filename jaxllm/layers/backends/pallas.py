@@ -50,19 +50,25 @@ class PallasBackend(ReferenceBackend):
                                       "backend")
         sinks = kw.pop("sinks", None)  # an argument, so that shard_map splits it over heads
         chunk = kw.pop("attention_chunk", None)
+        k_scale, v_scale = kw.pop("k_scale", None), kw.pop("v_scale", None)
+        scales = (None if k_scale is None and v_scale is None else  # run-time: an argument
+                  jnp.stack([jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(())
+                             for x in (k_scale, v_scale)]))
 
-        def attend(q, kc, vc, layer, window, sinks, chunk, *metadata):
+        def attend(q, kc, vc, layer, window, sinks, chunk, scales, *metadata):
             def variant(name, interpret):
                 return lambda *a: kernel.ragged_paged_attention(
-                    *a[:-3], sliding_window=a[-3], sinks=a[-2], attention_chunk=a[-1],
+                    *a[:-4], sliding_window=a[-4], sinks=a[-3], attention_chunk=a[-2],
+                    k_scale=None if a[-1] is None else a[-1][0],
+                    v_scale=None if a[-1] is None else a[-1][1],
                     variant=name, interpret=interpret, **kw)
             return lax.platform_dependent(
-                q, kc, vc, layer, *metadata, window, sinks, chunk, tpu=variant("tpu", False),
-                cuda=variant("gpu", False), rocm=variant("gpu", False),
-                default=variant("gpu", True))
+                q, kc, vc, layer, *metadata, window, sinks, chunk, scales,
+                tpu=variant("tpu", False), cuda=variant("gpu", False),
+                rocm=variant("gpu", False), default=variant("gpu", True))
 
-        args = (q, kc, vc, layer, sliding_window, sinks, chunk, md.kv_lens, md.block_tables,
-                md.cu_q_lens, md.num_seqs)
+        args = (q, kc, vc, layer, sliding_window, sinks, chunk, scales, md.kv_lens,
+                md.block_tables, md.cu_q_lens, md.num_seqs)
         n = 1 if self.mesh is None else self.mesh.shape["model"]
         if n == 1:
             return attend(*args)

@@ -161,9 +161,12 @@ class ReferenceBackend(Backend):
 
     def attention(self, q, k, v, cache: KVCache, layer, md: AttentionMetadata, *, sm_scale,
                   sliding_window=None, soft_cap: Optional[float] = None, sinks=None,
-                  attention_chunk=None):
-        kc, vc = write_kv(cache.k, cache.v, layer, k, v, md.slot_mapping)
+                  attention_chunk=None, kv_scales=None):
         kw = {} if sinks is None else {"sinks": sinks}
+        if kv_scales is not None:  # this layer's scales: written divided, read multiplied
+            kw.update(k_scale=kv_scales[0], v_scale=kv_scales[1])
+        kc, vc = write_kv(cache.k, cache.v, layer, k, v, md.slot_mapping,
+                          k_scale=kw.get("k_scale"), v_scale=kw.get("v_scale"))
         if attention_chunk is not None:
             kw["attention_chunk"] = attention_chunk
         return self.attend(q, kc, vc, layer, md, sm_scale=sm_scale, sliding_window=sliding_window,
