@@ -17,9 +17,9 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from jaxllm.engine_config import (QUANTIZATION_METHODS, ConfigError, EngineConfig,
                                   check_data_parallel, check_lora, check_pipeline,
-                                  check_kv_offloading, check_sleep_mode,
-                                  engine_config_from,
-                                  flag_name, mm_limits)
+                                  check_kv_offloading, check_kv_scales, check_sleep_mode,
+                                  check_structured_outputs,
+                                  engine_config_from, flag_name, mm_limits)
 from jaxllm.json_object import json_object
 from jaxllm.spec_decode.config import SpeculativeConfig
 
@@ -31,9 +31,6 @@ LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf", "sharded_state")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "cpu")
-# --structured-outputs-config keys honoured (vLLM's StructuredOutputsConfig); others refused.
-STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_fallback", "disable_any_whitespace",
-                           "disable_additional_properties")
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
 TASKS = ("auto", "generate", "embed", "embedding", "classify", "score")
@@ -311,18 +308,13 @@ class EngineArgs:
         check_lora(self, bad)
         check_sleep_mode(self, bad)
         check_kv_offloading(self, bad)
+        check_kv_scales(self, bad)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             bad("quantization", f"{self.quantization!r} is not supported (supported: "
                 f"{', '.join(QUANTIZATION_METHODS)})")
-        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
-            bad("calculate_kv_scales", "needs an fp8 --kv-cache-dtype (fp8, fp8_e4m3, "
-                "fp8_e5m2): only a float8 cache is stored scaled")
-        if self.calculate_kv_scales and self.enable_sleep_mode:
-            bad("calculate_kv_scales", "with --enable-sleep-mode is not implemented (a wake-up "
-                "that reads the weights again would drop the computed scales); drop one")
         if self.tokenizer_mode != "auto":
             bad("tokenizer_mode", "only 'auto' is implemented")
-        self._validate_structured_outputs()
+        check_structured_outputs(self)
         if self.speculative_config is not None and self.num_scheduler_steps > 1:
             raise ConfigError("--speculative-config cannot be combined with "
                               "--num-scheduler-steps > 1 (a multi-step burst samples one "
@@ -340,27 +332,6 @@ class EngineArgs:
         """Replicas this node runs (--data-parallel-size-local, default all of them)."""
         return (self.data_parallel_size if self.data_parallel_size_local is None
                 else self.data_parallel_size_local)
-
-    def _validate_structured_outputs(self) -> None:
-        from jaxllm.structured_output.params import BACKENDS
-
-        cfg = self.structured_outputs_config or {}
-        unknown = sorted(set(cfg) - set(STRUCTURED_OUTPUTS_KEYS))
-        if unknown:
-            raise ConfigError(f"--structured-outputs-config: {', '.join(unknown)} not supported "
-                              f"(supported: {', '.join(STRUCTURED_OUTPUTS_KEYS)})")
-        for key in STRUCTURED_OUTPUTS_KEYS[1:]:
-            if not isinstance(cfg.get(key, False), bool):
-                raise ConfigError(f"--structured-outputs-config: {key} must be true or false")
-        for flag, backend in (("structured-outputs-config", cfg.get("backend")),
-                              ("guided-decoding-backend", self.guided_decoding_backend)):
-            if backend is not None and backend not in BACKENDS:
-                raise ConfigError(f"--{flag}: backend {backend!r} is not available; choose one "
-                                  f"of {', '.join(BACKENDS)} (llguidance is the one installed)")
-        if (cfg.get("backend") is not None and self.guided_decoding_backend is not None
-                and cfg["backend"] != self.guided_decoding_backend):
-            raise ConfigError("--guided-decoding-backend and --structured-outputs-config's "
-                              "backend disagree; give one")
 
     def _apply_task(self) -> None:
         """vLLM's deprecated --task, as the --runner/--convert it stands for."""

@@ -305,3 +305,45 @@ def mm_limits(value) -> dict:
         if key != "image" and n:
             raise ValueError(f"{key!r} input is not implemented (only images); give 0 or drop it")
     return limits
+
+
+def check_kv_scales(args: Any, bad: Callable[[str, str], None]) -> None:
+    """--calculate-kv-scales: only a float8 cache is stored scaled, and a wake-up that reads
+    the weights again would drop the computed scales."""
+    if not args.calculate_kv_scales:
+        return
+    if not args.kv_cache_dtype.startswith("fp8"):
+        bad("calculate_kv_scales", "needs an fp8 --kv-cache-dtype (fp8, fp8_e4m3, "
+            "fp8_e5m2): only a float8 cache is stored scaled")
+    if args.enable_sleep_mode:
+        bad("calculate_kv_scales", "with --enable-sleep-mode is not implemented (a wake-up "
+            "that reads the weights again would drop the computed scales); drop one")
+
+
+# --structured-outputs-config keys honoured (vLLM's StructuredOutputsConfig); others refused.
+STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_fallback", "disable_any_whitespace",
+                           "disable_additional_properties")
+
+
+def check_structured_outputs(args: Any) -> None:
+    """--structured-outputs-config's keys and values, and its backend against
+    --guided-decoding-backend's."""
+    from jaxllm.structured_output.params import BACKENDS
+
+    cfg = args.structured_outputs_config or {}
+    unknown = sorted(set(cfg) - set(STRUCTURED_OUTPUTS_KEYS))
+    if unknown:
+        raise ConfigError(f"--structured-outputs-config: {', '.join(unknown)} not supported "
+                          f"(supported: {', '.join(STRUCTURED_OUTPUTS_KEYS)})")
+    for key in STRUCTURED_OUTPUTS_KEYS[1:]:
+        if not isinstance(cfg.get(key, False), bool):
+            raise ConfigError(f"--structured-outputs-config: {key} must be true or false")
+    for flag, backend in (("structured-outputs-config", cfg.get("backend")),
+                          ("guided-decoding-backend", args.guided_decoding_backend)):
+        if backend is not None and backend not in BACKENDS:
+            raise ConfigError(f"--{flag}: backend {backend!r} is not available; choose one "
+                              f"of {', '.join(BACKENDS)} (llguidance is the one installed)")
+    if (cfg.get("backend") is not None and args.guided_decoding_backend is not None
+            and cfg["backend"] != args.guided_decoding_backend):
+        raise ConfigError("--guided-decoding-backend and --structured-outputs-config's "
+                          "backend disagree; give one")

@@ -19,8 +19,7 @@ from tqdm.auto import tqdm
 
 from jaxllm.loader.mxfp4 import dequantized_experts
 from jaxllm.loader import gemma4_weights, qwen3_next_weights
-from jaxllm.loader.kv_scales import (is_kv_scale, kv_scale_targets, missing_layers,
-                                     warn_missing)
+from jaxllm.loader.kv_scales import is_kv_scale, kv_scale_targets, missing_layers, warn_missing
 from jaxllm.models.kv_scales import FROM_CHECKPOINT
 from jaxllm.loader.quantized import Target, quantized_targets, storage_cast
 from jaxllm.models.decoder import MOE_KINDS, Decoder, layer_groups
