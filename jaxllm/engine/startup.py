@@ -26,9 +26,11 @@ from jaxllm.engine.runner_settings import (executable_cache_dir, kv_cache_dtype,
                                            max_num_batched_tokens, num_kv_blocks,
                                            pooling_convert, runner_type)
 from jaxllm.engine_config import EngineConfig, ParallelConfig
+from jaxllm.spec_decode.config import MTP_METHODS
 from jaxllm.loader.classifier_head import ClassifierHead, read_classifier_head
 from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.loader import describe_weights, load_model, model_path, weight_bytes
+from jaxllm.loader.mtp_weights import mtp_source
 from jaxllm.engine.hybrid import hybrid_engine_config, state_cache_bytes
 from jaxllm.models.pipeline_stage import split_stage
 from jaxllm.parallel import distributed
@@ -157,6 +159,8 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
                        max_logprobs=sched.max_logprobs, enforce_eager=sched.enforce_eager,
                        num_scheduler_steps=sched.num_scheduler_steps,
                        num_speculative_tokens=_num_speculative_tokens(config, kind))
+    if _mtp(config, mc, pp):  # the MTP drafter continues from the target's hidden states
+        runner_args["keep_hidden"] = True
     if meshes is not None and pooler_config is not None:
         raise ConfigError(f"--pipeline-parallel-size={pp}: the pooling runner (--runner auto "
                           f"chose it for this sentence-transformers folder) is not implemented "
@@ -237,6 +241,19 @@ def _num_speculative_tokens(config: EngineConfig, kind: str) -> int:
         raise ConfigError("--speculative-config: the pooling runner generates no tokens to "
                           "speculate on; drop the flag or use --runner generate")
     return spec.num_speculative_tokens
+
+
+def _mtp(config: EngineConfig, mc, pp: int) -> bool:
+    """Whether the target's MTP layer drafts (--speculative-config method deepseek_mtp or
+    mtp); refused here, before any program compiles, where it cannot."""
+    spec = config.speculative
+    if spec is None or spec.method not in MTP_METHODS:
+        return False
+    if pp > 1:
+        raise ConfigError(f"--speculative-config: method {spec.method!r} is not supported "
+                          "with --pipeline-parallel-size > 1")
+    mtp_source(config.load, mc, spec.method)
+    return True
 
 
 def _connect_hosts(topo: distributed.Topology, runner: ModelRunner, timeout_seconds: int
