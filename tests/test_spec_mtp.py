@@ -28,10 +28,48 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import ConfigError
 from jaxllm.spec_decode.config import SpeculativeConfig
-from test_deepseek import V3, make_deepseek  # noqa: F401  (the fixture)
+from test_deepseek import GLM4_MOE, V3
 
 MTP = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
+V3_ARCH = "DeepseekV3ForCausalLM"
 PREDICTABLE = dict(V3, num_hidden_layers=1, first_k_dense_replace=0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_tiny_checkpoint, tmp_path_factory):
+    """checkpoint(arch, **config) -> a float32 transformers checkpoint folder of
+    DeepseekV3ForCausalLM or Glm4MoeForCausalLM (conftest's random weights, V3's correction
+    bias random too) with the tests' tokenizer; no MTP tensors (transformers saves none)."""
+    import torch
+    import transformers as tr
+    from conftest import _randomize
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(make_tiny_checkpoint("llama"))
+    cache = {}
+
+    def make(arch: str, **kw) -> str:
+        key = json.dumps([arch, kw], sort_keys=True)
+        if key not in cache:
+            cls = {"DeepseekV3ForCausalLM": tr.DeepseekV3Config,
+                   "Glm4MoeForCausalLM": tr.Glm4MoeConfig}[arch]
+            cfg = cls(**kw, bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, architectures=[arch])
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            _randomize(model, False, seed=len(cache))
+            g = torch.Generator().manual_seed(7)
+            with torch.no_grad():
+                for name, buf in model.named_buffers():
+                    if name.endswith("e_score_correction_bias"):
+                        buf.copy_(0.3 * torch.randn(buf.shape, generator=g))
+            path = tmp_path_factory.mktemp("tiny_mtp")
+            model.save_pretrained(path)
+            tok.save_pretrained(path)
+            cache[key] = str(path)
+        return cache[key]
+
+    return make
 
 
 def with_mtp(src: str, dst, *, predictable: bool = False, own_copies: bool = False,
@@ -71,7 +109,8 @@ def with_mtp(src: str, dst, *, predictable: bool = False, own_copies: bool = Fal
 
 
 def mtp_llm(path: str, spec: dict = MTP, **kw) -> LLM:
-    args = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, block_size=4,
+    # Few token buckets: the target and the MTP layer compile a program for each.
+    args = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
                 use_tqdm_on_load=False, seed=0, disable_log_stats=True,
                 speculative_config=spec)
     return LLM(path, **{**args, **kw})
@@ -100,8 +139,8 @@ def generate(llm, ps, n: int = 16):
 
 
 @pytest.fixture(scope="module")
-def predictable(make_deepseek, tmp_path_factory):  # noqa: F811
-    return with_mtp(make_deepseek(3, **PREDICTABLE),
+def predictable(checkpoint, tmp_path_factory):
+    return with_mtp(checkpoint(V3_ARCH, **PREDICTABLE),
                     tmp_path_factory.mktemp("mtp") / "predictable", predictable=True)
 
 
@@ -111,7 +150,7 @@ def llm(predictable):
 
 
 def test_mtp_drafts_are_accepted_and_outputs_equal_plain_decoding(llm):
-    ps = prompts(10, seed=1)
+    ps = prompts(6, seed=1)
     with plain(llm):
         expected = generate(llm, ps)
     eng = llm.llm_engine
@@ -134,10 +173,10 @@ def test_config_accepts_the_names_and_refuses_other_fields():
             SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 1, **extra})
 
 
-def test_refused_without_the_mtp_layer(make_deepseek, tmp_path):  # noqa: F811
+def test_refused_without_the_mtp_layer(checkpoint, tmp_path):
     """transformers saves no MTP tensors (its config still says num_nextn_predict_layers=1);
     a config of 0 is refused as such; both name the method, before any program compiles."""
-    src = make_deepseek(3, **PREDICTABLE)
+    src = checkpoint(V3_ARCH, **PREDICTABLE)
     with pytest.raises(ConfigError, match="'deepseek_mtp'.*no model.layers.1"):
         mtp_llm(src)
     dst = tmp_path / "zero"
@@ -153,16 +192,18 @@ def test_refused_for_an_architecture_without_one(tiny_llama):
         mtp_llm(tiny_llama)
 
 
-@pytest.mark.slow  # ~60 s: three engines of a 3-layer model
+@pytest.mark.slow  # minutes: two engines of a 3-layer model and their MTP programs
 @pytest.mark.parametrize("k,own", [(1, False), (3, True)])
-def test_random_mtp_layer_outputs_equal_plain_decoding(make_deepseek, tmp_path, k,  # noqa: F811
-                                                       own):
+def test_random_mtp_layer_outputs_equal_plain_decoding(checkpoint, tmp_path, k, own):
     """A 3-layer model (MLA, a dense then MoE layers) with a random MTP layer (its own
     embedding and head copies or not): greedy outputs with its drafts equal plain decoding,
-    with chunked prefill, prefix caching and preemption (a 48-block cache)."""
-    path = with_mtp(make_deepseek(3, **V3), tmp_path / "mtp", own_copies=own, seed=k)
+    with chunked prefill, prefix caching, preemption (a 40-block cache) and async
+    scheduling."""
+    path = with_mtp(checkpoint(V3_ARCH, **V3), tmp_path / "mtp", own_copies=own, seed=k)
     llm = mtp_llm(path, {"method": "deepseek_mtp", "num_speculative_tokens": k},
-                  num_gpu_blocks_override=48, enable_prefix_caching=True)
+                  max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
+                  num_gpu_blocks_override=40, enable_prefix_caching=True,
+                  async_scheduling=True)
     ps = prompts(10, seed=2)
     ps += [ps[0] + p for p in prompts(2, seed=3)]  # shared prefixes
     with plain(llm):
@@ -171,3 +212,52 @@ def test_random_mtp_layer_outputs_equal_plain_decoding(make_deepseek, tmp_path, 
     eng = llm.llm_engine
     assert eng.scheduler.num_preemptions > 0
     assert eng.stats().spec_decode.num_draft_tokens > 0
+
+
+@pytest.mark.slow  # an engine and its MTP programs
+def test_glm4_moe_mtp_layer_drafts(checkpoint, tmp_path):
+    """GLM-4.5's MTP layer (grouped-query attention with biases and q/k norms, partial
+    rotary; the same checkpoint layout): the predictable construction's drafts are accepted
+    and the outputs equal plain decoding."""
+    src = checkpoint("Glm4MoeForCausalLM", **dict(GLM4_MOE, num_hidden_layers=1,
+                                                  first_k_dense_replace=0))
+    llm = mtp_llm(with_mtp(src, tmp_path / "glm", predictable=True),
+                  {"method": "mtp", "num_speculative_tokens": 2})
+    ps = prompts(4, seed=4)
+    with plain(llm):
+        expected = generate(llm, ps)
+    assert generate(llm, ps) == expected
+    sd = llm.llm_engine.stats().spec_decode
+    assert sd.num_draft_tokens > 0 and sd.num_accepted_tokens >= 0.9 * sd.num_draft_tokens
+
+
+@pytest.mark.slow  # a subprocess on 2 virtual devices: an engine and its MTP programs
+def test_tensor_parallel_mtp_equals_plain_decoding(predictable):
+    """tp=2 (the MTP layer's heads split as the target's, its cache sharded alike): the
+    drafts are accepted and the outputs equal plain decoding on the same engine."""
+    from conftest import run_with_host_devices
+
+    proc = run_with_host_devices(2, [__file__, predictable])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert run["mtp"] == run["plain"]
+    assert run["drafts"] > 0 and run["accepted"] >= 0.9 * run["drafts"]
+
+
+def _tp_child(path: str) -> dict:
+    llm = mtp_llm(path, tensor_parallel_size=2)
+    ps = prompts(4, seed=5)
+    with plain(llm):
+        expected = generate(llm, ps)
+    got = generate(llm, ps)
+    sd = llm.llm_engine.stats().spec_decode
+    return {"plain": expected, "mtp": got, "drafts": sd.num_draft_tokens,
+            "accepted": sd.num_accepted_tokens}
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    print(json.dumps(_tp_child(sys.argv[1])))

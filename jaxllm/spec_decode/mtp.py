@@ -143,8 +143,8 @@ class MtpProposer:
                     next_tokens[t + known - 1:last + 1] = [g.token for g in got]
                     rows[r], slots[r] = last, self._take_slot(seq.seq_id, here)
                     r += 1
-                else:  # a prompt chunk: its last row's next token is the next prompt token
-                    next_tokens[t + known - 1] = seq.prompt_token_ids[s.start + known]
+                else:  # a chunk of known tokens: its last row's next one is known too
+                    next_tokens[t + known - 1] = _tokens(seq, s.start + known, 1)[0]
                 self._blocks[seq.seq_id] = s.block_ids
             t += n
         self.kv, self.buf_tokens, self.buf_hidden = self._feed(
@@ -161,7 +161,8 @@ class MtpProposer:
             if free:
                 slot = free[0]
             else:  # (all in this step only if a recomputing prompt kept an old slot)
-                victim = next((sid for sid in self._slot if sid not in keep), next(iter(self._slot)))
+                victim = next((sid for sid in self._slot if sid not in keep),
+                              next(iter(self._slot)))
                 slot = self._slot.pop(victim)
         self._slot[seq_id] = slot
         return slot

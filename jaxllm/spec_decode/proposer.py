@@ -2,7 +2,7 @@
 
 A proposer guesses up to k next tokens of each running request; the target model then scores
 them all in one step (jaxllm/spec_decode/speculator.py, jaxllm/spec_decode/acceptance.py).
-Proposals are deterministic guesses (n-gram lookup, or a draft model's argmax), so the
+Proposals are deterministic guesses (n-gram lookup, a draft model's or MTP layer's argmax), so the
 verification is exact for any sampling parameters: see acceptance.py.
 """
 
