@@ -146,7 +146,7 @@ def predictable(checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(predictable):
-    return mtp_llm(predictable)
+    return mtp_llm(predictable, max_num_seqs=2)  # fewer step shapes: fewer programs
 
 
 def test_mtp_drafts_are_accepted_and_outputs_equal_plain_decoding(llm):
@@ -160,8 +160,6 @@ def test_mtp_drafts_are_accepted_and_outputs_equal_plain_decoding(llm):
     rate = sd.num_accepted_tokens / sd.num_draft_tokens
     assert rate >= 0.9, (rate, sd)
     assert len(sd.num_accepted_tokens_per_pos) == 2 and sd.num_accepted_tokens_per_pos[1] > 0
-    # one at a time: the same tokens
-    assert [generate(llm, [p])[0] for p in ps[:2]] == expected[:2]
 
 
 def test_config_accepts_the_names_and_refuses_other_fields():
