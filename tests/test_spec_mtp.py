@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,7 +33,9 @@ from test_deepseek import GLM4_MOE, V3
 
 MTP = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
 V3_ARCH = "DeepseekV3ForCausalLM"
-PREDICTABLE = dict(V3, num_hidden_layers=1, first_k_dense_replace=0)
+# One dense layer; the MTP layer (index 1 < first_k_dense_replace) is dense too: cheap to
+# compile (the slow tests' MTP layers are MoE ones).
+PREDICTABLE = dict(V3, num_hidden_layers=1, first_k_dense_replace=2)
 
 
 @pytest.fixture(scope="module")
@@ -172,22 +175,34 @@ def test_config_accepts_the_names_and_refuses_other_fields():
 
 
 def test_refused_without_the_mtp_layer(checkpoint, tmp_path):
-    """transformers saves no MTP tensors (its config still says num_nextn_predict_layers=1);
-    a config of 0 is refused as such; both name the method, before any program compiles."""
-    src = checkpoint(V3_ARCH, **PREDICTABLE)
+    """transformers saves no MTP tensors (its config still says num_nextn_predict_layers=1):
+    the engine refuses it naming the method, before any program compiles."""
     with pytest.raises(ConfigError, match="'deepseek_mtp'.*no model.layers.1"):
-        mtp_llm(src)
-    dst = tmp_path / "zero"
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=0)))
-    with pytest.raises(ConfigError, match="'mtp'.*num_nextn_predict_layers=0"):
-        mtp_llm(str(dst), {"method": "mtp", "num_speculative_tokens": 1})
+        mtp_llm(checkpoint(V3_ARCH, **PREDICTABLE))
 
 
-def test_refused_for_an_architecture_without_one(tiny_llama):
+def test_refusals_name_the_method(checkpoint, tiny_llama, tmp_path):
+    """mtp_source (what start-up asks first): a config of num_nextn_predict_layers 0, or 2,
+    and an architecture without an MTP layer."""
+    from jaxllm.config import EngineArgs
+    from jaxllm.loader.loader import hf_config
+    from jaxllm.loader.mtp_weights import mtp_source
+    from jaxllm.models.model_config import ModelConfig
+
+    def source(path, method="mtp"):
+        load = EngineArgs(model=str(path)).create_engine_config().load
+        return mtp_source(load, ModelConfig.from_hf(hf_config(str(path))), method)
+
+    src = checkpoint(V3_ARCH, **PREDICTABLE)
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    for n in (0, 2):
+        dst = tmp_path / str(n)
+        shutil.copytree(src, dst)
+        (dst / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=n)))
+        with pytest.raises(ConfigError, match=f"'mtp'.*num_nextn_predict_layers={n}"):
+            source(dst)
     with pytest.raises(ConfigError, match="'deepseek_mtp'.*LlamaForCausalLM has none"):
-        mtp_llm(tiny_llama)
+        source(tiny_llama, "deepseek_mtp")
 
 
 @pytest.mark.slow  # minutes: two engines of a 3-layer model and their MTP programs
