@@ -232,5 +232,7 @@ def build_speculator(config: EngineConfig, target: ModelConfig, runner,
     elif spec.method in MTP_METHODS:
         proposer = MtpProposer(spec, config, target, runner, num_blocks,
                                kv_cache_dtype(config.cache, target.jnp_dtype,
-                                              runner.backend.name))
+                                              runner.backend.name),
+                               executable_dir=None if config.parallel.nnodes > 1
+                               else executable_cache_dir())
     return Speculator(spec, target.max_model_len, proposer=proposer)

@@ -31,13 +31,16 @@ verifies every draft: acceptance.py).
 from __future__ import annotations
 
 import math
+import os
 from collections import OrderedDict
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm.engine_config import EngineConfig
 from jaxllm.layers.attention import AttentionMetadata, empty_kv_caches, kv_cache_shardings
@@ -45,6 +48,8 @@ from jaxllm.loader.mtp_weights import load_mtp, mtp_source
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.sequence import SchedulerOutput, Sequence, SequenceStatus
 from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.worker.compile_manager import CompileManager, ProgramKey
+from jaxllm.worker.executable_cache import ExecutableCache
 from jaxllm.worker.input_batch import bucket
 
 
@@ -55,7 +60,7 @@ class MtpProposer:
     num_blocks is the target cache's size."""
 
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target: ModelConfig,
-                 runner, num_blocks: int, kv_dtype):
+                 runner, num_blocks: int, kv_dtype, executable_dir: Optional[str] = None):
         self.k = spec.num_speculative_tokens
         self.runner = runner
         src = mtp_source(config.load, target, spec.method)
@@ -68,16 +73,27 @@ class MtpProposer:
         self.scratch = math.ceil((self.k - 1) / B)  # draft blocks per slot past the table
         self.first_scratch = num_blocks
         shapes = model.kv_cache_shapes(num_blocks + self.slots * self.scratch, B)
-        self.kv = empty_kv_caches(shapes, kv_dtype, kv_cache_shardings(shapes, runner.mesh))
+        kv_sharding = kv_cache_shardings(shapes, runner.mesh)
+        self.kv = empty_kv_caches(shapes, kv_dtype, kv_sharding)
+        rep = NamedSharding(runner.mesh, P())  # the buffers and drafts: replicated
         self.decode_only = runner.backend.decode_programs(kv_dtype)
         self.width = math.ceil((self.max_len + self.k) / B)  # block-table width of drafts
         self.buckets = runner.input_batch.decode_buckets
-        self.buf_tokens = jnp.zeros(self.slots, jnp.int32)
-        self.buf_hidden = jnp.zeros((self.slots, target.hidden_size), self.cfg.jnp_dtype)
+        self.buf_tokens = jax.device_put(np.zeros(self.slots, np.int32), rep)
+        self.buf_hidden = jax.device_put(
+            np.zeros((self.slots, target.hidden_size), self.cfg.jnp_dtype), rep)
         self._slot: OrderedDict[str, int] = OrderedDict()  # seq_id -> slot, least recent first
         self._blocks: dict[str, list[int]] = {}  # seq_id -> its (live) target block table
-        self._feed = jax.jit(self._feed_fn, donate_argnums=(2, 3, 4))
-        self._draft = jax.jit(self._draft_fn, donate_argnums=(2,))
+        self._feed = jax.jit(self._feed_fn, donate_argnums=(2, 3, 4),
+                             out_shardings=(kv_sharding, rep, rep))
+        self._draft = jax.jit(self._draft_fn, donate_argnums=(2,),
+                              out_shardings=(kv_sharding, rep))
+        # Each program compiles when first needed (one per target step shape, one per decode
+        # bucket), kept in the executable cache as the runner's are.
+        self._programs = CompileManager(executable_cache=None if executable_dir is None else
+                                        ExecutableCache(
+            os.path.join(executable_dir, "jaxllm-executables"), runner.mesh.devices.flat,
+            context=repr(("mtp", self.graphdef, runner.graphdef, self.k))))
 
     # --- the jitted functions ----------------------------------------------------------------
     def _models(self, state, target_state):
@@ -147,9 +163,11 @@ class MtpProposer:
                     next_tokens[t + known - 1] = _tokens(seq, s.start + known, 1)[0]
                 self._blocks[seq.seq_id] = s.block_ids
             t += n
-        self.kv, self.buf_tokens, self.buf_hidden = self._feed(
-            self.state, self.runner.weights()[0], self.kv, self.buf_tokens, self.buf_hidden,
-            out.hidden, next_tokens, out.positions, out.metadata, rows, slots)
+        key = ProgramKey("mtp_feed", T, out.metadata.decode_only)
+        self.kv, self.buf_tokens, self.buf_hidden = self._programs.run(
+            key, self._feed, self.state, self.runner.weights()[0], self.kv, self.buf_tokens,
+            self.buf_hidden, out.hidden, next_tokens, out.positions, out.metadata, rows, slots,
+            first_use=True)
 
     def _take_slot(self, seq_id: str, keep: set) -> int:
         """The sequence's buffer slot (a free one, or the least recently fed sequence's that
@@ -218,8 +236,10 @@ class MtpProposer:
                                np.stack([cu] * steps),
                                np.full((steps, 1), len(seqs), np.int32),
                                decode_only=self.decode_only)
-        self.kv, out = self._draft(self.state, self.runner.weights()[0], self.kv,
-                                   self.buf_tokens, self.buf_hidden, slots, positions, md)
+        self.kv, out = self._programs.run(
+            ProgramKey("mtp_draft", T, steps=K), self._draft, self.state,
+            self.runner.weights()[0], self.kv, self.buf_tokens, self.buf_hidden, slots,
+            positions, md, first_use=True)
         return np.asarray(jax.device_get(out))[:len(seqs)]
 
 
