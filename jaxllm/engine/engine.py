@@ -240,7 +240,7 @@ class LLMEngine:
         sampled, prompt_logprobs = self.runner.collect(step)
         op.record_prompt_logprobs(prompt_logprobs)
         if self.speculator is not None:
-            self.speculator.record(sched, sampled)
+            self.speculator.record(sched, sampled, step.hidden)
         kept = self.scheduler.resolve(sched, {rid: [s.token for s in results]
                                               for rid, results in sampled.items()})
         now = time.monotonic()

@@ -28,9 +28,11 @@ from jaxllm.engine.runner_settings import (executable_cache_dir, kv_cache_dtype,
                                            max_num_batched_tokens, num_kv_blocks,
                                            pooling_convert, runner_type)
 from jaxllm.engine_config import EngineConfig, ParallelConfig
+from jaxllm.spec_decode.config import MTP_METHODS
 from jaxllm.loader.classifier_head import ClassifierHead, read_classifier_head
 from jaxllm.loader.default_model import resolve_model
 from jaxllm.loader.loader import describe_weights, load_model, model_path, weight_bytes
+from jaxllm.loader.mtp_weights import mtp_source
 from jaxllm.engine.hybrid import hybrid_engine_config, state_cache_bytes
 from jaxllm.models.pipeline_stage import split_stage, stage_cuts
 from jaxllm.parallel import distributed
@@ -161,6 +163,8 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
                        max_logprobs=sched.max_logprobs, enforce_eager=sched.enforce_eager,
                        num_scheduler_steps=sched.num_scheduler_steps,
                        num_speculative_tokens=_num_speculative_tokens(config, kind))
+    if _mtp(config, mc, topo.multi_host):  # the MTP drafter reads the target's hidden states
+        runner_args["keep_hidden"] = True
     if meshes is not None and pooler_config is not None:
         raise ConfigError(f"--pipeline-parallel-size={pp}: the pooling runner (--runner auto "
                           f"chose it for this sentence-transformers folder) is not implemented "
@@ -172,6 +176,9 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
         # the step's cache only needs the minimum, and its programs no warm-up.
         num_blocks = (math.ceil(mc.max_model_len / block_size) if pooler_config
                       else num_kv_blocks(config, mc, dtype))
+        if runner_args.get("keep_hidden") and config.cache.num_gpu_blocks_override is None:
+            # The MTP layer's cache has as many blocks, of one layer: the budget buys both.
+            num_blocks = num_blocks * mc.num_kv_layers // (mc.num_kv_layers + 1)
         runner = ModelRunner(model, mc, mesh, num_blocks=num_blocks,
                              executable_dir=executable_dir, **runner_args)
     times["kv_cache"] = time.perf_counter() - t
@@ -243,6 +250,20 @@ def _num_speculative_tokens(config: EngineConfig, kind: str) -> int:
         raise ConfigError("--speculative-config: the pooling runner generates no tokens to "
                           "speculate on; drop the flag or use --runner generate")
     return spec.num_speculative_tokens
+
+
+def _mtp(config: EngineConfig, mc, multi_host: bool) -> bool:
+    """Whether the target's MTP layer drafts (--speculative-config method deepseek_mtp or
+    mtp); refused here, before any program compiles, where it cannot (pipeline stages are
+    refused with any speculation: engine_config.check_pipeline)."""
+    spec = config.speculative
+    if spec is None or spec.method not in MTP_METHODS:
+        return False
+    if multi_host:  # its programs run on rank 0 only, not sent to the other hosts
+        raise ConfigError(f"--speculative-config: method {spec.method!r} is not supported "
+                          "with --nnodes > 1")
+    mtp_source(config.load, mc, spec.method)
+    return True
 
 
 def _connect_hosts(topo: distributed.Topology, runner: ModelRunner, timeout_seconds: int

@@ -8,7 +8,7 @@ one tensor at a time: the model is never materialized twice.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Union
+from typing import Callable, Iterable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -205,8 +205,8 @@ MTP_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeF
 
 def _past_last_layer(cfg: ModelConfig, name: str) -> bool:
     """A DeepSeek or GLM-4.5 checkpoint's multi-token-prediction layers (model.layers.N and
-    above, N = num_hidden_layers): not run (no MTP speculation yet), skipped as transformers
-    skips them."""
+    above, N = num_hidden_layers): not the target model's, skipped as transformers skips
+    them (the MTP drafter reads them itself: jaxllm/loader/mtp_weights.py)."""
     parts = name.split(".")
     return (cfg.architecture in MTP_ARCHITECTURES and len(parts) > 2
             and parts[:2] == ["model", "layers"] and parts[2].isdigit()
@@ -386,11 +386,14 @@ def _write(buf: jax.Array, block: jax.Array, start: jax.Array) -> jax.Array:
 
 
 def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh: Mesh, *,
-                 where: Union[str, Callable[[str], str]], progress: bool = False) -> nnx.State:
+                 where: Union[str, Callable[[str], str]], progress: bool = False,
+                 targets: Optional[dict[str, list[Target]]] = None) -> nnx.State:
     """The state of an abstract `Decoder` filled from (HF name, array) pairs.
 
     where: the checkpoint file (or name -> file) for error messages. A tied model may omit
     lm_head.weight; a tensor the model does not use is an error, unless in IGNORED_SUFFIXES.
+    targets: where each tensor goes (default `hf_targets(model.cfg)`; the MTP drafter's are
+    its own: jaxllm/loader/mtp_weights.py).
     """
     cfg = model.cfg
     origin = (lambda name: where) if isinstance(where, str) else where
@@ -398,7 +401,7 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
         tensors, origin = _renamed(tensors, origin, TEXT_NAMES[cfg.architecture])
     if cfg.mxfp4_experts:  # GPT-OSS's published experts: dequantized as they arrive
         tensors = dequantized_experts(tensors, origin, CheckpointError, np.dtype(cfg.jnp_dtype))
-    targets = hf_targets(cfg)
+    targets = hf_targets(cfg) if targets is None else targets
     state = nnx.state(model)
     shardings = param_shardings(state, mesh)
     state = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), state),

@@ -14,7 +14,7 @@ given x != d: the same as drawing x ~ p and accepting iff x == d. By induction o
 each emitted token has the target's law given the tokens before it. Stronger still, a seeded
 request draws the very tokens it draws without speculation, since token i always uses the
 uniform of (seed, i) on the same distribution. Greedy rows are the special case p = argmax.
-Both proposers (n-gram lookup, and a draft model's argmax) make such deterministic guesses, so
+Every proposer (n-gram lookup, a draft model's or the MTP layer's argmax) makes such guesses, so
 no general min(1, p/q) rule for a sampling draft is needed.
 """
 

@@ -31,15 +31,19 @@ _UNSUPPORTED = {
     "draft_parallel_config": "set internally by vLLM, never by users",
 }
 # vLLM's methods that jaxllm does not implement.
-_UNSUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp", "mtp",
-                        "ernie_mtp", "qwen3_next_mtp", "mimo_mtp", "longcat_flash_mtp", "suffix")
-METHODS = ("ngram", "draft_model")
+_UNSUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "ernie_mtp",
+                        "qwen3_next_mtp", "mimo_mtp", "longcat_flash_mtp", "suffix")
+# The target's own multi-token-prediction layer drafts (jaxllm/spec_decode/mtp.py); vLLM's
+# name, and its generic synonym.
+MTP_METHODS = ("deepseek_mtp", "mtp")
+METHODS = ("ngram", "draft_model") + MTP_METHODS
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """method "ngram": prompt lookup over the request's own tokens (n from prompt_lookup_max
-    down to prompt_lookup_min); method "draft_model": `model` proposes. num_speculative_tokens
+    down to prompt_lookup_min); method "draft_model": `model` proposes; "deepseek_mtp" (or
+    "mtp"): the target checkpoint's MTP layer proposes (no `model`). num_speculative_tokens
     (K) drafts per request and step; disable_by_batch_size: no speculation while that many or
     more requests run (vLLM's switch-off when verification stops paying)."""
     method: str
@@ -99,6 +103,12 @@ class SpeculativeConfig:
                                  f"be <= 'prompt_lookup_max' ({hi})")
             object.__setattr__(self, "prompt_lookup_min", lo)
             object.__setattr__(self, "prompt_lookup_max", hi)
+        elif self.method in MTP_METHODS:
+            for name in ("model", "prompt_lookup_max", "prompt_lookup_min"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config field {name!r} is not used by method "
+                                     f"{self.method!r} (the target model's own MTP layer "
+                                     "drafts)")
         else:
             if not isinstance(self.model, str) or not self.model:
                 raise ValueError("speculative_config field 'model' (the draft model's path) "

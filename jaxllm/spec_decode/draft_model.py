@@ -42,8 +42,9 @@ from jaxllm.models.model_config import ModelConfig
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sequence import PENDING, ScheduledSequence, SchedulerOutput, Sequence
-from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.spec_decode.config import MTP_METHODS, SpeculativeConfig
 from jaxllm.spec_decode.draft_load import draft_config, load_draft
+from jaxllm.spec_decode.mtp import MtpProposer
 from jaxllm.spec_decode.speculator import Speculator
 from jaxllm.worker.model_runner import ModelRunner
 
@@ -110,6 +111,9 @@ class DraftModelProposer:
     def may_propose(self, seqs: list[Sequence]) -> np.ndarray:
         """The draft model proposes for every sequence (when its cache has room)."""
         return np.ones(len(seqs), bool)
+
+    def observe(self, sched: SchedulerOutput, sampled: dict, hidden) -> None:
+        pass  # the draft reads the sequences' tokens when it proposes
 
     def free(self, seq_id) -> None:
         """The sequence finished or was aborted: release its draft cache blocks."""
@@ -218,12 +222,21 @@ def build_speculator(config: EngineConfig, target: ModelConfig, runner,
                      num_blocks: int) -> Optional[Speculator]:
     """The engine's speculator for `--speculative-config` (None without it): n-gram lookup on
     the host, or a draft model on the target's first device with a cache no larger than the
-    target's (num_blocks). `config` is the engine's as started (EngineParts.config: its model
+    target's (num_blocks), or the target's own MTP layer (paged by the target's blocks).
+    `config` is the engine's as started (EngineParts.config: its model
     path resolved)."""
     spec = config.speculative
     if spec is None:
         return None
-    proposer = (DraftModelProposer(spec, config, target, devices=list(runner.mesh.devices.flat),
-                                   target_num_blocks=num_blocks)
-                if spec.method == "draft_model" else None)
+    proposer = None
+    if spec.method == "draft_model":
+        proposer = DraftModelProposer(spec, config, target,
+                                      devices=list(runner.mesh.devices.flat),
+                                      target_num_blocks=num_blocks)
+    elif spec.method in MTP_METHODS:
+        proposer = MtpProposer(spec, config, target, runner, num_blocks,
+                               kv_cache_dtype(config.cache, target.jnp_dtype,
+                                              runner.backend.name),
+                               executable_dir=None if config.parallel.nnodes > 1
+                               else executable_cache_dir())
     return Speculator(spec, target.max_model_len, proposer=proposer)

@@ -2,7 +2,7 @@
 
 A proposer guesses up to k next tokens of each running request; the target model then scores
 them all in one step (jaxllm/spec_decode/speculator.py, jaxllm/spec_decode/acceptance.py).
-Proposals are deterministic guesses (n-gram lookup, or a draft model's argmax), so the
+Proposals are deterministic guesses (n-gram lookup, a draft model's or MTP layer's argmax), so the
 verification is exact for any sampling parameters: see acceptance.py.
 """
 
@@ -13,7 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from jaxllm.config import ConfigError
-from jaxllm.sequence import Sequence
+from jaxllm.sequence import SchedulerOutput, Sequence
 from jaxllm.spec_decode import ngram
 from jaxllm.spec_decode.config import SpeculativeConfig
 
@@ -31,6 +31,11 @@ class Proposer(Protocol):
 
     def free(self, seq_id: str) -> None:
         """The sequence finished or was aborted: drop what the proposer keeps for it."""
+
+    def observe(self, sched: SchedulerOutput, sampled: dict, hidden) -> None:
+        """A target step was collected (before its tokens are placed): `sampled` its kept
+        SampleResults per sequence, `hidden` its StepHidden (None unless the runner keeps
+        them). Only the MTP proposer reads it."""
 
 
 class NgramProposer:
@@ -55,6 +60,9 @@ class NgramProposer:
 
     def free(self, seq_id: str) -> None:
         pass  # stateless: every proposal reads the sequence's tokens afresh
+
+    def observe(self, sched: SchedulerOutput, sampled: dict, hidden) -> None:
+        pass
 
 
 def _padded(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:

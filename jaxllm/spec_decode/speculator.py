@@ -101,8 +101,11 @@ class Speculator:
         return (s.status == SequenceStatus.RUNNING and s.grammar is None
                 and s.num_tokens - s.num_computed_tokens == 1)
 
-    def record(self, sched: SchedulerOutput, sampled: dict[str, list]) -> None:
-        """Count a collected step, its drafts and how many of each position were accepted."""
+    def record(self, sched: SchedulerOutput, sampled: dict[str, list], hidden=None) -> None:
+        """Count a collected step, its drafts and how many of each position were accepted;
+        the proposer sees the step first (`observe`: an MTP layer reads its hidden states,
+        `hidden`, the step's StepHidden when the runner keeps them)."""
+        self.proposer.observe(sched, sampled, hidden)
         drafted = [s for s in sched.scheduled if s.spec_token_ids and s.seq.seq_id in sampled]
         for s in drafted:
             accepted = len(sampled[s.seq.seq_id]) - 1

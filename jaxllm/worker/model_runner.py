@@ -56,7 +56,7 @@ from jaxllm.worker.input_batch import (InputBatcher, PromptRows, StepInputs, buc
                                        prompt_logprob_targets)
 from jaxllm.worker.step_launcher import StepLauncher
 from jaxllm.worker.step_state import (BurstStep, Inflight, SampleResult, StepEvent,
-                                      prompt_results, sample_result)
+                                      StepHidden, prompt_results, sample_result)
 
 logger = logging.getLogger("jaxllm")
 
@@ -66,8 +66,11 @@ class ModelRunner(MemoryTiers):
                  kv_cache_dtype, max_num_seqs: int, max_num_batched_tokens: int,
                  max_logprobs: int, enforce_eager: bool = False,
                  executable_dir: Optional[str] = None, num_scheduler_steps: int = 1,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, keep_hidden: bool = False):
+        """keep_hidden: each dispatched step keeps its hidden states (`Inflight.hidden`), which
+        an MTP drafter reads when the step is collected."""
         self.model_config = model_config
+        self.keep_hidden = keep_hidden
         self.num_scheduler_steps = num_scheduler_steps
         self.mesh = mesh
         self.max_num_seqs = max_num_seqs
@@ -75,7 +78,7 @@ class ModelRunner(MemoryTiers):
         self.max_logprobs = max_logprobs
         self.enforce_eager = enforce_eager
         self.num_rows = max_num_seqs * (1 + num_speculative_tokens)  # sampled rows per step
-        backend = model.backend
+        self.backend = backend = model.backend
         # Why this runner takes no images (None: it does, or the model takes none): the Pallas
         # kernel is causal only, so a model whose image tokens attend bidirectionally runs
         # text there and its images are refused by name (the engine's input processor).
@@ -271,7 +274,9 @@ class ModelRunner(MemoryTiers):
             key = ProgramKey("sample", sampler=jax.tree_util.tree_structure(tensors))
             out = self.launcher.run(key, self._sample, self.state, rows,
                                            np.int32(len(step.seqs)), tensors)
-        inflight = Inflight(sched, step.seqs, out, step.prompt_rows, prompt, load)
+        inflight = Inflight(sched, step.seqs, out, step.prompt_rows, prompt, load,
+                            StepHidden(hidden, inputs.positions, inputs.metadata)
+                            if self.keep_hidden else None)
         self._notify(StepEvent("dispatch", [inflight], chained=prev is not None))
         return inflight
 

@@ -29,6 +29,17 @@ class Inflight:
     prompt_rows: list[PromptRows]
     prompt: Any           # prompt-logprobs results (device arrays) or None
     expert_load: Any = None  # int32 [MoE layers, experts] on the device, when counted
+    hidden: Optional["StepHidden"] = None  # kept for an MTP drafter (ModelRunner keep_hidden)
+
+
+@dataclass
+class StepHidden:
+    """A step's final (normed) hidden states, every token's row [T, E] on the device, with the
+    step's positions and attention metadata (host arrays) that place each row: what an MTP
+    drafter continues from (jaxllm/spec_decode/mtp.py)."""
+    hidden: Any
+    positions: Any
+    metadata: Any
 
 
 @dataclass
