@@ -204,9 +204,8 @@ MTP_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeF
 
 
 def _past_last_layer(cfg: ModelConfig, name: str) -> bool:
-    """A DeepSeek or GLM-4.5 checkpoint's multi-token-prediction layers (model.layers.N and
-    above, N = num_hidden_layers): not the target model's, skipped as transformers skips
-    them (the MTP drafter reads them itself: jaxllm/loader/mtp_weights.py)."""
+    """A DeepSeek or GLM-4.5 checkpoint's MTP layers (model.layers.N+, N = num_hidden_layers):
+    skipped as transformers skips them (the MTP drafter reads them: loader/mtp_weights.py)."""
     parts = name.split(".")
     return (cfg.architecture in MTP_ARCHITECTURES and len(parts) > 2
             and parts[:2] == ["model", "layers"] and parts[2].isdigit()
@@ -392,8 +391,7 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
 
     where: the checkpoint file (or name -> file) for error messages. A tied model may omit
     lm_head.weight; a tensor the model does not use is an error, unless in IGNORED_SUFFIXES.
-    targets: where each tensor goes (default `hf_targets(model.cfg)`; the MTP drafter's are
-    its own: jaxllm/loader/mtp_weights.py).
+    targets: where each tensor goes (default hf_targets; the MTP drafter gives its own).
     """
     cfg = model.cfg
     origin = (lambda name: where) if isinstance(where, str) else where
