@@ -17,8 +17,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from jaxllm.loader.mxfp4 import dequantized_experts
 from jaxllm.loader import gemma4_weights, qwen3_next_weights
+from jaxllm.loader.mxfp4 import dequantized_experts
 from jaxllm.loader.kv_scales import is_kv_scale, kv_scale_targets, missing_layers, warn_missing
 from jaxllm.models.kv_scales import FROM_CHECKPOINT
 from jaxllm.loader.quantized import Target, quantized_targets, storage_cast
@@ -350,11 +350,8 @@ def _vision_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
              else vision_targets)(cfg.vision)
     for name, (param, layer, fn, rank) in table.items():
         start = (0,) * rank if isinstance(rank, int) else tuple(rank)
-        if layer is None:
-            out[name] = [Target(("vision", param), start, None, fn)]
-        else:
-            out[name] = [Target(("vision", param), (layer,) + start, None,
-                                lambda x, fn=fn: fn(x)[None])]
+        at, f = (start, fn) if layer is None else ((layer,) + start, lambda x, fn=fn: fn(x)[None])
+        out[name] = [Target(("vision", param), at, None, f)]
     return out
 
 
