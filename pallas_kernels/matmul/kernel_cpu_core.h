@@ -112,13 +112,135 @@ static void StripRows(const float* x, int64_t K, const T* s, int64_t len, float*
       std::memcpy(y + r * ldy + u * kNr, out[r][u], sizeof(float) * (u < U - 1 ? kNr : cols));
 }
 
+// Rows of a streamed register block: on AVX2 the 16 ymm registers hold 2 R chains, a strip's
+// row and the broadcast of x (f32: R = 6), and for bf16 pairs the mask that splits them (5).
+constexpr int kSr = 6;
+template <typename T>
+constexpr int64_t kStreamBlock = std::is_same_v<T, uint16_t> ? 5 : kSr;
+// k per chunk of the streamed row blocks (even: whole bf16 pairs): a chunk of a strip (16 KB
+// f32, 8 KB bf16) stays in L1 while each row block of x runs against it.
+constexpr int64_t kSc = 256;
+
+// The chains of rows r < R (x packed: x[k * R + r], one pointer for every broadcast) against
+// strip s, run on over k in [k0, k1) from acc (add: the chunks before) or from zero, back into
+// acc: StripRows's order (each k a fused multiply-add, in order), stopped and resumed at chunk
+// edges through memory (exactly).
+template <int R, typename T>
+static void StripChunk(const float* x, const T* s, int64_t k0, int64_t k1, float (*acc)[kNr],
+                       bool add) {
+  int64_t k = k0;
+  if (!add)
+    for (int r = 0; r < R; ++r) std::fill(acc[r], acc[r] + kNr, 0.f);
+#if defined(__AVX2__) && defined(__FMA__)
+  constexpr int kS = kStep<T>;
+  __m256 a[R][2];
+  for (int r = 0; r < R; ++r)
+    a[r][0] = _mm256_loadu_ps(acc[r]), a[r][1] = _mm256_loadu_ps(acc[r] + 8);
+  if constexpr (kS == 1) {
+    for (; k < k1; ++k) {
+      __m256 lo[1], hi[1];
+      Rows(s, k, lo, hi);
+      for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_set1_ps(x[k * R + r]);
+        a[r][0] = _mm256_fmadd_ps(b, lo[0], a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(b, hi[0], a[r][1]);
+      }
+    }
+  } else {
+    // A pair row at a time: its two f32 rows are split from the loads in turn (the second
+    // from the loads again, from L1), so that 2 R chains, one split row and the broadcast fit
+    // the 16 registers at R = 6.
+    const __m256i mask = _mm256_set1_epi32(0xFFFF0000);
+    for (; k + 2 <= k1; k += 2) {
+      const __m256i* p = reinterpret_cast<const __m256i*>(s + k * kNr);
+      __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(p), 16));
+      __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(p + 1), 16));
+      for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_set1_ps(x[k * R + r]);
+        a[r][0] = _mm256_fmadd_ps(b, lo, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(b, hi, a[r][1]);
+      }
+      asm("" : "+r"(p));  // loads again, not kept from above
+      lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(p), mask));
+      hi = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(p + 1), mask));
+      for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_set1_ps(x[(k + 1) * R + r]);
+        a[r][0] = _mm256_fmadd_ps(b, lo, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(b, hi, a[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_ps(acc[r], a[r][0]), _mm256_storeu_ps(acc[r] + 8, a[r][1]);
+#endif
+  for (; k < k1; ++k)  // the chains' last links (an odd K of bf16 strips), in the same order
+    for (int64_t j = 0; j < kNr; ++j) {
+      const float w = At(s, k, j);
+      for (int r = 0; r < R; ++r) acc[r][j] = FmaF(x[k * R + r], w, acc[r][j]);
+    }
+}
+
+// The row blocks of M <= kStreamRows rows: at most kSr rows each, of even size (so that each
+// keeps enough chains to hide the FMA latency); block b is rows [Start(b), Start(b + 1)).
+constexpr int64_t kStreamRows = 16;
+template <typename T>
+struct RowBlocks {
+  int64_t M, n;
+  explicit RowBlocks(int64_t M) : M(M), n((M + kStreamBlock<T> - 1) / kStreamBlock<T>) {}
+  int64_t Start(int64_t b) const { return b * M / n; }
+};
+
+// x [M, K] -> per row block, its rows packed [K, rows] (at Start(b) * K).
+template <typename T>
+static void PackBlocks(const float* x, int64_t M, int64_t K, float* xp) {
+  const RowBlocks<T> blocks(M);
+  for (int64_t b = 0; b < blocks.n; ++b) {
+    const int64_t r0 = blocks.Start(b), R = blocks.Start(b + 1) - r0;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t r = 0; r < R; ++r) xp[r0 * K + k * R + r] = x[(r0 + r) * K + k];
+  }
+}
+
+// y[m, 0:cols] = x[m] @ strip s for m < M <= kStreamRows (xp: `PackBlocks`): K in chunks of
+// kSc, each chunk of the strip against every row block in turn. The strip is read from memory
+// once.
+template <typename T>
+static void StripBlocks(const float* xp, int64_t M, int64_t K, const T* s, float* y, int64_t ldy,
+                        int64_t cols) {
+  float acc[kStreamRows][kNr];
+  const RowBlocks<T> blocks(M);
+  for (int64_t k0 = 0; k0 < K; k0 += kSc) {
+    const int64_t k1 = std::min(K, k0 + kSc);
+    for (int64_t b = 0; b < blocks.n; ++b) {
+      const int64_t r0 = blocks.Start(b);
+      const float* xb = xp + r0 * K;
+      float(*ab)[kNr] = acc + r0;
+      static_assert(kSr == 6, "the cases below");
+      switch (blocks.Start(b + 1) - r0) {
+        case 6: StripChunk<6>(xb, s, k0, k1, ab, k0 > 0); break;
+        case 5: StripChunk<5>(xb, s, k0, k1, ab, k0 > 0); break;
+        case 4: StripChunk<4>(xb, s, k0, k1, ab, k0 > 0); break;
+        case 3: StripChunk<3>(xb, s, k0, k1, ab, k0 > 0); break;
+        case 2: StripChunk<2>(xb, s, k0, k1, ab, k0 > 0); break;
+        default: StripChunk<1>(xb, s, k0, k1, ab, k0 > 0); break;
+      }
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) std::memcpy(y + r * ldy, acc[r], sizeof(float) * cols);
+}
+
 // Few rows, packed W: tasks are runs of whole strips, several per thread so that a thread that
-// starts late takes fewer; a task runs its strips U at a time (U = 4 / M), the rest one by one.
+// starts late takes fewer. One row runs 4 strips side by side, two rows 2 (for the chains);
+// more run each strip against all rows in blocks (`StripBlocks`): every path reads each strip
+// once, whatever M.
 template <typename T>
 static void KnStream(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
                      const T* w, float* y) {
   const int64_t strips = (N + kNr - 1) / kNr, len = StripRowsOf<T>(K) * kNr;
   const int64_t per = std::max<int64_t>(4, strips / (4 * pool.num_threads()) / 4 * 4);
+  thread_local std::vector<float> packed;  // the calling thread's: fresh memory page-faults
+  if (M > 2) packed.resize(M * K), PackBlocks<T>(x, M, K, packed.data());
+  const float* xp = packed.data();
   ParallelFor(pool, (strips + per - 1) / per, [&](int64_t t) {
     const int64_t end = std::min(strips, t * per + per);
     auto cols = [&](int64_t last) { return std::min(kNr, N - last * kNr); };
@@ -131,12 +253,9 @@ static void KnStream(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K
       } else if (M == 2 && left >= 2) {
         StripRows<2, 2>(x, K, p, len, ys, N, cols(s + 1)), s += 2;
       } else {
-        switch (M) {
-          case 1: StripRows<1, 1>(x, K, p, len, ys, N, cols(s)); break;
-          case 2: StripRows<2, 1>(x, K, p, len, ys, N, cols(s)); break;
-          case 3: StripRows<3, 1>(x, K, p, len, ys, N, cols(s)); break;
-          default: StripRows<4, 1>(x, K, p, len, ys, N, cols(s)); break;
-        }
+        if (M == 1) StripRows<1, 1>(x, K, p, len, ys, N, cols(s));
+        else if (M == 2) StripRows<2, 1>(x, K, p, len, ys, N, cols(s));
+        else StripBlocks(xp, M, K, p, ys, N, cols(s));
         ++s;
       }
     }
@@ -430,12 +549,10 @@ static void Ungated(ffi::ThreadPool& pool, int64_t M, int64_t N, const Out& out,
 #include "matmul/kernel_cpu_dpbf16.h"  // DpGemm, with AVX512_BF16
 #include "matmul/kernel_cpu_amx.h"     // AmxGemm with AMX-BF16; BfGemm picks
 
-// Up to FewRows rows stream the weights (`KnStream`); more run the register-blocked `Gemm`
-// (both give the same bits). f32 strips stream only 1-2 rows: at 3-4 the one-strip-at-a-time
-// stream took ~1.4x the 5-row Gemm's time (768 x 3072 and 2048 x 768, 2 threads), which reads
-// the weights once too.
+// Up to FewRows rows stream the weights (`KnStream`, each strip read once for all rows); more
+// run the register-blocked `Gemm` (both give the same bits).
 template <typename T>
-constexpr int64_t FewRows() { return std::is_same_v<T, float> ? 2 : 4; }
+constexpr int64_t FewRows() { return kStreamRows; }
 
 // Rows [0, M) of x (f32, K apart) against the strips w (N columns) into out, by the path their
 // count takes: the matmul's dispatch, and the grouped matmul's for each group.
