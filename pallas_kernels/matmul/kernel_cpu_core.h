@@ -118,7 +118,9 @@ constexpr int kSr = 6;
 template <typename T>
 constexpr int64_t kStreamBlock = std::is_same_v<T, uint16_t> ? 5 : kSr;
 // k per chunk of the streamed row blocks (even: whole bf16 pairs): a chunk of a strip (16 KB
-// f32, 8 KB bf16) stays in L1 while each row block of x runs against it.
+// f32, 8 KB bf16) stays in L1 while each row block of x runs against it. The chunk after it is
+// fetched a line per step ahead of the reads: with a block's compute between its loads, the
+// hardware prefetcher alone does not keep enough of the strip in flight.
 constexpr int64_t kSc = 256;
 
 // The chains of rows r < R (x packed: x[k * R + r], one pointer for every broadcast) against
@@ -138,6 +140,7 @@ static void StripChunk(const float* x, const T* s, int64_t k0, int64_t k1, float
     a[r][0] = _mm256_loadu_ps(acc[r]), a[r][1] = _mm256_loadu_ps(acc[r] + 8);
   if constexpr (kS == 1) {
     for (; k < k1; ++k) {
+      __builtin_prefetch(s + (k + kSc) * kNr, 0, 2);  // the strip's next chunk
       __m256 lo[1], hi[1];
       Rows(s, k, lo, hi);
       for (int r = 0; r < R; ++r) {
@@ -148,10 +151,11 @@ static void StripChunk(const float* x, const T* s, int64_t k0, int64_t k1, float
     }
   } else {
     // A pair row at a time: its two f32 rows are split from the loads in turn (the second
-    // from the loads again, from L1), so that 2 R chains, one split row and the broadcast fit
-    // the 16 registers at R = 6.
+    // from the loads again, from L1), so that 2 R chains, one split row, the broadcast and the
+    // mask fit the 16 registers (R = 5: kStreamBlock).
     const __m256i mask = _mm256_set1_epi32(0xFFFF0000);
     for (; k + 2 <= k1; k += 2) {
+      __builtin_prefetch(s + (k + kSc) * kNr, 0, 2);  // the strip's next chunk
       const __m256i* p = reinterpret_cast<const __m256i*>(s + k * kNr);
       __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(p), 16));
       __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(p + 1), 16));
