@@ -1,7 +1,8 @@
 """Batch invariance of the native CPU matmul across its few-row paths (issue 44): one row, two,
-3-16 rows streaming each strip once for all of them (row blocks of 5 or 6), 17+ the
-register-blocked GEMM. A row gives the same bits at every M, in the dense matmul (f32, bf16 and
-the greedy head's argmax results; gated), and in the grouped matmul at every group size.
+3-48 rows (3-16 with AVX-512) streaming each strip once for all of them (row blocks of 5 or
+6), more the register-blocked GEMM. A row gives the same bits at every M, in the dense matmul
+(f32, bf16 and the greedy head's argmax results; gated), and in the grouped matmul at every
+group size.
 
 `test_rows_agree_on_each_isa_path` runs the same checks in a child process per ISA the
 kernels are built for (`JAXLLM_CPU_MARCH`: the build is keyed by its flags), on each that this
@@ -21,8 +22,9 @@ from pallas_kernels.grouped_matmul import kernel_cpu as grouped_cpu
 from pallas_kernels.matmul import kernel_cpu as matmul_cpu
 
 # The issue's row counts, and each edge of the paths between them: 2 (a two-row stream), 6/7
-# and 11/12/13 (one, two and three row blocks), 16/17 (the last streamed count, the GEMM).
-ROWS = (1, 2, 3, 5, 6, 7, 8, 11, 13, 16, 17, 64)
+# and 11 (one and two row blocks), 16/17 and 48/49 (the last streamed count and the GEMM, with
+# and without AVX-512).
+ROWS = (1, 2, 3, 5, 6, 7, 8, 11, 16, 17, 48, 49, 64)
 # K: one chunk of 256 with an odd tail (bf16 pairs padded); several chunks and a part one.
 # N: a part strip, and strips past the 4 a task takes.
 SHAPES = ((37, 40), (600, 150))
