@@ -10,9 +10,10 @@
 // W is packed (`pack` in kernel_cpu.py): the N columns in S strips of 16, each strip contiguous,
 // the last one zero-padded; f32 strips [K, 16]; bf16 strips [K / 2, 16, 2], rows in pairs (an odd
 // K gets a zero row), the operand layout of vdpbf16ps, which a shift and a mask also split into
-// two f32 rows. Up to 2 rows (f32 strips) or 4 (bf16) the tasks stream whole strips (one
-// sequential read each); more rows run the register-blocked `Gemm`, on f32 strips (bf16 ones
-// converted a tile at a time): `RowsThrough` in the core. Both sum every element in the same
+// two f32 rows. Up to 48 rows (16 with AVX-512) the tasks stream whole strips (one sequential read each, for all
+// the rows: 3+ in register blocks of 5-6 rows against a K-chunk held in L1); more rows run the
+// register-blocked `Gemm`, on f32 strips (bf16 ones converted a tile at a time): `RowsThrough`
+// in the core. Both sum every element in the same
 // order (see `StripRows`), so a row's bits do not depend on M. bf16 x against bf16 W runs
 // `BfGemm`, the bf16 dot product on the strips as they are, at every M: with AMX-BF16 the AMX
 // tile GEMM `AmxGemm` (kernel_cpu_amx.h), else, with AVX512_BF16, the vdpbf16ps GEMM `DpGemm`

@@ -70,78 +70,7 @@ static inline v8 Fma8(v8 a, v8 b, v8 c) {
 #endif
 }
 
-// y[m, 0:cols] = x[m] @ strip for m < R and the U strips s + u * len (cols columns of the
-// last one stored): U strips side by side give a single row 2 U independent chains to hide
-// the FMA latency; one sequential read per strip.
-template <int R, int U, typename T>
-static void StripRows(const float* x, int64_t K, const T* s, int64_t len, float* y,
-                      int64_t ldy, int64_t cols) {
-  float out[R][U][kNr];
-  int64_t k = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  constexpr int kS = kStep<T>;
-  __m256 acc[R][U][2];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) acc[r][u][0] = acc[r][u][1] = _mm256_setzero_ps();
-  for (; k + kS <= K; k += kS)
-    for (int u = 0; u < U; ++u) {
-      __m256 lo[kS], hi[kS];
-      Rows(s + u * len, k, lo, hi);
-      for (int t = 0; t < kS; ++t)
-        for (int r = 0; r < R; ++r) {
-          const __m256 b = _mm256_set1_ps(x[r * K + k + t]);
-          acc[r][u][0] = _mm256_fmadd_ps(b, lo[t], acc[r][u][0]);
-          acc[r][u][1] = _mm256_fmadd_ps(b, hi[t], acc[r][u][1]);
-        }
-    }
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u)
-      _mm256_storeu_ps(out[r][u], acc[r][u][0]), _mm256_storeu_ps(out[r][u] + 8, acc[r][u][1]);
-#else
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) std::fill(out[r][u], out[r][u] + kNr, 0.f);
-#endif
-  for (; k < K; ++k)  // the chains' last links (an odd K of bf16 strips), in the same order
-    for (int u = 0; u < U; ++u)
-      for (int64_t j = 0; j < kNr; ++j) {
-        const float w = At(s + u * len, k, j);
-        for (int r = 0; r < R; ++r) out[r][u][j] = FmaF(x[r * K + k], w, out[r][u][j]);
-      }
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u)
-      std::memcpy(y + r * ldy + u * kNr, out[r][u], sizeof(float) * (u < U - 1 ? kNr : cols));
-}
-
-// Few rows, packed W: tasks are runs of whole strips, several per thread so that a thread that
-// starts late takes fewer; a task runs its strips U at a time (U = 4 / M), the rest one by one.
-template <typename T>
-static void KnStream(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
-                     const T* w, float* y) {
-  const int64_t strips = (N + kNr - 1) / kNr, len = StripRowsOf<T>(K) * kNr;
-  const int64_t per = std::max<int64_t>(4, strips / (4 * pool.num_threads()) / 4 * 4);
-  ParallelFor(pool, (strips + per - 1) / per, [&](int64_t t) {
-    const int64_t end = std::min(strips, t * per + per);
-    auto cols = [&](int64_t last) { return std::min(kNr, N - last * kNr); };
-    for (int64_t s = t * per; s < end;) {
-      const T* p = w + s * len;
-      float* ys = y + s * kNr;
-      const int64_t left = end - s;
-      if (M == 1 && left >= 4) {
-        StripRows<1, 4>(x, K, p, len, ys, N, cols(s + 3)), s += 4;
-      } else if (M == 2 && left >= 2) {
-        StripRows<2, 2>(x, K, p, len, ys, N, cols(s + 1)), s += 2;
-      } else {
-        switch (M) {
-          case 1: StripRows<1, 1>(x, K, p, len, ys, N, cols(s)); break;
-          case 2: StripRows<2, 1>(x, K, p, len, ys, N, cols(s)); break;
-          case 3: StripRows<3, 1>(x, K, p, len, ys, N, cols(s)); break;
-          default: StripRows<4, 1>(x, K, p, len, ys, N, cols(s)); break;
-        }
-        ++s;
-      }
-    }
-  });
-}
+#include "matmul/kernel_cpu_stream.h"  // StripRows, StripBlocks, KnStream: few rows
 
 // Many rows: a 6 x 16 register block runs down K for every 6 rows of x against a strip (6 x 32
 // against two strips with AVX-512), in f32 (bf16 strips converted a tile of 2-4 strips at a
@@ -430,12 +359,10 @@ static void Ungated(ffi::ThreadPool& pool, int64_t M, int64_t N, const Out& out,
 #include "matmul/kernel_cpu_dpbf16.h"  // DpGemm, with AVX512_BF16
 #include "matmul/kernel_cpu_amx.h"     // AmxGemm with AMX-BF16; BfGemm picks
 
-// Up to FewRows rows stream the weights (`KnStream`); more run the register-blocked `Gemm`
-// (both give the same bits). f32 strips stream only 1-2 rows: at 3-4 the one-strip-at-a-time
-// stream took ~1.4x the 5-row Gemm's time (768 x 3072 and 2048 x 768, 2 threads), which reads
-// the weights once too.
+// Up to FewRows rows stream the weights (`KnStream`, each strip read once for all rows); more
+// run the register-blocked `Gemm` (both give the same bits).
 template <typename T>
-constexpr int64_t FewRows() { return std::is_same_v<T, float> ? 2 : 4; }
+constexpr int64_t FewRows() { return kStreamRows; }
 
 // Rows [0, M) of x (f32, K apart) against the strips w (N columns) into out, by the path their
 // count takes: the matmul's dispatch, and the grouped matmul's for each group.
