@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from jaxllm.config import ConfigError
+from deepseek_checkpoints import ARCHS, build
 from test_models import _prompts, assert_greedy_matches_transformers
 
 _COMMON = dict(vocab_size=512, hidden_size=48, intermediate_size=64, moe_intermediate_size=16,
@@ -38,9 +39,7 @@ def make_deepseek(make_tiny_checkpoint, tmp_path_factory):
     """make_deepseek(version: 2, 3 or 'glm4_moe', **config) -> a float32 checkpoint folder
     (weights as conftest's `_randomize`; V3's correction bias random too) with the tests'
     tokenizer."""
-    import transformers as tr
-    from conftest import _randomize
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(make_tiny_checkpoint("llama"))
     cache = {}
@@ -49,23 +48,8 @@ def make_deepseek(make_tiny_checkpoint, tmp_path_factory):
         key = json.dumps([version, kw], sort_keys=True)
         if key in cache:
             return cache[key]
-        cls, arch = {3: (tr.DeepseekV3Config, "DeepseekV3ForCausalLM"),
-                     2: (tr.DeepseekV2Config, "DeepseekV2ForCausalLM"),
-                     "glm4_moe": (tr.Glm4MoeConfig, "Glm4MoeForCausalLM")}[version]
-        cfg = cls(**kw, bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                  pad_token_id=tok.pad_token_id)
-        cfg.architectures = [arch]
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        _randomize(model, False, seed=len(cache))
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for name, buf in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    buf.copy_(0.3 * torch.randn(buf.shape, generator=g))
-        path = str(tmp_path_factory.mktemp(f"tiny_{arch}"))
-        model.save_pretrained(path)
-        tok.save_pretrained(path)
+        path = build(version, tok, str(tmp_path_factory.mktemp(f"tiny_{ARCHS[version]}")),
+                     seed=len(cache), **kw)
         cache[key] = path
         return path
 

@@ -46,6 +46,7 @@ def test_mixed_batch_equals_peft(tiny_llama, adapters):
     sp = SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
                         lora_request=[reqs.get(n) for n in names], use_tqdm=False)
+    assert llm.llm_engine.lora_slots.num_writes > 2  # three adapters through two slots
     base_tokens = {}
     for name, p, out in zip(names, prompts, outs):
         assert out.lora_request == reqs.get(name)

@@ -75,14 +75,11 @@ def _leader(path: str, kw: dict) -> dict:
     prompts[-4:] = [prompts[-1]] * 4
     llm = LLM(path, **_engine_args(kw))
     engine = llm.llm_engine
-    writes = []
-    write = engine.lora_slots._write
-    engine.lora_slots._write = lambda slot, w: (writes.append(slot), write(slot, w))
     sp = SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
                         lora_request=[reqs.get(n) for n in names], use_tqdm=False)
     leader = engine.step_leader
-    return {"processes": jax.process_count(), "lora_writes": len(writes),
+    return {"processes": jax.process_count(), "lora_writes": engine.lora_slots.num_writes,
             "channel_calls": leader.calls if leader else 0,
             "outputs": [{"adapter": n, "tokens": list(o.outputs[0].token_ids),
                          "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,

@@ -18,7 +18,6 @@ accepts a small share).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -29,6 +28,8 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import ConfigError
 from jaxllm.spec_decode.config import SpeculativeConfig
+from test_spec_engine import plain
+from deepseek_checkpoints import ARCHS, build
 from test_deepseek import GLM4_MOE, V3
 
 MTP = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
@@ -40,36 +41,20 @@ PREDICTABLE = dict(V3, num_hidden_layers=1, first_k_dense_replace=2)
 
 @pytest.fixture(scope="module")
 def checkpoint(make_tiny_checkpoint, tmp_path_factory):
-    """checkpoint(arch, **config) -> a float32 transformers checkpoint folder of
-    DeepseekV3ForCausalLM or Glm4MoeForCausalLM (conftest's random weights, V3's correction
-    bias random too) with the tests' tokenizer; no MTP tensors (transformers saves none)."""
-    import torch
-    import transformers as tr
-    from conftest import _randomize
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """checkpoint(arch, **config) -> a float32 checkpoint folder of DeepseekV3ForCausalLM or
+    Glm4MoeForCausalLM (tests/deepseek_checkpoints.py); no MTP tensors (transformers saves
+    none)."""
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(make_tiny_checkpoint("llama"))
+    version = {arch: v for v, arch in ARCHS.items()}
     cache = {}
 
     def make(arch: str, **kw) -> str:
         key = json.dumps([arch, kw], sort_keys=True)
         if key not in cache:
-            cls = {"DeepseekV3ForCausalLM": tr.DeepseekV3Config,
-                   "Glm4MoeForCausalLM": tr.Glm4MoeConfig}[arch]
-            cfg = cls(**kw, bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, architectures=[arch])
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-            _randomize(model, False, seed=len(cache))
-            g = torch.Generator().manual_seed(7)
-            with torch.no_grad():
-                for name, buf in model.named_buffers():
-                    if name.endswith("e_score_correction_bias"):
-                        buf.copy_(0.3 * torch.randn(buf.shape, generator=g))
-            path = tmp_path_factory.mktemp("tiny_mtp")
-            model.save_pretrained(path)
-            tok.save_pretrained(path)
-            cache[key] = str(path)
+            cache[key] = build(version[arch], tok, str(tmp_path_factory.mktemp("tiny_mtp")),
+                               seed=len(cache), **kw)
         return cache[key]
 
     return make
@@ -117,17 +102,6 @@ def mtp_llm(path: str, spec: dict = MTP, **kw) -> LLM:
                 use_tqdm_on_load=False, seed=0, disable_log_stats=True,
                 speculative_config=spec)
     return LLM(path, **{**args, **kw})
-
-
-@contextlib.contextmanager
-def plain(llm):
-    """The same engine without speculation."""
-    eng = llm.llm_engine
-    spec, eng.speculator = eng.speculator, None
-    try:
-        yield
-    finally:
-        eng.speculator = spec
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:

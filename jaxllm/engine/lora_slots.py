@@ -39,6 +39,7 @@ class LoRASlots:
         self._users = collections.Counter()
         self._recency: collections.OrderedDict[int, None] = collections.OrderedDict(
             (i, None) for i in range(config.max_loras))  # slots, least recently used first
+        self.num_writes = 0  # adapters written into a device slot since start-up
 
     # --- registry ------------------------------------------------------------------------------
     def add(self, req: LoRARequest) -> bool:
@@ -89,6 +90,7 @@ class LoRASlots:
                 return None
             slot = next((s for s in free if self._slots[s] is None), free[0])
             self._write(slot, self._read(req).weights)
+            self.num_writes += 1
             self._slots[slot] = key
         self._users[key] += 1
         self._recency.move_to_end(slot)
