@@ -83,7 +83,8 @@ def test_batch_equals_transformers_and_one_by_one(llm, prompts, expected):
 @pytest.mark.parametrize("kw", [
     pytest.param(dict(enable_chunked_prefill=False, max_num_batched_tokens=64),
                  id="no-chunked-prefill", marks=pytest.mark.slow),
-    pytest.param(dict(enable_prefix_caching=False), id="no-prefix-caching"),
+    pytest.param(dict(enable_prefix_caching=False), id="no-prefix-caching",
+                 marks=pytest.mark.slow),
     # 256 slots; 8 running sequences need ~400: preemption
     pytest.param(dict(num_gpu_blocks_override=64), id="preemption"),
     pytest.param(dict(enforce_eager=True), id="eager", marks=pytest.mark.slow),

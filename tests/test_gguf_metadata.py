@@ -212,6 +212,7 @@ def test_default_model_starts_without_torch(tmp_path):
                                           "<|im_start|>assistant\n")
 
 
+@pytest.mark.slow  # a cold process; the default model's no-torch start stays default
 def test_hf_folder_starts_without_torch(tmp_path, tiny_llama):
     """The same for a safetensors folder (config.json, tokenizer files, generation config):
     the tokens equal transformers' greedy ones."""
