@@ -95,6 +95,15 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """all_token_ids[start:start + n] without building the whole list (a step's tokens)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:start - p + n]
+        if start + n <= p:
+            return self.prompt_token_ids[start:start + n]
+        return self.all_token_ids[start:start + n]
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

@@ -153,14 +153,14 @@ class MtpProposer:
             known = n - len(s.spec_token_ids)
             got = sampled.get(seq.seq_id)
             if seq.status == SequenceStatus.RUNNING and (got or not s.sample):
-                next_tokens[t:t + known - 1] = _tokens(seq, s.start + 1, known - 1)
+                next_tokens[t:t + known - 1] = seq.token_slice(s.start + 1, known - 1)
                 if s.sample:
                     last = t + known - 1 + len(got) - 1  # the last accepted row
                     next_tokens[t + known - 1:last + 1] = [g.token for g in got]
                     rows[r], slots[r] = last, self._take_slot(seq.seq_id, here)
                     r += 1
                 else:  # a chunk of known tokens: its last row's next one is known too
-                    next_tokens[t + known - 1] = _tokens(seq, s.start + known, 1)[0]
+                    next_tokens[t + known - 1] = seq.token_slice(s.start + known, 1)[0]
                 self._blocks[seq.seq_id] = s.block_ids
             t += n
         key = ProgramKey("mtp_feed", T, out.metadata.decode_only)
@@ -241,13 +241,3 @@ class MtpProposer:
             self.runner.weights()[0], self.kv, self.buf_tokens, self.buf_hidden, slots,
             positions, md, first_use=True)
         return np.asarray(jax.device_get(out))[:len(seqs)]
-
-
-def _tokens(seq: Sequence, start: int, n: int) -> list[int]:
-    """seq.all_token_ids[start:start + n] without building the whole list."""
-    p = seq.num_prompt_tokens
-    if start >= p:
-        return seq.output_token_ids[start - p:start - p + n]
-    if start + n <= p:
-        return seq.prompt_token_ids[start:start + n]
-    return (seq.prompt_token_ids + seq.output_token_ids)[start:start + n]

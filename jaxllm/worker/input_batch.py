@@ -162,7 +162,7 @@ class InputBatcher:
                     rows.append((seq, t - 1))
                 continue
             known = n - len(spec)  # the drafts follow the sequence's known tokens
-            token_ids[t:t + known] = _token_slice(seq, start, known)
+            token_ids[t:t + known] = seq.token_slice(start, known)
             token_ids[t + known:t + n] = spec
             if token_ids[t + known - 1] == PENDING:  # only the last output token is in flight
                 from_prev[t + known - 1] = prev_rows[seq.seq_id]
@@ -237,13 +237,3 @@ def prompt_logprob_targets(T: int, prompt_rows: list[PromptRows]):
         target_ids[n:n + k] = pr.seq.prompt_token_ids[pr.first:pr.first + k]
         n += k
     return row_idx, target_ids, np.int32(n)
-
-
-def _token_slice(seq: Sequence, start: int, n: int) -> list[int]:
-    """seq.all_token_ids[start:start+n] without building the whole list for a decode token."""
-    p = seq.num_prompt_tokens
-    if start >= p:
-        return seq.output_token_ids[start - p:start - p + n]
-    if start + n <= p:
-        return seq.prompt_token_ids[start:start + n]
-    return seq.all_token_ids[start:start + n]
