@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from jaxllm.entrypoints.beam_search import BeamSearch, BeamSearchParams
 from serving.errors import APIError
-from serving.generation import collect, submit
-from serving.prompts import Prompt, max_tokens_for
+from serving.generation import Prompt, collect, max_tokens_for, submit
 from serving.protocol import STRUCTURED_FIELDS, UsageInfo
 from serving.protocol_completion import (CompletionRequest, CompletionResponse,
                                          CompletionResponseChoice)

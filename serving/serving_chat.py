@@ -28,9 +28,9 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured_output import StructuredOutputsParams
 from jaxllm.structured_output.tool_choice import tool_choice_params
 from serving.errors import APIError, error_body, stream_error_status
-from serving.generation import DONE, build_params, collect, merge, sse, submit
+from serving.generation import (DONE, Prompt, build_params, chat_prompt, collect, max_tokens_for,
+                               merge, sse, submit, truncated)
 from serving.logprobs import chat_logprobs, prompt_logprobs_json
-from serving.prompts import Prompt, chat_prompt, max_tokens_for, truncated
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                               ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo)

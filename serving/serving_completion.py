@@ -10,9 +10,9 @@ from typing import AsyncIterator, Union
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from serving.beam_search import beam_search_completion
 from serving.errors import error_body, stream_error_status
-from serving.generation import DONE, build_params, collect, merge, sse, submit
+from serving.generation import (DONE, Prompt, build_params, collect, max_tokens_for, merge,
+                               split_prompts, sse, submit, to_prompts, truncated)
 from serving.logprobs import completion_logprobs, prompt_logprobs_json
-from serving.prompts import Prompt, max_tokens_for, split_prompts, to_prompts, truncated
 from serving.protocol import UsageInfo
 from serving.protocol_completion import (CompletionLogProbs, CompletionRequest,
                                          CompletionResponse, CompletionResponseChoice,

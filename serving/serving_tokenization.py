@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from serving.errors import APIError
-from serving.prompts import Prompt, chat_prompt
+from serving.generation import Prompt, chat_prompt
 from serving.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                               TokenizeResponse)
 from serving.state import ServingState

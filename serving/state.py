@@ -222,8 +222,11 @@ class ServingState:
         raise APIError(f"The model `{requested}` does not exist.", 404, param="model")
 
     def lora_request(self, name: Optional[str]):
-        """The LoRARequest of the adapter served as `name`; None for a base model."""
-        return self.lora.get(name) if self.lora is not None else None
+        """The LoRARequest of the adapter served as `name`; None for a base model (answered
+        here, without a lookup in the adapters' table)."""
+        if self.lora is None or not name or name in self.served_model_names:
+            return None
+        return self.lora.get(name)
 
     def require_tokenizer(self):
         if self.tokenizer is None:

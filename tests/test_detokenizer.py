@@ -7,7 +7,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from jaxllm.engine.detokenizer import IncrementalDetokenizer, decode_logprob_token
+from jaxllm.engine.output_processor import IncrementalDetokenizer, decode_logprob_token
 
 TEXTS = [
     "Hello world! The capital of France is Paris.",
@@ -183,7 +183,7 @@ def test_decode_logprob_token(fast_tok):
 
 def test_a_decode_stream_that_cannot_be_primed_leaves_the_window(fast_tok, monkeypatch):
     """An older tokenizers whose DecodeStream takes no ids: the window decodes, as correctly."""
-    import jaxllm.engine.detokenizer as detok
+    import jaxllm.engine.output_processor as detok
 
     def unprimed(*, skip_special_tokens=False, **kw):
         if kw:

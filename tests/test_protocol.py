@@ -18,9 +18,9 @@ from jaxllm.engine.stats import EngineStats
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from serving.errors import APIError, describe_validation_errors, error_body
 from jaxllm.sampling_params import SamplingParams
-from serving.generation import EventStreamResponse, merge, submit
+from serving.generation import (EventStreamResponse, max_tokens_for, merge, split_prompts,
+                               submit)
 from serving.metrics import ServerMetrics
-from serving.prompts import max_tokens_for, split_prompts
 from serving.protocol import ChatCompletionRequest, DeltaMessage, TokenizeRequest
 from serving.protocol_completion import CompletionRequest
 from serving.state import Admission

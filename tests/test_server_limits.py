@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from jaxllm.sampling_params import SamplingParams
 from serving.errors import APIError
-from serving.prompts import RenderTimeout, call_with_deadline
+from serving.generation import RenderTimeout, call_with_deadline
 from serving.protocol import ChatCompletionRequest
 from serving.protocol_completion import CompletionRequest
 from serving.state import (Admission, RequestLimits, ServingState, check_request_limits,

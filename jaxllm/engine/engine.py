@@ -3,7 +3,7 @@
 Each stage has its own object: the input processor checks a request once, the output
 processor fans it out into its n sequences and turns their tokens into outputs, the
 scheduler plans each step and owns every sequence's status, the runner executes a plan on
-the devices (`dispatch`, then `collect` its tokens), and the step policy (step_policy.py)
+the devices (`dispatch`, then `collect` its tokens), and the step policy (scheduler.py)
 decides how many steps are in flight. Everything here is host-side Python.
 """
 
@@ -19,21 +19,18 @@ from jaxllm.engine.state_slots import StateSlots
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.kv_offload import host_tier
 from jaxllm.engine.lora_slots import LoRASlots
-from jaxllm.engine.multimodal import image_processor
 from jaxllm.engine.output_processor import OutputProcessor
-from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.scheduler import Scheduler, StepPolicy
 from jaxllm.engine.sleep_mode import SleepMode
 from jaxllm.engine.startup import build_engine_parts
-from jaxllm.engine.step_policy import StepPolicy
 from jaxllm.engine.stats import EngineStats, StatsLogger
-from jaxllm.models.vision_spec import bidirectional_images
 from jaxllm.loader.loader import read_weights
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.draft_model import build_speculator
-from jaxllm.worker.pooler import Pooler
+from jaxllm.worker.pooler import WRONG_RUNNER, Pooler
 
 logger = logging.getLogger("jaxllm")
 
@@ -60,30 +57,18 @@ class LLMEngine:
         self.pooler = (None if parts.pooler_config is None
                        else Pooler(parts.pooler_config, self.runner, block_size,
                                    parts.classifier))
-        sc, pp = config.scheduler, config.parallel.pipeline_parallel_size
-        self.lora_config = config.lora
         self.lora_slots = (None if config.lora is None else
                            LoRASlots(config.lora, self.model_config, self.runner.write_lora_slot))
         self.kv_cache_manager = KVCacheManager(
             parts.num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching,
             hash_algo=config.cache.prefix_caching_hash_algo,
             host_tier=host_tier(config.cache, self.runner, parts.num_blocks),
-            state_slots=StateSlots(sc.max_num_seqs) if self.model_config.linear_layers
+            state_slots=StateSlots(config.scheduler.max_num_seqs) if self.model_config.linear_layers
             else None)
-        self.scheduler = Scheduler(
-            self.kv_cache_manager, max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=self.runner.max_num_batched_tokens,
-            max_model_len=self.model_config.max_model_len,
-            enable_chunked_prefill=sc.enable_chunked_prefill, policy=sc.policy,
-            block_size=block_size, pipeline_depth=pp, lora_slots=self.lora_slots,
-            whole_images=bidirectional_images(self.model_config))
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.model_config, max_logprobs=sc.max_logprobs,
-            eos_token_ids=self.eos_token_ids, structured_outputs=config.structured_outputs,
-            priority_scheduling=sc.policy == "priority", seed=config.model.seed,
-            images=image_processor(config, self.model_config, self.tokenizer,
-                                   refusal=self.runner.image_refusal,
-                                   max_step_tokens=self.runner.max_num_batched_tokens))
+        self.scheduler = Scheduler.from_config(config, self.kv_cache_manager, self.model_config,
+                                               self.runner.max_num_batched_tokens, self.lora_slots)
+        self.input_processor = InputProcessor.from_config(config, self.model_config, self.tokenizer,
+                                                          self.eos_token_ids, self.runner)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sleep_mode = SleepMode(
             config.enable_sleep_mode, self.runner, self.kv_cache_manager,
@@ -92,12 +77,10 @@ class LLMEngine:
             self.lora_slots.forget_slots if self.lora_slots is not None else lambda: None)
         self.speculator = build_speculator(config, self.model_config, self.runner,
                                            parts.num_blocks)
-        self.step_policy = StepPolicy(self.scheduler, self.runner, self.speculator,
-                                      pipeline_depth=pp, async_scheduling=sc.async_scheduling,
-                                      burst_steps=sc.num_scheduler_steps)
+        self.step_policy = StepPolicy.from_config(config, self.scheduler, self.runner,
+                                                  self.speculator)
         self._stats_log = StatsLogger(not config.disable_log_stats, time.monotonic())
         self.total_prompt_tokens = 0  # of finished requests (and pooled prompts)
-        self._prompt_positions = 0  # prompt positions computed (for the stats line)
         self.startup_times = dict(parts.startup_times, total=time.perf_counter() - t0)
         logger.info("Engine ready in %.1f s (%s)", self.startup_times["total"],
                     ", ".join(f"{k} {v:.1f} s" for k, v in parts.startup_times.items()))
@@ -119,13 +102,9 @@ class LLMEngine:
                     arrival_time: Optional[float] = None,
                     lora_request: Optional[LoRARequest] = None) -> None:
         """lora_request: the adapter to run it with (registered here on first use)."""
-        if self.pooler is not None:
-            raise ValueError("Text generation is only supported for generative models; this "
-                             "one runs with --runner pooling (embeddings). Start it with "
-                             "--runner generate to generate text.")
+        self._accepts(pooling=False)
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.sleep_mode.check_awake()
         if lora_request is not None:
             self.add_lora(lora_request)
         req = self.input_processor.process(request_id, prompt, params, priority, arrival_time,
@@ -152,15 +131,19 @@ class LLMEngine:
     def encode(self, request_id: str, prompt: PromptType,
                params: Optional[PoolingParams] = None) -> PoolingRequestOutput:
         """Pool one prompt now (it takes no step and no place in the KV cache)."""
-        if self.pooler is None:
-            raise ValueError("Embeddings are only supported for pooling models; this one runs "
-                             "with --runner generate. Start it with --runner pooling (or "
-                             "--convert embed) to embed.")
-        self.sleep_mode.check_awake()
+        self._accepts(pooling=True)
         text, ids = self.process_prompt(prompt)
         data = self.pooler.run(ids, params or PoolingParams())
         self.total_prompt_tokens += len(ids)
         return PoolingRequestOutput(request_id, PoolingOutput(data), ids, True, text)
+
+    def _accepts(self, pooling: bool) -> None:
+        """Refuse work of the kind this engine's runner does not do, and any while it sleeps
+        (refused, not queued)."""
+        if (self.pooler is not None) != pooling:
+            raise ValueError(WRONG_RUNNER[pooling])
+        if self.sleep_mode.level:
+            raise self.sleep_mode.sleeping_error()
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
@@ -174,13 +157,13 @@ class LLMEngine:
 
     def abort_request(self, request_ids: Union[str, list[str]]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self._forget(self.output_processor.abort_request(rid))
+            seq_ids = self.output_processor.abort_request(rid)
+            self.scheduler.abort_seqs(seq_ids)
+            self._free_drafts(seq_ids)
 
-    def _forget(self, seq_ids: list[str]) -> None:
-        self.scheduler.abort_seqs(seq_ids)
-        if self.speculator is not None:
-            for sid in seq_ids:
-                self.speculator.free(sid)
+    def _free_drafts(self, seq_ids: list[str]) -> None:
+        for sid in seq_ids if self.speculator is not None else ():
+            self.speculator.free(sid)
 
     # --- sleep mode (jaxllm/engine/sleep_mode.py) and new weights -----------------------------
     def sleep(self, level: int = 1, mode: str = "abort") -> dict:
@@ -226,8 +209,7 @@ class LLMEngine:
         outputs = self.step_policy.step(self._update)
         now = time.monotonic()
         if now >= self._stats_log.next_at:
-            self._stats_log.log(now, self.stats(), self._prompt_positions,
-                                self.output_processor.num_generation_tokens)
+            self._stats_log.log(now, self.stats(), self.output_processor.num_generation_tokens)
         return outputs
 
     def _update(self, step) -> list[RequestOutput]:
@@ -246,13 +228,9 @@ class LLMEngine:
         now = time.monotonic()
         self.scheduler.apply_stops(op.record_tokens(sched, sampled, kept, now))
         outputs, finished, prompt_tokens = op.outputs(now)
-        if self.speculator is not None:
-            for sid in finished:
-                self.speculator.free(sid)
+        self._free_drafts(finished)
         self.total_prompt_tokens += prompt_tokens
-        self._prompt_positions += sum(
-            max(0, min(s.start + s.num_tokens, s.seq.num_prompt_tokens) - s.start)
-            for s in sched.scheduled)
+        self._stats_log.count_prompt_positions(sched)
         return outputs
 
     def stats(self) -> EngineStats:

@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from jaxllm.engine.grammar import Grammars
+from jaxllm.engine.multimodal import image_processor
 from jaxllm.layers.sampling_tensors import EXTRA_PENALTY_IDS
 from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling_params import SamplingParams
@@ -41,6 +42,19 @@ class EngineRequest:
 
 
 class InputProcessor:
+    @classmethod
+    def from_config(cls, config, model_config, tokenizer, eos_token_ids: frozenset,
+                    runner) -> "InputProcessor":
+        """The engine's input processor: `config` the EngineConfig; `runner` says whether its
+        backend can take images and how many tokens a step holds."""
+        sc = config.scheduler
+        return cls(tokenizer, model_config, max_logprobs=sc.max_logprobs,
+                   eos_token_ids=eos_token_ids, structured_outputs=config.structured_outputs,
+                   priority_scheduling=sc.policy == "priority", seed=config.model.seed,
+                   images=image_processor(config, model_config, tokenizer,
+                                          refusal=runner.image_refusal,
+                                          max_step_tokens=runner.max_num_batched_tokens))
+
     def __init__(self, tokenizer, model_config, *, max_logprobs: int, eos_token_ids: frozenset,
                  structured_outputs: Optional[dict] = None, priority_scheduling: bool = False,
                  seed: int = 0, images=None):

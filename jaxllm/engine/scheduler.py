@@ -2,15 +2,25 @@
 (decodes and unfinished prompt chunks), then admits waiting ones. When KV blocks run out, a
 running sequence is preempted by recompute: its blocks are freed and it rejoins the waiting queue
 at the front with its outputs kept, to be recomputed (often from the prefix cache) as its prompt.
+
+Below the scheduler, the step policy (`StepPolicy`): how many steps are in flight, and what each
+one dispatched is. Set once from the config: one step in flight (each read before the next is
+planned); two with --async-scheduling (step N+1 is planned and dispatched, taking its input
+tokens from the device, before step N is read); N with --pipeline-parallel-size N (the stages
+work on N steps holding disjoint sequences). With --num-scheduler-steps K, K decode steps may
+run as one program (a burst). The policy plans through the scheduler and dispatches through the
+runner; reading a step (the engine's update stage) is the caller's `read`.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import logging
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.models.vision_spec import bidirectional_images
 from jaxllm.sequence import (PENDING, ScheduledSequence, SchedulerOutput, Sequence,
                              SequenceStatus, Stop)
 
@@ -18,6 +28,18 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
+    @classmethod
+    def from_config(cls, config, kv_cache_manager: KVCacheManager, model_config,
+                    max_num_batched_tokens: int, lora_slots=None) -> "Scheduler":
+        sc = config.scheduler  # the EngineConfig's; the token budget is the runner's
+        return cls(kv_cache_manager, max_num_seqs=sc.max_num_seqs,
+                   max_num_batched_tokens=max_num_batched_tokens,
+                   max_model_len=model_config.max_model_len,
+                   enable_chunked_prefill=sc.enable_chunked_prefill, policy=sc.policy,
+                   block_size=config.cache.block_size,
+                   pipeline_depth=config.parallel.pipeline_parallel_size,
+                   lora_slots=lora_slots, whole_images=bidirectional_images(model_config))
+
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs", block_size: int,
@@ -345,3 +367,83 @@ def image_chunk_cut(starts, lengths, start: int, n: int) -> int:
         if s < start + n < s + k:
             return max(0, s - start)
     return n
+
+
+# --- the step policy ---------------------------------------------------------------------------
+
+def _last(inflight):  # the last step of what is in flight: a step, a burst's list, or None
+    return inflight[-1] if isinstance(inflight, list) else inflight
+
+
+class StepPolicy:
+    def __init__(self, scheduler, runner, speculator, *, pipeline_depth: int,
+                 async_scheduling: bool, burst_steps: int):
+        self._scheduler, self._runner, self._speculator = scheduler, runner, speculator
+        self._depth = pipeline_depth if pipeline_depth > 1 else 2 if async_scheduling else 1
+        # Whether a step takes its input tokens from the one before it on the device.
+        self._chain = pipeline_depth == 1 and async_scheduling
+        self._burst_steps = burst_steps
+        self._inflight: collections.deque = collections.deque()  # oldest first
+
+    @classmethod
+    def from_config(cls, config, scheduler, runner, speculator) -> "StepPolicy":
+        return cls(scheduler, runner, speculator,
+                   pipeline_depth=config.parallel.pipeline_parallel_size,
+                   async_scheduling=config.scheduler.async_scheduling,
+                   burst_steps=config.scheduler.num_scheduler_steps)
+
+    def step(self, read: Callable[[object], list]) -> list:
+        """Plan and dispatch one step (or a burst), then read the oldest step in flight once
+        the depth is reached or nothing new was dispatched; what `read` returned for the
+        steps read."""
+        outputs: list = []
+        inflight, sched = self._inflight, self._scheduler
+        if inflight and self._chain and not self._can_overlap():
+            outputs += read(inflight.popleft())  # sampling needs its tokens
+        prev = _last(inflight[-1]) if self._chain and inflight else None
+        if sched.can_burst(self._burst_steps) and self._runner.burst_ready(
+                sched.running, self._burst_steps):
+            cur = self._dispatch_burst(prev)
+        else:
+            drafts = (self._speculator.propose(sched.running)
+                      if self._speculator is not None else None)
+            plan = sched.schedule(drafts)
+            cur = self._runner.dispatch(plan, prev) if plan.scheduled else None
+            if cur is not None:
+                sched.advance(plan)
+        if cur is not None:
+            inflight.append(cur)
+        if inflight and (len(inflight) >= self._depth or cur is None):
+            outputs += read(inflight.popleft())
+        return outputs
+
+    def drain(self, read: Callable[[object], list]) -> list:
+        """Read every step still in flight, oldest first."""
+        outputs: list = []
+        while self._inflight:
+            outputs += read(self._inflight.popleft())
+        return outputs
+
+    def _dispatch_burst(self, prev) -> list:
+        """num_scheduler_steps decode steps in one program: each is planned and advanced on
+        the host as usual (its input token is the step before's, still on the device; step
+        0's is prev's), then all are dispatched. Their tokens are resolved in order when read
+        (tokens after a stop are dropped)."""
+        steps = []
+        for _ in range(self._burst_steps):
+            plan = self._scheduler.schedule()
+            steps.append(self._runner.prepare_burst_step(
+                plan, steps[-1].inflight if steps else prev))
+            self._scheduler.advance(plan)
+        return self._runner.dispatch_burst(steps, prev)
+
+    def _can_overlap(self) -> bool:
+        """The next step's sampling may not read output tokens still in flight, nor may its
+        drafts be proposed without them (a step that may speculate reads them first), nor
+        may a step follow one with drafts before it is known how many were accepted."""
+        running = self._scheduler.running
+        if self._speculator is not None and (
+                any(s.spec_token_ids for s in _last(self._inflight[-1]).sched.scheduled)
+                or self._speculator.wants_tokens(running)):
+            return False
+        return not any(r.sampling_params.needs_output_history for r in running)

@@ -44,11 +44,11 @@ class SleepMode:
     def is_sleeping(self) -> bool:
         return self.level > 0
 
-    def check_awake(self) -> None:
-        """Refuse work while anything sleeps (EngineSleepingError)."""
-        if self.level:
-            raise EngineSleepingError(f"the engine is sleeping (level {self.level}); wake it "
-                                      "up first (LLM.wake_up(), POST /wake_up)")
+    def sleeping_error(self) -> EngineSleepingError:
+        """What work gets while anything sleeps (the engine reads `level` first: a request on
+        an awake engine does not enter this module)."""
+        return EngineSleepingError(f"the engine is sleeping (level {self.level}); wake it up "
+                                   "first (LLM.wake_up(), POST /wake_up)")
 
     @staticmethod
     def check_idle(what: str, mode: str, unfinished: int) -> None:

@@ -21,8 +21,8 @@ call; `collect` keeps the prefix matching the drafts (jaxllm/spec_decode/accepta
 in-flight input tokens read on the device from step N's output) before reading step N.
 
 Host inputs come from jaxllm/worker/input_batch.py, programs from compile_manager.py (warm-up,
-background compiles, the executable cache); every call goes through the StepLauncher
-(step_launcher.py), which runs it here, on the other hosts too, or not here at all.
+background compiles, the executable cache); every call goes through the StepLauncher (also
+compile_manager.py), which runs it here, on the other hosts too, or not here at all.
 --enforce-eager skips the warm-up and runs unpadded shapes through plain jit.
 """
 
@@ -47,16 +47,14 @@ from jaxllm.layers.sampling_tensors import (EXTRA_PENALTY_IDS, SamplingTensors, 
 from jaxllm.models.vision_spec import bidirectional_images
 from jaxllm.sequence import SchedulerOutput, Sequence
 from jaxllm.spec_decode.acceptance import num_accepted
-from jaxllm.worker.compile_manager import CompileManager, ProgramKey
+from jaxllm.worker.compile_manager import CompileManager, ProgramKey, StepLauncher
 from jaxllm.worker.encoder import ImageEncoder
 from jaxllm.worker.executable_cache import ExecutableCache
 from jaxllm.worker.kv_transfer import HostKVStore
 from jaxllm.worker.memory_tiers import MemoryTiers
-from jaxllm.worker.input_batch import (InputBatcher, PromptRows, StepInputs, bucket,
-                                       prompt_logprob_targets)
-from jaxllm.worker.step_launcher import StepLauncher
-from jaxllm.worker.step_state import (BurstStep, Inflight, SampleResult, StepEvent,
-                                      StepHidden, prompt_results, sample_result)
+from jaxllm.worker.input_batch import (BurstStep, Inflight, InputBatcher, PromptRows,
+                                       SampleResult, StepEvent, StepHidden, StepInputs, bucket,
+                                       prompt_logprob_targets, prompt_results, sample_result)
 
 logger = logging.getLogger("jaxllm")
 

@@ -28,7 +28,7 @@ outputs (arrays without local shards) to pass on. The sampled tokens come back t
 same way when it reads them (`to_reader`, from `collect`: a receiving host's `device_put`
 waits for the sender to issue its side, so at dispatch it would hold rank 0's next step until
 the last stage's host got there). Both rules are this runner's StepLauncher's (jaxllm/worker/
-step_launcher.py: `elsewhere` and `reader`, given when it is made).
+compile_manager.py: `elsewhere` and `reader`, given when it is made).
 
 Every step dispatches all stages without waiting; only the sampled tokens are read back
 (`collect`). `start_timeline` records when each stage is busy (jaxllm/worker/
@@ -51,11 +51,10 @@ from jaxllm.layers.attention import empty_kv_caches, kv_cache_shardings
 from jaxllm.layers.lora import fill_slot
 from jaxllm.models.pipeline_stage import stage_forward, stage_lora_share
 from jaxllm.parallel.pipeline import is_local
-from jaxllm.worker.compile_manager import ProgramKey
+from jaxllm.worker.compile_manager import ProgramKey, StepLauncher
 from jaxllm.worker.input_batch import StepInputs
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.pipeline_timeline import StageTimeline
-from jaxllm.worker.step_launcher import StepLauncher
 
 logger = logging.getLogger("jaxllm")
 

@@ -33,6 +33,14 @@ from jaxllm.layers.attention import AttentionMetadata, KVCache
 from jaxllm.loader.classifier_head import ClassifierHead
 from jaxllm.pooling_params import PoolingParams
 
+# What a request of the other kind gets (by whether it asked to pool): vLLM's messages.
+WRONG_RUNNER = {
+    True: "Embeddings are only supported for pooling models; this one runs with --runner "
+          "generate. Start it with --runner pooling (or --convert embed) to embed.",
+    False: "Text generation is only supported for generative models; this one runs with "
+           "--runner pooling (embeddings). Start it with --runner generate to generate text.",
+}
+
 POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
 # sentence-transformers' pooling modes -> ours, in the order it checks them.
 _ST_MODES = (("pooling_mode_cls_token", "CLS"), ("pooling_mode_mean_tokens", "MEAN"),
