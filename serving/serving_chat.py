@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: the conversation rendered into a prompt (serving/prompts.py),
+"""POST /v1/chat/completions: the conversation rendered into a prompt (serving/generation.py),
 generated, and each choice's text read back as the chat message, whole or as the stream's deltas.
 
 A choice's text -> the message fields: `reasoning` (--reasoning-parser), `content` and

@@ -43,6 +43,10 @@ def test_streaming_chat_request_path(tmp_path):
     assert not [t for t in r["untraced_threads"] if t.startswith(("jaxllm", "tokenizer"))], r
     assert until and until[0].startswith("serving/"), until
     assert "serving/api_server.py" in until
+    # The bar the path has reached (issue 43's is 16): a file added to it fails here.
+    from_api = until[until.index("serving/api_server.py"):]
+    assert len(from_api) <= 18, from_api
+    assert not {"serving/lora_adapters.py", "jaxllm/engine/sleep_mode.py"} & set(until), until
     assert len(full) == len(set(full)), full
     assert full[:len(until)] == until and until + r["back_to_client"] == full
     # The token is drawn inside a compiled program: sampler.py's Python runs only at compile

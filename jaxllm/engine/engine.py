@@ -209,7 +209,8 @@ class LLMEngine:
         outputs = self.step_policy.step(self._update)
         now = time.monotonic()
         if now >= self._stats_log.next_at:
-            self._stats_log.log(now, self.stats(), self.output_processor.num_generation_tokens)
+            self._stats_log.log(now, self.stats(), self.output_processor.num_prompt_positions,
+                                self.output_processor.num_generation_tokens)
         return outputs
 
     def _update(self, step) -> list[RequestOutput]:
@@ -230,7 +231,6 @@ class LLMEngine:
         outputs, finished, prompt_tokens = op.outputs(now)
         self._free_drafts(finished)
         self.total_prompt_tokens += prompt_tokens
-        self._stats_log.count_prompt_positions(sched)
         return outputs
 
     def stats(self) -> EngineStats:

@@ -66,6 +66,7 @@ class OutputProcessor:
         self._owner: dict[str, _Request] = {}  # seq_id -> its request
         self._touched: dict[str, _Request] = {}  # progressed in the step being recorded
         self.num_generation_tokens = 0  # kept tokens, since start
+        self.num_prompt_positions = 0  # prompt positions computed since start (recomputes too)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -134,6 +135,8 @@ class OutputProcessor:
         stops = []
         for item in sched.scheduled:
             seq = item.seq
+            self.num_prompt_positions += max(
+                0, min(item.start + item.num_tokens, seq.num_prompt_tokens) - item.start)
             state = self._owner.get(seq.seq_id)
             if state is None or seq.seq_id not in kept:
                 continue

@@ -112,17 +112,11 @@ class StatsLogger:
     def __init__(self, enabled: bool, now: float):
         self.next_at = now + LOG_INTERVAL_S if enabled else float("inf")
         self._last = (now, 0, 0)  # time, prompt tokens computed, tokens generated
-        self.prompt_positions = 0  # prompt positions computed since start, recomputes included
 
-    def count_prompt_positions(self, sched) -> None:
-        """Add the prompt positions a step (a SchedulerOutput) computed."""
-        self.prompt_positions += sum(
-            max(0, min(s.start + s.num_tokens, s.seq.num_prompt_tokens) - s.start)
-            for s in sched.scheduled)
-
-    def log(self, now: float, stats: EngineStats, generation_tokens: int) -> None:
-        """generation_tokens: the total since start (output tokens kept)."""
-        prompt_tokens = self.prompt_positions
+    def log(self, now: float, stats: EngineStats, prompt_tokens: int,
+            generation_tokens: int) -> None:
+        """prompt_tokens, generation_tokens: totals since start (prompt positions computed,
+        recomputes included; output tokens kept)."""
         then, p0, g0 = self._last
         dt = now - then
         logger.info(
