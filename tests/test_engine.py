@@ -94,9 +94,11 @@ def test_batch_equals_transformers_and_one_by_one(llm, prompts, expected):
                  marks=pytest.mark.slow),
 ])
 def test_engine_variants_match_transformers(tiny_llama, prompts, expected, kw):
+    # 24 of the 64 prompts: three times max_num_seqs, enough to refill the batch and (with 64
+    # blocks) to preempt; the full set runs in the batch test above.
     llm = small_llm(tiny_llama, **kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    assert token_ids(outs) == expected
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:24]], GREEDY, use_tqdm=False)
+    assert token_ids(outs) == expected[:24]
     eng = llm.llm_engine
     # One forward program per bucket with the native CPU attention (it runs every step);
     # the reference compiles decode steps (one-query tiles) apart.
