@@ -50,7 +50,8 @@ async def _run(call):
 @router.post("/sleep")
 async def sleep(request: Request, level: int = Query(1), mode: str = Query("abort")):
     """level 1: the weights to host memory, the KV cache freed; 2: both freed. mode: what
-    becomes of the requests in flight: 'abort' them, or 'wait' for them."""
+    becomes of the requests in flight: 'abort' them, 'wait' for them, or 'keep' them (they
+    resume after /wake_up)."""
     done = await _run(_engine(request).sleep(level, mode))
     return JSONResponse({"status": "sleeping", **done})
 

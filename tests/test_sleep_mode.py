@@ -118,6 +118,84 @@ def test_sleep_mode_off_is_refused_by_name(tiny_llama):
         {DEV_MODE_ENV: "0"})
 
 
+def _run_engine(engine, outs: dict, until=lambda outs: False) -> None:
+    """Step until nothing is left, or `until(outs)` holds; outs: request id -> last output."""
+    while engine.has_unfinished_requests() and not until(outs):
+        for out in engine.step():
+            outs[out.request_id] = out
+
+
+def test_sleep_keep_resumes_the_requests_after_waking(llm, expected):
+    """mode 'keep': requests part-way through are preempted and held; after wake_up they are
+    recomputed and finish with the tokens an uninterrupted run gives."""
+    engine = llm.llm_engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"keep-{i}", {"prompt_token_ids": p}, SP)
+    outs: dict = {}
+    _run_engine(engine, outs, until=lambda o: len(o) == len(PROMPTS) and all(
+        len(x.outputs[0].token_ids) >= 2 for x in o.values()))
+    assert all(not o.finished for o in outs.values())
+    preempted = engine.scheduler.num_preemptions
+    engine.sleep(level=1, mode="keep")
+    assert llm.is_sleeping() and engine.has_unfinished_requests()
+    assert engine.scheduler.num_running == 0 and engine.kv_cache_manager.usage == 0.0
+    assert engine.scheduler.num_preemptions == preempted + len(PROMPTS)
+    for out in engine.step():  # the steps read while going to sleep, then nothing
+        outs[out.request_id] = out
+    assert engine.step() == [] and engine.scheduler.num_running == 0
+    with pytest.raises(EngineSleepingError):
+        engine.add_request("new", {"prompt_token_ids": PROMPTS[0]}, SP)
+    engine.wake_up()
+    _run_engine(engine, outs)
+    assert [outs[f"keep-{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == expected
+
+
+# Slow: the async engine first waits for every background compile (the sampler variants).
+@pytest.mark.slow
+def test_async_sleep_keep_pauses_the_streams(llm, monkeypatch):
+    """The server's engine loop holds kept requests while asleep (it takes no step) and their
+    streams go on after wake_up with the tokens of an uninterrupted run."""
+    import asyncio
+
+    from jaxllm.engine.async_engine import AsyncLLMEngine
+
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)]
+    monkeypatch.setenv("JAXLLM_TEST_STEP_DELAY", "0.05")  # 24 steps outlast the checks below
+    aeng = AsyncLLMEngine(llm.llm_engine)
+    seen: dict[int, list] = {i: [] for i in range(len(PROMPTS))}
+
+    async def run():
+        async def one(i):
+            async for out in aeng.generate({"prompt_token_ids": PROMPTS[i]}, sp, f"a-{i}"):
+                seen[i] = out.outputs[0].token_ids
+            return seen[i]
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
+        while not all(len(t) >= 2 for t in seen.values()):
+            await asyncio.sleep(0.005)
+        done = await aeng.sleep(1, "keep")
+        at_sleep = {i: len(t) for i, t in seen.items()}
+        await asyncio.sleep(0.5)  # asleep: no stream moves, none ends
+        paused = not any(t.done() for t in tasks) and {i: len(t) for i, t in seen.items()}
+        sleeping = await aeng.is_sleeping()
+        with pytest.raises(ValueError, match="'keep'"):
+            await aeng.sleep(1, "later")
+        await aeng.wake_up()
+        return done, at_sleep, paused, sleeping, await asyncio.gather(*tasks)
+
+    try:
+        done, at_sleep, paused, sleeping, tokens = asyncio.run(run())
+    finally:
+        aeng.shutdown()
+    assert done["level"] == 1 and sleeping
+    # What the steps in flight gave may arrive just after the sleep; nothing after that.
+    assert paused and all(at_sleep[i] <= paused[i] <= at_sleep[i] + 2 for i in paused)
+    assert all(n < 24 for n in paused.values())
+    assert tokens == want
+
+
 @pytest.fixture(scope="module")
 def dev_server(tiny_llama):
     from server_process import ENGINE_FLAGS, ServerProcess

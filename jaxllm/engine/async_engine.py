@@ -61,6 +61,7 @@ class AsyncLLMEngine:
         self._step_delay = float(os.environ.get("JAXLLM_TEST_STEP_DELAY", 0))
         self._stop = threading.Event()
         self._draining = False  # sleep or new weights: waiting for the requests in flight
+        self._asleep = False  # asleep: the loop takes no step (requests kept wait)
         engine.wait_for_background_compiles()
         if engine.step_leader is not None:  # multi-host rank 0
             add_host_lost_hook(self._host_lost)
@@ -153,23 +154,27 @@ class AsyncLLMEngine:
 
     # --- sleep mode ---------------------------------------------------------------------------
     async def sleep(self, level: int = 1, mode: str = "abort") -> dict:
-        """Free the engine's device memory (LLMEngine.sleep) once it holds no request: mode
-        'abort' cancels the requests in flight (their streams end with an error), 'wait'
-        lets them finish first (new ones are refused meanwhile: EngineSleepingError)."""
-        if mode not in ("abort", "wait"):
-            raise ValueError(f"sleep mode {mode!r}: must be 'abort' or 'wait'")
+        """Free the engine's device memory (LLMEngine.sleep): mode 'abort' cancels the
+        requests in flight (their streams end with an error), 'wait' lets them finish first,
+        'keep' holds them (their streams pause until wake_up); new requests are refused
+        meanwhile (EngineSleepingError)."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"sleep mode {mode!r}: must be 'abort', 'wait' or 'keep'")
         self._draining = True
         try:
             if mode == "abort":
                 self.cancel_all("the engine was put to sleep")
             while mode == "wait" and self._streams:
                 await asyncio.sleep(0.05)
-            return await self._call("sleep", level, mode)
+            done = await self._call("sleep", level, mode)
+            self._asleep = True  # the loop idles, holding the kept requests
+            return done
         finally:
             self._draining = False
 
     async def wake_up(self, tags: Optional[list[str]] = None) -> None:
         await self._call("wake_up", tags)
+        self._asleep = await self._call("is_sleeping")
 
     async def is_sleeping(self) -> bool:
         return self._draining or await self._call("is_sleeping")
@@ -257,7 +262,7 @@ class AsyncLLMEngine:
         try:
             while not self._stop.is_set():
                 self._heartbeat = time.monotonic()
-                block = not self.engine.has_unfinished_requests()
+                block = self._asleep or not self.engine.has_unfinished_requests()
                 try:
                     cmd = self._commands.get(block=block, timeout=0.5 if block else None)
                     self._handle(cmd)
@@ -266,7 +271,7 @@ class AsyncLLMEngine:
                 except queue.Empty:
                     pass
                 self._stats = self.engine.stats()  # gauges current before a long step too
-                if self.engine.has_unfinished_requests():
+                if self.engine.has_unfinished_requests() and not self._asleep:
                     self._steps += 1
                     if self._steps == self._fail_at_step:
                         raise RuntimeError("injected fault ($JAXLLM_TEST_FAIL_STEP)")

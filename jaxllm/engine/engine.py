@@ -15,9 +15,7 @@ from typing import Optional, Union
 
 from jaxllm.config import EngineArgs
 from jaxllm.engine.input_processor import InputProcessor, PromptType
-from jaxllm.engine.state_slots import StateSlots
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.kv_offload import host_tier
 from jaxllm.engine.lora_slots import LoRASlots
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.scheduler import Scheduler, StepPolicy
@@ -53,18 +51,12 @@ class LLMEngine:
         self.generation_defaults = parts.generation_defaults
         self.runner = parts.runner
         self.step_leader = parts.step_leader  # multi-host rank 0's step channel (else None)
-        block_size = config.cache.block_size
-        self.pooler = (None if parts.pooler_config is None
-                       else Pooler(parts.pooler_config, self.runner, block_size,
-                                   parts.classifier))
+        self.pooler = (None if parts.pooler_config is None else Pooler(
+            parts.pooler_config, self.runner, config.cache.block_size, parts.classifier))
         self.lora_slots = (None if config.lora is None else
                            LoRASlots(config.lora, self.model_config, self.runner.write_lora_slot))
-        self.kv_cache_manager = KVCacheManager(
-            parts.num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching,
-            hash_algo=config.cache.prefix_caching_hash_algo,
-            host_tier=host_tier(config.cache, self.runner, parts.num_blocks),
-            state_slots=StateSlots(config.scheduler.max_num_seqs) if self.model_config.linear_layers
-            else None)
+        self.kv_cache_manager = KVCacheManager.for_engine(config, parts.num_blocks, self.runner,
+                                                          self.model_config)
         self.scheduler = Scheduler.from_config(config, self.kv_cache_manager, self.model_config,
                                                self.runner.max_num_batched_tokens, self.lora_slots)
         self.input_processor = InputProcessor.from_config(config, self.model_config, self.tokenizer,
@@ -81,6 +73,7 @@ class LLMEngine:
                                                   self.speculator)
         self._stats_log = StatsLogger(not config.disable_log_stats, time.monotonic())
         self.total_prompt_tokens = 0  # of finished requests (and pooled prompts)
+        self._held: list[RequestOutput] = []  # read while going to sleep, for the next step
         self.startup_times = dict(parts.startup_times, total=time.perf_counter() - t0)
         logger.info("Engine ready in %.1f s (%s)", self.startup_times["total"],
                     ", ".join(f"{k} {v:.1f} s" for k, v in parts.startup_times.items()))
@@ -114,8 +107,7 @@ class LLMEngine:
 
     # --- LoRA adapters -----------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Register and read a peft adapter (False: it is registered already). Errors name
-        the adapter; --enable-lora must be on."""
+        """Register and read a peft adapter (False: it is already); errors name the adapter."""
         if self.lora_slots is None:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: LoRA is off; start the "
                              f"engine with --enable-lora (enable_lora=True) to serve adapters")
@@ -168,7 +160,8 @@ class LLMEngine:
     # --- sleep mode (jaxllm/engine/sleep_mode.py) and new weights -----------------------------
     def sleep(self, level: int = 1, mode: str = "abort") -> dict:
         """Free device memory (level 1: weights kept in host memory; 2: weights freed); mode:
-        abort the requests held, or 'wait' (refused while there are any here)."""
+        abort the requests held, 'wait' (refused while there are any here), or 'keep' them
+        (preempted: recomputed after wake_up, their outputs so far kept)."""
         self._make_idle("sleep", mode)
         return self.sleep_mode.sleep(level)
 
@@ -184,14 +177,19 @@ class LLMEngine:
         self.sleep_mode.update_weights(named_tensors)
 
     def _make_idle(self, what: str, mode: str) -> None:
+        """No step in flight and no KV block held: the requests aborted (their steps' outputs
+        dropped), or kept (their steps' outputs returned by the next `step`)."""
         self.sleep_mode.check_idle(what, mode, len(self.output_processor))
-        self.abort_request(self.output_processor.request_ids())
-        self.step_policy.drain(self._update)  # steps of aborted requests: read and dropped
+        if mode != "keep":
+            self.abort_request(self.output_processor.request_ids())
+        drained = self.step_policy.drain(self._update)
+        self._held += drained if mode == "keep" else []
+        self.scheduler.preempt_all()
 
     def wait_for_background_compiles(self, load_cached: bool = False) -> None:
         """Block until the programs warm-up left to the background are compiled (the server
-        waits for them before it listens: see async_engine); the wait is in startup_times.
-        load_cached: also load the programs the executable cache holds (benchmarks)."""
+        waits for them before it listens); the wait is in startup_times. load_cached: also
+        load the programs the executable cache holds (benchmarks)."""
         waited = self.runner.wait_for_background_compiles(load_cached)
         if waited is not None:
             self.startup_times["background_compile"] = waited
@@ -206,7 +204,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Plan and dispatch one step (or a burst) and read what the step policy says is due;
         returns the outputs of the requests that progressed."""
-        outputs = self.step_policy.step(self._update)
+        held, self._held = self._held, []
+        if self.sleep_mode.level:  # requests kept asleep wait for wake_up
+            return held
+        outputs = held + self.step_policy.step(self._update)
         now = time.monotonic()
         if now >= self._stats_log.next_at:
             self._stats_log.log(now, self.stats(), self.output_processor.num_prompt_positions,
@@ -214,9 +215,8 @@ class LLMEngine:
         return outputs
 
     def _update(self, step) -> list[RequestOutput]:
-        """Read a dispatched step's (or a burst's steps') tokens: the scheduler places them
-        and applies its stops, the output processor turns them into text, logprobs and
-        further stops (which the scheduler applies), then into outputs."""
+        """Read a dispatched step's (or a burst's steps') tokens: the scheduler places them,
+        the output processor turns them into text, logprobs, stops and then outputs."""
         if isinstance(step, list):
             return [out for s in step for out in self._update(s)]
         sched, op = step.sched, self.output_processor

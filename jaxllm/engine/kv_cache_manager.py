@@ -26,7 +26,7 @@ from itertools import count
 from types import MappingProxyType
 from typing import Optional
 
-from jaxllm.engine.kv_offload import HostBlock, HostTier
+from jaxllm.engine.kv_offload import HostBlock, HostTier, host_tier
 from jaxllm.engine.state_slots import StateSlots
 from jaxllm.sequence import KVTransfers, Sequence
 
@@ -75,6 +75,17 @@ class KVCacheManager:
     """hash_fn(parent hash, block tokens) -> hash replaces hash_algo's function (its root, the
     parent of a first block, stays hash_algo's: 0, or b"" for sha256). Hits are verified, so any
     function is correct, only slower where it collides: tests pass colliding ones to prove it."""
+
+    @classmethod
+    def for_engine(cls, config, num_blocks: int, runner, model_config) -> "KVCacheManager":
+        """The engine's cache manager, from its EngineConfig: a host tier with
+        --kv-offloading-size, state slots for a hybrid model's linear layers."""
+        cache = config.cache
+        return cls(num_blocks, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
+                   hash_algo=cache.prefix_caching_hash_algo,
+                   host_tier=host_tier(cache, runner, num_blocks),
+                   state_slots=StateSlots(config.scheduler.max_num_seqs)
+                   if model_config.linear_layers else None)
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  hash_algo: str = "builtin",

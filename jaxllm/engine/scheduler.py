@@ -48,7 +48,7 @@ class Scheduler:
         LoRA is on: a sequence runs only while its adapter holds a slot. whole_images: a
         prompt chunk never ends inside an image's tokens (they attend to each other: Gemma 3),
         so an image's tokens are computed in one step, as vLLM keeps them (the input processor
-        refuses an image larger than a step: jaxllm/engine/multimodal.py)."""
+        refuses larger ones)."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         if block_size != kv_cache_manager.block_size:
@@ -73,23 +73,17 @@ class Scheduler:
         self.waiting: list[tuple] = []          # heap of (key, sequence)
         self._order = 0
         self.num_preemptions = 0
-        # Pipeline parallelism keeps this many steps in flight (the engine's step policy):
-        # above 1, a step leaves out sequences whose sampled token is still in flight (the
-        # steps in flight hold disjoint sequences) and takes at most 1/depth of them all, so
-        # that a step never needs a token still in flight (penalties, grammars and stop
-        # strings see every output token, as on one device).
+        # Pipeline parallelism keeps this many steps in flight (the step policy): above 1, a
+        # step leaves out sequences whose sampled token is in flight (the steps in flight hold
+        # disjoint sequences) and takes at most 1/depth of them all, so penalties, grammars
+        # and stop strings see every output token, as on one device.
         self.pipeline_depth = pipeline_depth
         self.lora_slots = lora_slots
         self.whole_images = whole_images
         self._lora_holders: set[str] = set()  # running sequences holding an adapter slot
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
+    num_running = property(lambda self: len(self.running))
+    num_waiting = property(lambda self: len(self.waiting))
 
     def waiting_seqs(self) -> list[Sequence]:
         """The waiting sequences, in no particular order."""
@@ -302,13 +296,20 @@ class Scheduler:
         return (self.pipeline_depth > 1 and bool(seq.output_token_ids)
                 and seq.output_token_ids[-1] == PENDING)
 
-    def _preempt(self) -> Sequence:
-        """Preempt the last-admitted running sequence (fcfs) or the lowest-priority one, latest
-        arrival first (priority). Warns on the first preemption and every 50th, as vLLM V0."""
-        if self.policy == "priority":
-            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        else:
-            victim = self.running[-1]
+    def preempt_all(self) -> None:
+        """Preempt every running sequence, last admitted first, so the waiting queue keeps
+        their order: sleep mode's 'keep' (recomputed once the engine wakes)."""
+        while self.running:
+            self._preempt(self.running[-1])
+
+    def _preempt(self, victim: Optional[Sequence] = None) -> Sequence:
+        """Preempt `victim`, or (the KV cache full) the last-admitted running sequence (fcfs)
+        or the lowest-priority one, latest arrival first (priority), warning on the first such
+        preemption and every 50th, as vLLM V0."""
+        full = victim is None
+        if full:
+            victim = (max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                      if self.policy == "priority" else self.running[-1])
         self.running.remove(victim)
         self.kv.free(victim)
         self._release_lora(victim)
@@ -317,7 +318,7 @@ class Scheduler:
         victim.num_preemptions += 1
         self._enqueue(victim, front=True)
         self.num_preemptions += 1
-        if self.num_preemptions % 50 == 1:
+        if full and self.num_preemptions % 50 == 1:
             logger.warning(
                 "Sequence %s was preempted (recomputed later) because the KV cache is full; "
                 "total preemptions: %d. Raise the KV cache size or lower --max-num-seqs or "

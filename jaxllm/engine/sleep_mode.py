@@ -53,9 +53,11 @@ class SleepMode:
     @staticmethod
     def check_idle(what: str, mode: str, unfinished: int) -> None:
         """Whether `what` may go on with `unfinished` requests in the engine: mode 'abort'
-        (they are aborted), or 'wait' (refused while there are any)."""
-        if mode not in ("abort", "wait"):
-            raise ValueError(f"{what} mode {mode!r}: must be 'abort' or 'wait'")
+        (they are aborted), 'wait' (refused while there are any) or, for sleep, 'keep' (they
+        are preempted and resume after waking)."""
+        modes = ("abort", "wait", "keep") if what == "sleep" else ("abort", "wait")
+        if mode not in modes:
+            raise ValueError(f"{what} mode {mode!r}: must be " + " or ".join(map(repr, modes)))
         if unfinished and mode == "wait":
             raise ValueError(f"{what}: {unfinished} request(s) unfinished; abort them or wait "
                              "for them first")
