@@ -25,7 +25,8 @@ from jaxllm.loader.quantized import Target, quantized_targets, storage_cast
 from jaxllm.models.decoder import MOE_KINDS, Decoder, layer_groups
 from jaxllm.models.llama4 import deinterleave_rows
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models import gemma3_vision
+from jaxllm.models import gemma3_vision, qwen3_vl
+from jaxllm.models.qwen3_vl_spec import Qwen3VLVisionSpec
 from jaxllm.models.vision_spec import Gemma3VisionSpec
 from jaxllm.models.qwen2_5_vl import checkpoint_name, vision_targets
 from jaxllm.parallel.mesh import named_sharding
@@ -337,6 +338,7 @@ def _qwen3_5_text_name(name: str):
 TEXT_NAMES = {"Gemma3ForConditionalGeneration": gemma3_vision.checkpoint_name,
               "Llama4ForConditionalGeneration": _llama4_text_name,
               "Qwen2_5_VLForConditionalGeneration": checkpoint_name,
+              "Qwen3VLForConditionalGeneration": checkpoint_name,  # the same prefixes
               "Qwen3_5ForConditionalGeneration": _qwen3_5_text_name,
               "Qwen3_5MoeForConditionalGeneration": _qwen3_5_text_name,
               "Gemma4ForConditionalGeneration": gemma4_weights.text_name}
@@ -347,6 +349,7 @@ def _vision_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
     blocks by layer. A target's rank, or its start offsets in a fused parameter."""
     out = {}
     table = (gemma3_vision.vision_targets if isinstance(cfg.vision, Gemma3VisionSpec)
+             else qwen3_vl.vision_targets if isinstance(cfg.vision, Qwen3VLVisionSpec)
              else vision_targets)(cfg.vision)
     for name, (param, layer, fn, rank) in table.items():
         start = (0,) * rank if isinstance(rank, int) else tuple(rank)

@@ -122,6 +122,7 @@ class ModelConfig:
     # vision tower (None = text only).
     mrope_section: tuple[int, ...] = ()
     vision: Optional[VisionSpec] = None
+    mrope_interleaved: bool = False  # Qwen3-VL: the sections' frequencies take turns
     # Hybrid models (Qwen3-Next; jaxllm/models/qwen3_next.py): which layers are gated DeltaNet
     # linear attention (the others gated full attention), and the DeltaNet's dimensions.
     linear_layers: tuple[bool, ...] = ()

@@ -12,6 +12,7 @@ from typing import Callable
 
 from jaxllm.config import ConfigError
 from jaxllm.models.gemma4_spec import Gemma4Spec
+from jaxllm.models.qwen3_vl_spec import Qwen3VLVisionSpec, text_features as _qwen3_vl_text
 from jaxllm.models.vision_spec import Gemma3VisionSpec, VisionSpec, mrope_section
 
 
@@ -310,12 +311,15 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "Qwen3_5MoeForConditionalGeneration": _qwen3_5_moe,
     "Gemma4ForCausalLM": _gemma4,
     "Gemma4ForConditionalGeneration": _gemma4,  # its text model only (loader/gemma4_weights.py)
+    # Qwen3 with interleaved M-RoPE and deepstack (jaxllm/models/qwen3_vl.py)
+    "Qwen3VLForConditionalGeneration": lambda c: dict(_qwen3(c), **_qwen3_vl_text(c)),
 }
 
 # Architectures with a vision tower: top-level config -> ModelConfig.vision.
 VISION_TOWERS: dict[str, Callable[[object], object]] = {
     "Qwen2_5_VLForConditionalGeneration": VisionSpec.from_hf,
     "Gemma3ForConditionalGeneration": Gemma3VisionSpec.from_hf,
+    "Qwen3VLForConditionalGeneration": Qwen3VLVisionSpec.from_hf,
 }
 
 

@@ -17,6 +17,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxllm.models import qwen3_vl
+from jaxllm.models.qwen3_vl_spec import Qwen3VLVisionSpec
 from jaxllm.models.qwen2_5_vl import vision_inputs
 from jaxllm.models.vision_spec import Gemma3VisionSpec
 from jaxllm.sequence import SchedulerOutput
@@ -53,7 +55,9 @@ class ImageEncoder:
         N = max(MIN_PATCHES, 1 << (n - 1).bit_length())
         padded = np.zeros((N, pixels.shape[1]), np.float32)
         padded[:n] = pixels
-        out = self._encode(state, padded, vision_inputs([grid], self.spec, N))
+        inputs = (qwen3_vl.vision_inputs if isinstance(self.spec, Qwen3VLVisionSpec)
+                  else vision_inputs)  # Qwen3-VL: rows carry its deepstack levels too
+        out = self._encode(state, padded, inputs([grid], self.spec, N))
         self.images_encoded += 1
         return np.asarray(out)[:n // self.spec.merge_unit].astype(self.dtype)
 

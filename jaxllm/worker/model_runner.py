@@ -44,7 +44,7 @@ from jaxllm.layers.lora import fill_slot, write_slot
 from jaxllm.layers.sampler import LOGIT_ROWS, SamplerOutput, gathered_token_logprobs, sample_rows
 from jaxllm.layers.sampling_tensors import (EXTRA_PENALTY_IDS, SamplingTensors, needs_processing,
                                           warmup_tensors)
-from jaxllm.models.vision_spec import bidirectional_images
+from jaxllm.models.vision_spec import bidirectional_images, mm_embed_width
 from jaxllm.sequence import SchedulerOutput, Sequence
 from jaxllm.spec_decode.acceptance import num_accepted
 from jaxllm.worker.compile_manager import CompileManager, ProgramKey
@@ -97,7 +97,8 @@ class ModelRunner(MemoryTiers):
             # the same for every step: then a decode step of T tokens runs the bucket T one.
             decode_programs=backend.decode_programs(kv_cache_dtype), num_rows=self.num_rows,
             num_speculative_tokens=num_speculative_tokens, lora=model_config.lora is not None,
-            mm=(model_config.hidden_size, model_config.jnp_dtype) if model_config.vision else None,
+            mm=((mm_embed_width(model_config), model_config.jnp_dtype) if model_config.vision
+                else None),
             state_slots=bool(model_config.linear_layers),
             mrope=bool(model_config.mrope_section),
             image_spans=bidirectional_images(model_config) and self.image_refusal is None)
