@@ -202,6 +202,46 @@ def test_bad_configs_are_refused_by_name(change, message):
         ModelConfig.from_hf(qc.config(vc.tokenizer(), **change))
 
 
+@pytest.mark.slow
+def test_moe_matches_transformers_in_both_expert_layouts(tmp_path):
+    """Qwen3-VL-MoE (4 experts, top 2, a dense layer between): one image and text only give
+    transformers' tokens and logprobs; its experts rewritten in the published [in, out]
+    layout load to the same weights."""
+    import shutil
+
+    import jax
+    from flax import nnx
+    from safetensors.numpy import load_file, save_file
+
+    from conftest import load_tiny
+    from jaxllm import LLM
+
+    path = tmp_path / "moe"
+    hf = qc.build(str(path), moe=True)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=16, block_size=4)
+    cases = [(vc.PROMPT, IMAGES[:1]), (TEXT, [])]
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": i}} if i else t
+                         for t, i in cases], _greedy(logprobs=0), use_tqdm=False)
+    for (text, imgs), out in zip(cases, outs):
+        ids, tokens, logits = qc.reference(hf, text, imgs, NEW)
+        assert out.prompt_token_ids == ids
+        assert list(out.outputs[0].token_ids) == tokens
+        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+        np.testing.assert_allclose(got, _logprobs(logits, tokens), atol=1e-4)
+
+    published = tmp_path / "published"
+    shutil.copytree(path, published)
+    tensors = load_file(path / "model.safetensors")
+    experts = [k for k in tensors if ".mlp.experts." in k]
+    assert len(experts) == 4  # gate_up and down of the two sparse layers
+    for k in experts:
+        tensors[k] = np.ascontiguousarray(tensors[k].transpose(0, 2, 1))
+    save_file(tensors, str(published / "model.safetensors"), metadata={"format": "pt"})
+    a, b = (jax.tree.leaves(nnx.state(load_tiny(str(p))[0])) for p in (path, published))
+    assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
 def _two_prompts():
     return [{"prompt": vc.PROMPT, "multi_modal_data": {"image": IMAGES[0]}},
             {"prompt": TWO, "multi_modal_data": {"image": IMAGES}}]

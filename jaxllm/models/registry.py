@@ -253,6 +253,14 @@ def _qwen3_5_moe(c) -> dict:
     return _qwen3_next(c)
 
 
+def _qwen3_vl_moe(c) -> dict:
+    """Qwen3-VL-MoE's text model: Qwen3-MoE's layers, the top-k always renormalized (its
+    config has no norm_topk_prob; transformers' router always divides by the sum)."""
+    c = copy.copy(c)
+    c.norm_topk_prob = True
+    return _qwen3_moe(c)
+
+
 def _gemma4(c) -> dict:
     """Gemma 4 text (jaxllm/models/gemma4.py): Gemma's sandwich norms (scaling by w, not
     1 + w), q/k norms and a weightless v norm, attention scale 1, per-layer-type head dims and
@@ -313,6 +321,7 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "Gemma4ForConditionalGeneration": _gemma4,  # its text model only (loader/gemma4_weights.py)
     # Qwen3 with interleaved M-RoPE and deepstack (jaxllm/models/qwen3_vl.py)
     "Qwen3VLForConditionalGeneration": lambda c: dict(_qwen3(c), **_qwen3_vl_text(c)),
+    "Qwen3VLMoeForConditionalGeneration": lambda c: dict(_qwen3_vl_moe(c), **_qwen3_vl_text(c)),
 }
 
 # Architectures with a vision tower: top-level config -> ModelConfig.vision.
@@ -320,6 +329,7 @@ VISION_TOWERS: dict[str, Callable[[object], object]] = {
     "Qwen2_5_VLForConditionalGeneration": VisionSpec.from_hf,
     "Gemma3ForConditionalGeneration": Gemma3VisionSpec.from_hf,
     "Qwen3VLForConditionalGeneration": Qwen3VLVisionSpec.from_hf,
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLVisionSpec.from_hf,
 }
 
 
