@@ -3,10 +3,11 @@ over the images whose placeholder tokens the step computes and were not encoded 
 embeddings are kept (keyed by the image's content hash) until no longer needed, so a prompt
 prefilled in chunks, split before, inside or after an image, encodes each image once.
 
-Each image runs as its own call: Qwen2.5-VL's over a power-of-two bucket of patches (so a
-few programs serve every image size; each compiles on first use), Gemma 3's over its one fixed
-image size. The embeddings come back to the host, where the step's input preparation places
-them at their tokens' rows (jaxllm/worker/input_batch.py).
+Each image runs as its own call: Qwen2.5-VL's and Qwen3-VL's over a power-of-two bucket of
+patches (so a few programs serve every image size; each compiles on first use), Gemma 3's over
+its one fixed image size. The embeddings (Qwen3-VL's with its deepstack features beside them)
+come back to the host, where the step's input preparation places them at their tokens' rows
+(jaxllm/worker/input_batch.py).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class ImageEncoder:
         padded = np.zeros((N, pixels.shape[1]), np.float32)
         padded[:n] = pixels
         inputs = (qwen3_vl.vision_inputs if isinstance(self.spec, Qwen3VLVisionSpec)
-                  else vision_inputs)  # Qwen3-VL: rows carry its deepstack levels too
+                  else vision_inputs)
         out = self._encode(state, padded, inputs([grid], self.spec, N))
         self.images_encoded += 1
         return np.asarray(out)[:n // self.spec.merge_unit].astype(self.dtype)
