@@ -299,6 +299,19 @@ def test_moe_matches_transformers_in_both_expert_layouts(tmp_path):
     assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_lm_head_ties_as_the_top_level_config_says(tie):
+    """transformers ties Qwen3-VL's LM head by the top-level tie_word_embeddings; the text
+    config of a published checkpoint need not repeat it."""
+    from jaxllm.models.model_config import ModelConfig
+
+    cfg = qc.config(vc.tokenizer())
+    cfg.tie_word_embeddings = tie
+    if hasattr(cfg.text_config, "tie_word_embeddings"):
+        del cfg.text_config.tie_word_embeddings
+    assert ModelConfig.from_hf(cfg).tie_word_embeddings is tie
+
+
 def _two_prompts():
     return [{"prompt": vc.PROMPT, "multi_modal_data": {"image": IMAGES[0]}},
             {"prompt": TWO, "multi_modal_data": {"image": IMAGES}}]

@@ -331,6 +331,9 @@ VISION_TOWERS: dict[str, Callable[[object], object]] = {
     "Qwen3VLForConditionalGeneration": Qwen3VLVisionSpec.from_hf,
     "Qwen3VLMoeForConditionalGeneration": Qwen3VLVisionSpec.from_hf,
 }
+# Multimodal architectures whose LM head ties to the embeddings as the top-level config says
+# (transformers reads `tie_word_embeddings` there; their text config may not carry it).
+TOP_LEVEL_TIE = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 
 
 def _classifier(adapter: Callable[[object], dict]) -> Callable[[object], dict]:
