@@ -262,8 +262,9 @@ def test_encoder_and_step_export_for_accelerators(platform):
 @pytest.mark.slow
 def test_moe_matches_transformers_in_both_expert_layouts(tmp_path):
     """Qwen3-VL-MoE (4 experts, top 2, a dense layer between): one image and text only give
-    transformers' tokens and logprobs; its experts rewritten in the published [in, out]
-    layout load to the same weights."""
+    transformers' tokens and logprobs (expert-load metrics on, which count the routes of
+    every prompt token); its experts rewritten in the published [in, out] layout load to the
+    same weights."""
     import shutil
 
     import jax
@@ -275,8 +276,9 @@ def test_moe_matches_transformers_in_both_expert_layouts(tmp_path):
 
     path = tmp_path / "moe"
     hf = qc.build(str(path), moe=True)
+    # with expert-load metrics: that forward takes the image rows too
     llm = LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=16, block_size=4)
+              max_num_batched_tokens=16, block_size=4, enable_expert_load_metrics=True)
     cases = [(vc.PROMPT, IMAGES[:1]), (TEXT, [])]
     outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": i}} if i else t
                          for t, i in cases], _greedy(logprobs=0), use_tqdm=False)

@@ -143,13 +143,14 @@ class Decoder(nnx.Module):
 
     def forward_counting_experts(self, kv_caches: tuple[KVCache, ...], token_ids: jax.Array,
                                  positions: jax.Array, md: AttentionMetadata,
-                                 lora_slots: Optional[jax.Array] = None
+                                 lora_slots: Optional[jax.Array] = None,
+                                 mm_embeds: Optional[tuple[jax.Array, jax.Array]] = None
                                  ) -> tuple[jax.Array, tuple[KVCache, ...], jax.Array]:
         """The forward (`__call__`), and the tokens it routed to each expert of each MoE layer,
         padding not counted: int32 [len(moe_layer_ids), experts] (--enable-expert-load-metrics,
         which sets cfg.count_expert_load; the MoE groups sow their counts)."""
         (h, caches), sown = nnx.capture(Decoder.__call__, nnx.Intermediate)(
-            self, kv_caches, token_ids, positions, md, lora_slots)
+            self, kv_caches, token_ids, positions, md, lora_slots, mm_embeds)
         loads = [sown["layers"][i]["expert_load"][...]
                  for i, g in enumerate(self.groups) if g.kind in MOE_KINDS]
         return h, caches, jnp.concatenate(loads)

@@ -206,8 +206,8 @@ class ModelRunner(MemoryTiers):
         token_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], token_ids)
         load = None
         if self.moe_layer_ids:
-            hidden, kv_cache, load = model.forward_counting_experts(kv_cache, token_ids,
-                                                                    positions, md, lora_slots)
+            hidden, kv_cache, load = model.forward_counting_experts(
+                kv_cache, token_ids, positions, md, lora_slots, mm_embeds)
         else:
             hidden, kv_cache = model(kv_cache, token_ids, positions, md, lora_slots, mm_embeds)
         return hidden[logits_indices], hidden, kv_cache, load
