@@ -301,6 +301,37 @@ def test_moe_matches_transformers_in_both_expert_layouts(tmp_path):
     assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
+def test_a_published_config_reads(tmp_path):
+    """Qwen3-VL-2B-Instruct's config.json as published (transformers 4.57: the legacy
+    rope_scaling spelling): interleaved M-RoPE, tied head, the tower's spec."""
+    from transformers import AutoConfig
+
+    from jaxllm.models.model_config import ModelConfig
+
+    text = dict(attention_bias=False, bos_token_id=151643, eos_token_id=151645, head_dim=128,
+                hidden_act="silu", hidden_size=2048, intermediate_size=6144,
+                max_position_embeddings=262144, model_type="qwen3_vl_text",
+                num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8,
+                rms_norm_eps=1e-06, rope_theta=5000000, tie_word_embeddings=True,
+                vocab_size=151936, rope_scaling={"mrope_interleaved": True, "rope_type": "default",
+                                                 "mrope_section": [24, 20, 20]})
+    vision = dict(deepstack_visual_indexes=[5, 11, 17], depth=24, hidden_act="gelu_pytorch_tanh",
+                  hidden_size=1024, in_channels=3, intermediate_size=4096, model_type="qwen3_vl",
+                  num_heads=16, num_position_embeddings=2304, out_hidden_size=2048,
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        architectures=["Qwen3VLForConditionalGeneration"], model_type="qwen3_vl",
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+        vision_end_token_id=151653, tie_word_embeddings=True, text_config=text,
+        vision_config=vision)))
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(tmp_path))
+    assert (cfg.mrope_section, cfg.mrope_interleaved, cfg.tie_word_embeddings) == \
+        ((24, 20, 20), True, True)
+    assert cfg.qk_norm and cfg.rope[0].theta == 5e6 and cfg.num_layers == 28
+    assert cfg.vision.deepstack_visual_indexes == (5, 11, 17) and cfg.vision.grid_side == 48
+    assert cfg.vision.image_token_id == 151655 and cfg.vision.out_hidden_size == 2048
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_lm_head_ties_as_the_top_level_config_says(tie):
     """transformers ties Qwen3-VL's LM head by the top-level tie_word_embeddings; the text
