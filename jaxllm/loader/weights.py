@@ -25,7 +25,8 @@ from jaxllm.loader.quantized import Target, quantized_targets, storage_cast
 from jaxllm.models.decoder import MOE_KINDS, Decoder, layer_groups
 from jaxllm.models.llama4 import deinterleave_rows
 from jaxllm.models.model_config import ModelConfig
-from jaxllm.models import gemma3_vision
+from jaxllm.models import gemma3_vision, qwen3_vl
+from jaxllm.models.qwen3_vl_spec import Qwen3VLVisionSpec
 from jaxllm.models.vision_spec import Gemma3VisionSpec
 from jaxllm.models.qwen2_5_vl import checkpoint_name, vision_targets
 from jaxllm.parallel.mesh import named_sharding
@@ -258,8 +259,35 @@ def _llama4_moe_mlp(cfg: ModelConfig, gate_up: Callable) -> list:
             *_gated_mlp(f"{p}shared_expert.", cfg.shared_expert_intermediate_size, E, gate_up)]
 
 
+def _qwen3_vl_moe_mlp(cfg: ModelConfig, gate_up: Callable) -> list:
+    """Qwen3-VL-MoE's sparse MLP: the router mlp.gate [X, E] and the experts stacked, as
+    published [in, out] (experts.gate_up_proj [X, E, 2F]: gate columns, then up;
+    experts.down_proj [X, F, E]) or as transformers 5 saves them, [out, in] ([X, 2F, E],
+    [X, E, F]); where both readings fit the shape, the [out, in] one, as transformers'
+    loader (its Transpose with check_dims) decides."""
+    E, X, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+
+    def stacked(name, out_in, in_out, split):
+        def to_block(x):
+            if x.shape == out_in:
+                x = x.transpose(0, 2, 1)
+            elif x.shape != in_out:
+                raise CheckpointError(f"{name}: shape {list(x.shape)}, expected {list(in_out)} "
+                                      f"or {list(out_in)}")
+            return x.reshape(X, E, 2, F) if split else x
+        return to_block
+
+    p = "mlp."
+    return [(f"{p}gate.weight", "router", (0, 0), (X, E), lambda x: x.T),
+            (f"{p}experts.gate_up_proj", "experts_gate_up", (0, 0, 0, 0), None,
+             stacked("experts.gate_up_proj", (X, 2 * F, E), (X, E, 2 * F), True)),
+            (f"{p}experts.down_proj", "experts_down", (0, 0, 0), None,
+             stacked("experts.down_proj", (X, E, F), (X, F, E), False))]
+
+
 # Architectures whose MoE tensors are not named and shaped as Mixtral's or Qwen's.
-MOE_LAYOUTS = {"GraniteMoeForCausalLM": _granite_moe_mlp, "GptOssForCausalLM": _gpt_oss_mlp,
+MOE_LAYOUTS = {"Qwen3VLMoeForConditionalGeneration": _qwen3_vl_moe_mlp,
+               "GraniteMoeForCausalLM": _granite_moe_mlp, "GptOssForCausalLM": _gpt_oss_mlp,
                "Llama4ForCausalLM": _llama4_moe_mlp,
                "Llama4ForConditionalGeneration": _llama4_moe_mlp}
 # Architectures whose dense MLP is not under `mlp.`.
@@ -337,6 +365,8 @@ def _qwen3_5_text_name(name: str):
 TEXT_NAMES = {"Gemma3ForConditionalGeneration": gemma3_vision.checkpoint_name,
               "Llama4ForConditionalGeneration": _llama4_text_name,
               "Qwen2_5_VLForConditionalGeneration": checkpoint_name,
+              "Qwen3VLForConditionalGeneration": checkpoint_name,  # the same prefixes
+              "Qwen3VLMoeForConditionalGeneration": checkpoint_name,
               "Qwen3_5ForConditionalGeneration": _qwen3_5_text_name,
               "Qwen3_5MoeForConditionalGeneration": _qwen3_5_text_name,
               "Gemma4ForConditionalGeneration": gemma4_weights.text_name}
@@ -347,6 +377,7 @@ def _vision_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
     blocks by layer. A target's rank, or its start offsets in a fused parameter."""
     out = {}
     table = (gemma3_vision.vision_targets if isinstance(cfg.vision, Gemma3VisionSpec)
+             else qwen3_vl.vision_targets if isinstance(cfg.vision, Qwen3VLVisionSpec)
              else vision_targets)(cfg.vision)
     for name, (param, layer, fn, rank) in table.items():
         start = (0,) * rank if isinstance(rank, int) else tuple(rank)

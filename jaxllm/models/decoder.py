@@ -30,7 +30,9 @@ from jaxllm.models.moe import MoeLayers
 from jaxllm.models.params import constant, dummy_weight, rms_norm
 from jaxllm.models.gemma3_vision import SiglipTower
 from jaxllm.models.qwen2_5_vl import VisionInputs, VisionTower
-from jaxllm.models.vision_spec import Gemma3VisionSpec
+from jaxllm.models.qwen3_vl import Qwen3VLTower
+from jaxllm.models.qwen3_vl_spec import Qwen3VLVisionSpec
+from jaxllm.models.vision_spec import Gemma3VisionSpec, deepstack_levels
 from jaxllm.models.qwen3_next import (GatedAttnLayers, GatedAttnMoeLayers, GdnLayers,
                                       GdnMoeLayers, state_shapes)
 from jaxllm.models.rope import rope_tables
@@ -93,7 +95,8 @@ class Decoder(nnx.Module):
         self.lm_head = (None if cfg.tie_word_embeddings or not last
                         else dummy_weight(seed, "lm_head", (V, E), ("vocab", "embed"), dt))
         # A vision-language model's image encoder (its embeddings enter at the first stage).
-        tower = SiglipTower if isinstance(cfg.vision, Gemma3VisionSpec) else VisionTower
+        tower = (SiglipTower if isinstance(cfg.vision, Gemma3VisionSpec)
+                 else Qwen3VLTower if isinstance(cfg.vision, Qwen3VLVisionSpec) else VisionTower)
         self.vision = tower(cfg.vision, seed, dt) if cfg.vision and first else None
         # Gemma 4's per-layer inputs, made from the token ids with the embeddings.
         if cfg.gemma4 is not None and not (first and last):
@@ -111,10 +114,24 @@ class Decoder(nnx.Module):
         each token's LoRA adapter slot, int32 [T] (-1: the base model), when the model was
         built with slots (cfg.lora). mm_embeds: (embeddings [T, E], mask bool [T]) of a
         vision-language model's step: the masked tokens (image placeholders) take the given
-        embedding instead of their token's. positions: [3, T] with M-RoPE (cfg.mrope_section)."""
+        embedding instead of their token's (Qwen3-VL: [T, (1 + L) * E], each deepstack level's
+        features then added to their hidden states after decoder layer 0, .., L - 1).
+        positions: [3, T] with M-RoPE (cfg.mrope_section)."""
         h = self.embed_tokens(token_ids)
+        levels = deepstack_levels(self.cfg)
         if mm_embeds is not None:
-            h = jnp.where(mm_embeds[1][:, None], mm_embeds[0].astype(h.dtype), h)
+            E = h.shape[-1]
+            h = jnp.where(mm_embeds[1][:, None], mm_embeds[0][:, :E].astype(h.dtype), h)
+        if levels and mm_embeds is not None:
+            rows, cut = mm_embeds[1][:, None], 0
+            for j in range(levels):  # layers [cut, j + 1), then level j's features
+                h, kv_caches = self.run_layers(h, kv_caches, positions, md, cut, j + 1,
+                                               lora_slots=lora_slots)
+                feats = mm_embeds[0][:, (j + 1) * E:(j + 2) * E].astype(h.dtype)
+                h, cut = h + jnp.where(rows, feats, jnp.zeros_like(h)), j + 1
+            h, kv_caches = self.run_layers(h, kv_caches, positions, md, cut,
+                                           lora_slots=lora_slots)
+            return self.apply_final_norm(h), kv_caches
         if self.cfg.gemma4 is not None:
             per_layer = (None if self.per_layer_inputs is None
                          else self.per_layer_inputs(self.backend, token_ids, h))
@@ -126,13 +143,14 @@ class Decoder(nnx.Module):
 
     def forward_counting_experts(self, kv_caches: tuple[KVCache, ...], token_ids: jax.Array,
                                  positions: jax.Array, md: AttentionMetadata,
-                                 lora_slots: Optional[jax.Array] = None
+                                 lora_slots: Optional[jax.Array] = None,
+                                 mm_embeds: Optional[tuple[jax.Array, jax.Array]] = None
                                  ) -> tuple[jax.Array, tuple[KVCache, ...], jax.Array]:
         """The forward (`__call__`), and the tokens it routed to each expert of each MoE layer,
         padding not counted: int32 [len(moe_layer_ids), experts] (--enable-expert-load-metrics,
         which sets cfg.count_expert_load; the MoE groups sow their counts)."""
         (h, caches), sown = nnx.capture(Decoder.__call__, nnx.Intermediate)(
-            self, kv_caches, token_ids, positions, md, lora_slots)
+            self, kv_caches, token_ids, positions, md, lora_slots, mm_embeds)
         loads = [sown["layers"][i]["expert_load"][...]
                  for i, g in enumerate(self.groups) if g.kind in MOE_KINDS]
         return h, caches, jnp.concatenate(loads)
@@ -191,7 +209,8 @@ class Decoder(nnx.Module):
         lora = None if lora_slots is None else lora_batch(lora_slots, cfg.lora.max_loras)
         end = cfg.num_layers if end is None else end
         specs = tuple(dict.fromkeys(cfg.rope))  # distinct RoPE settings (Gemma 3: local/global)
-        cos, sin = rope_tables(specs, cfg.head_dim, positions, h.dtype, cfg.mrope_section)
+        cos, sin = rope_tables(specs, cfg.head_dim, positions, h.dtype, cfg.mrope_section,
+                               cfg.mrope_interleaved)
         windowed = any(cfg.sliding_window)
         caches = list(kv_caches)
         for i, (g, layers) in enumerate(zip(self.groups, self.layers)):
@@ -209,7 +228,8 @@ class Decoder(nnx.Module):
 
     def encode_images(self, patches: jax.Array, inputs: VisionInputs) -> jax.Array:
         """Pixel patches [N, C·t·p·p] of a step's images -> their token embeddings
-        [N / merge_unit, E] (jaxllm/models/qwen2_5_vl.py); Gemma 3: pixels [B, C, S, S] ->
+        [N / merge_unit, E] (jaxllm/models/qwen2_5_vl.py; Qwen3-VL [N / merge_unit, (1 + L) * E]
+        with its deepstack levels, jaxllm/models/qwen3_vl.py); Gemma 3: pixels [B, C, S, S] ->
         [B, mm_tokens_per_image, E] (jaxllm/models/gemma3_vision.py, inputs None)."""
         return self.vision(patches, inputs)
 

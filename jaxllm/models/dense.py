@@ -140,12 +140,18 @@ class DenseLayers(nnx.Module):
         resident = {k: weights.pop(k) for k in backend.resident
                     if k in weights and (not isinstance(weights[k], QuantizedWeight)
                                          or k in backend.resident_quantized)}
+        # A part of the group (Qwen3-VL's deepstack runs the layers in ranges): each layer's
+        # weights read from the whole stack in the loop; a slice of the stack before the scan
+        # would be a copy of those layers' weights in every step.
+        whole = None
         if (start, end) != (0, self.count):
-            weights = jax.tree.map(lambda v: v[start:end], weights)
+            whole, weights = weights, None
 
         def body(carry, xs):
             h, cache = carry
             w, layer, rope_id, window, here = xs
+            if whole is not None:
+                w = jax.tree.map(lambda v: v[layer], whole)
             w = {**{k: v if isinstance(v, QuantizedWeight) else backend.weight(v)
                     for k, v in w.items()}, **resident}
             local = {} if here is None else {"local": dict(here, temp=temp)}

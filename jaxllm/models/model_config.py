@@ -22,7 +22,7 @@ from jaxllm.layers.quantization import QuantSpec
 from jaxllm.models.gemma4_spec import Gemma4Spec
 from jaxllm.models.kv_scales import kv_scales_wanted
 from jaxllm.models.quant_config import quant_spec
-from jaxllm.models.registry import VISION_TOWERS, arch_features
+from jaxllm.models.registry import TOP_LEVEL_TIE, VISION_TOWERS, arch_features
 from jaxllm.models.rope import RopeSpec
 from jaxllm.models.vision_spec import VisionSpec
 
@@ -122,6 +122,7 @@ class ModelConfig:
     # vision tower (None = text only).
     mrope_section: tuple[int, ...] = ()
     vision: Optional[VisionSpec] = None
+    mrope_interleaved: bool = False  # Qwen3-VL: the sections' frequencies take turns
     # Hybrid models (Qwen3-Next; jaxllm/models/qwen3_next.py): which layers are gated DeltaNet
     # linear attention (the others gated full attention), and the DeltaNet's dimensions.
     linear_layers: tuple[bool, ...] = ()
@@ -238,6 +239,8 @@ class ModelConfig:
         fields.update(features)
         if arch in VISION_TOWERS:  # images in: the tower's settings from the top config
             fields["vision"] = VISION_TOWERS[arch](top)
+        if arch in TOP_LEVEL_TIE:
+            fields["tie_word_embeddings"] = bool(getattr(top, "tie_word_embeddings", False))
         if options.enable_expert_parallel and not fields.get("num_experts"):
             raise ConfigError(f"--enable-expert-parallel: {arch} has no mixture-of-experts "
                               "layers to shard")

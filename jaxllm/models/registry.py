@@ -12,6 +12,7 @@ from typing import Callable
 
 from jaxllm.config import ConfigError
 from jaxllm.models.gemma4_spec import Gemma4Spec
+from jaxllm.models.qwen3_vl_spec import Qwen3VLVisionSpec, text_features as _qwen3_vl_text
 from jaxllm.models.vision_spec import Gemma3VisionSpec, VisionSpec, mrope_section
 
 
@@ -252,6 +253,14 @@ def _qwen3_5_moe(c) -> dict:
     return _qwen3_next(c)
 
 
+def _qwen3_vl_moe(c) -> dict:
+    """Qwen3-VL-MoE's text model: Qwen3-MoE's layers, the top-k always renormalized (its
+    config has no norm_topk_prob; transformers' router always divides by the sum)."""
+    c = copy.copy(c)
+    c.norm_topk_prob = True
+    return _qwen3_moe(c)
+
+
 def _gemma4(c) -> dict:
     """Gemma 4 text (jaxllm/models/gemma4.py): Gemma's sandwich norms (scaling by w, not
     1 + w), q/k norms and a weightless v norm, attention scale 1, per-layer-type head dims and
@@ -310,13 +319,21 @@ ARCHITECTURES: dict[str, Callable[[object], dict]] = {
     "Qwen3_5MoeForConditionalGeneration": _qwen3_5_moe,
     "Gemma4ForCausalLM": _gemma4,
     "Gemma4ForConditionalGeneration": _gemma4,  # its text model only (loader/gemma4_weights.py)
+    # Qwen3 with interleaved M-RoPE and deepstack (jaxllm/models/qwen3_vl.py)
+    "Qwen3VLForConditionalGeneration": lambda c: dict(_qwen3(c), **_qwen3_vl_text(c)),
+    "Qwen3VLMoeForConditionalGeneration": lambda c: dict(_qwen3_vl_moe(c), **_qwen3_vl_text(c)),
 }
 
 # Architectures with a vision tower: top-level config -> ModelConfig.vision.
 VISION_TOWERS: dict[str, Callable[[object], object]] = {
     "Qwen2_5_VLForConditionalGeneration": VisionSpec.from_hf,
     "Gemma3ForConditionalGeneration": Gemma3VisionSpec.from_hf,
+    "Qwen3VLForConditionalGeneration": Qwen3VLVisionSpec.from_hf,
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLVisionSpec.from_hf,
 }
+# Multimodal architectures whose LM head ties to the embeddings as the top-level config says
+# (transformers reads `tie_word_embeddings` there; their text config may not carry it).
+TOP_LEVEL_TIE = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 
 
 def _classifier(adapter: Callable[[object], dict]) -> Callable[[object], dict]:

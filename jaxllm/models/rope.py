@@ -195,16 +195,27 @@ def _proportional(spec: RopeSpec, dim: int) -> np.ndarray:
     return (inv / np.float32(spec.factor)).astype(np.float32)
 
 
+def mrope_axes(section: tuple[int, ...]) -> np.ndarray:
+    """Interleaved M-RoPE (Qwen3-VL, transformers' recomposition_frequencies): frequency j
+    follows height where j % 3 == 1 and width where j % 3 == 2, within 3x each one's section
+    size; the temporal position everywhere else."""
+    j = np.arange(sum(section))
+    return np.where((j % 3 == 1) & (j < 3 * section[1]), 1,
+                    np.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))
+
+
 def rope_tables(specs: tuple[RopeSpec, ...], head_dim: int, positions: jax.Array, dtype,
-                mrope_section: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array]:
+                mrope_section: tuple[int, ...] = (), mrope_interleaved: bool = False
+                ) -> tuple[jax.Array, jax.Array]:
     """cos, sin [len(specs), T, head_dim // 2] in `dtype` for each distinct spec. M-RoPE
     (Qwen2.5-VL): positions [3, T] (temporal, height, width) and `mrope_section` the number of
-    frequencies each axis drives, in that order."""
+    frequencies each axis drives, in that order; interleaved (Qwen3-VL) they take turns."""
     inv, scale = zip(*(inv_freq_and_scale(s, head_dim) for s in specs))
     if mrope_section:  # frequency j rotates by the position on its section's axis
         if positions.ndim == 1:  # text only: the same position on the three axes
             positions = jnp.broadcast_to(positions, (3, positions.shape[0]))
-        axis = np.repeat(np.arange(3), mrope_section)
+        axis = (mrope_axes(mrope_section) if mrope_interleaved
+                else np.repeat(np.arange(3), mrope_section))
         pos = positions.astype(jnp.float32)[axis].T  # [T, head_dim // 2]
         freqs = pos[None] * jnp.asarray(np.stack(inv))[:, None, :]
     else:

@@ -1,8 +1,9 @@
 """What the model config says about a vision tower and its multimodal rotary positions: plain
 values (hashable, so the model stays a static jit argument), read from a transformers config.
 
-Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`, jaxllm/models/qwen2_5_vl.py) and Gemma 3
-(`Gemma3ForConditionalGeneration`, jaxllm/models/gemma3_vision.py) have their towers; other
+Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`, jaxllm/models/qwen2_5_vl.py), Qwen3-VL
+(jaxllm/models/qwen3_vl.py, its spec there) and Gemma 3 (`Gemma3ForConditionalGeneration`,
+jaxllm/models/gemma3_vision.py) have their towers; other
 multimodal architectures are refused or loaded text-only by the registry.
 """
 
@@ -146,3 +147,16 @@ def bidirectional_images(model_config) -> bool:
     """Whether the model's image tokens attend to their whole image in prefill (Gemma 3, as
     transformers' token_type_ids mask), not causally: `AttentionMetadata.attend_to`."""
     return getattr(model_config.vision, "bidirectional_images", False)
+
+
+def deepstack_levels(model_config) -> int:
+    """Qwen3-VL's deepstack levels (0 for other models): feature sets the tower returns beside
+    the image embeddings, each added to the image tokens after one of the first decoder layers
+    (jaxllm/models/qwen3_vl.py)."""
+    return len(getattr(model_config.vision, "deepstack_visual_indexes", ()))
+
+
+def mm_embed_width(model_config) -> int:
+    """Values of one image token's row in a step's image embeddings: the hidden size, times
+    1 + the deepstack levels (Qwen3-VL)."""
+    return model_config.hidden_size * (1 + deepstack_levels(model_config))

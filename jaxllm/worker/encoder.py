@@ -3,10 +3,11 @@ over the images whose placeholder tokens the step computes and were not encoded 
 embeddings are kept (keyed by the image's content hash) until no longer needed, so a prompt
 prefilled in chunks, split before, inside or after an image, encodes each image once.
 
-Each image runs as its own call: Qwen2.5-VL's over a power-of-two bucket of patches (so a
-few programs serve every image size; each compiles on first use), Gemma 3's over its one fixed
-image size. The embeddings come back to the host, where the step's input preparation places
-them at their tokens' rows (jaxllm/worker/input_batch.py).
+Each image runs as its own call: Qwen2.5-VL's and Qwen3-VL's over a power-of-two bucket of
+patches (so a few programs serve every image size; each compiles on first use), Gemma 3's over
+its one fixed image size. The embeddings (Qwen3-VL's with its deepstack features beside them)
+come back to the host, where the step's input preparation places them at their tokens' rows
+(jaxllm/worker/input_batch.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxllm.models import qwen3_vl
+from jaxllm.models.qwen3_vl_spec import Qwen3VLVisionSpec
 from jaxllm.models.qwen2_5_vl import vision_inputs
 from jaxllm.models.vision_spec import Gemma3VisionSpec
 from jaxllm.sequence import SchedulerOutput
@@ -53,7 +56,9 @@ class ImageEncoder:
         N = max(MIN_PATCHES, 1 << (n - 1).bit_length())
         padded = np.zeros((N, pixels.shape[1]), np.float32)
         padded[:n] = pixels
-        out = self._encode(state, padded, vision_inputs([grid], self.spec, N))
+        inputs = (qwen3_vl.vision_inputs if isinstance(self.spec, Qwen3VLVisionSpec)
+                  else vision_inputs)
+        out = self._encode(state, padded, inputs([grid], self.spec, N))
         self.images_encoded += 1
         return np.asarray(out)[:n // self.spec.merge_unit].astype(self.dtype)
 

@@ -44,7 +44,7 @@ from jaxllm.layers.lora import fill_slot, write_slot
 from jaxllm.layers.sampler import LOGIT_ROWS, SamplerOutput, gathered_token_logprobs, sample_rows
 from jaxllm.layers.sampling_tensors import (EXTRA_PENALTY_IDS, SamplingTensors, needs_processing,
                                           warmup_tensors)
-from jaxllm.models.vision_spec import bidirectional_images
+from jaxllm.models.vision_spec import bidirectional_images, mm_embed_width
 from jaxllm.sequence import SchedulerOutput, Sequence
 from jaxllm.spec_decode.acceptance import num_accepted
 from jaxllm.worker.compile_manager import CompileManager, ProgramKey, StepLauncher
@@ -95,7 +95,8 @@ class ModelRunner(MemoryTiers):
             # the same for every step: then a decode step of T tokens runs the bucket T one.
             decode_programs=backend.decode_programs(kv_cache_dtype), num_rows=self.num_rows,
             num_speculative_tokens=num_speculative_tokens, lora=model_config.lora is not None,
-            mm=(model_config.hidden_size, model_config.jnp_dtype) if model_config.vision else None,
+            mm=((mm_embed_width(model_config), model_config.jnp_dtype) if model_config.vision
+                else None),
             state_slots=bool(model_config.linear_layers),
             mrope=bool(model_config.mrope_section),
             image_spans=bidirectional_images(model_config) and self.image_refusal is None)
@@ -203,8 +204,8 @@ class ModelRunner(MemoryTiers):
         token_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], token_ids)
         load = None
         if self.moe_layer_ids:
-            hidden, kv_cache, load = model.forward_counting_experts(kv_cache, token_ids,
-                                                                    positions, md, lora_slots)
+            hidden, kv_cache, load = model.forward_counting_experts(
+                kv_cache, token_ids, positions, md, lora_slots, mm_embeds)
         else:
             hidden, kv_cache = model(kv_cache, token_ids, positions, md, lora_slots, mm_embeds)
         return hidden[logits_indices], hidden, kv_cache, load
