@@ -333,12 +333,13 @@ def test_a_published_config_reads(tmp_path):
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_lm_head_ties_as_the_top_level_config_says(tie):
-    """transformers ties Qwen3-VL's LM head by the top-level tie_word_embeddings; the text
-    config of a published checkpoint need not repeat it."""
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_lm_head_ties_as_the_top_level_config_says(tie, family):
+    """transformers ties Qwen3-VL's and Qwen2.5-VL's LM head by the top-level
+    tie_word_embeddings; the text config of a published checkpoint need not repeat it."""
     from jaxllm.models.model_config import ModelConfig
 
-    cfg = qc.config(vc.tokenizer())
+    cfg = (qc if family == "qwen3_vl" else vc).config(vc.tokenizer())
     cfg.tie_word_embeddings = tie
     if hasattr(cfg.text_config, "tie_word_embeddings"):
         del cfg.text_config.tie_word_embeddings

@@ -333,7 +333,8 @@ VISION_TOWERS: dict[str, Callable[[object], object]] = {
 }
 # Multimodal architectures whose LM head ties to the embeddings as the top-level config says
 # (transformers reads `tie_word_embeddings` there; their text config may not carry it).
-TOP_LEVEL_TIE = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+TOP_LEVEL_TIE = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+                 "Qwen3VLMoeForConditionalGeneration")
 
 
 def _classifier(adapter: Callable[[object], dict]) -> Callable[[object], dict]:
