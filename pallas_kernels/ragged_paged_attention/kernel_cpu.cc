@@ -36,14 +36,12 @@
 
 #include "cpu_parallel.h"
 #include "cpu_vec.h"
-#include "ragged_paged_attention/kernel_cpu_fp8.h"
+#include "ragged_paged_attention/kernel_cpu_write.h"
 
 namespace ffi = xla::ffi;
 
-static inline void Store(float x, float* p) { *p = x; }
-static inline void Store(float x, uint16_t* p) { *p = ToBF16(x); }
-
-// What every task reads: one layer's pages (C: float or bf16 bits) and the step's inputs.
+// What every task reads: one layer's pages (C: float, bf16 bits or float8) and the step's
+// inputs.
 template <typename C>
 struct Step {
   const float* q;  // [T, Hq, D]
@@ -350,42 +348,8 @@ static void Task(const Step<C>& st, int64_t s, int64_t h0, int64_t h1, int64_t i
 // Queries per task: a page read for a task serves this many queries of a prompt from L1.
 constexpr int64_t kQueriesPerTask = 16;
 
-// This step's k/v rows [T, Hkv, D] into the layer's pages [NB, Hkv, BS, D] at their slots;
-// padding (slot < 0) and slots past the cache are dropped, as the reference's scatter does.
-// Eight values at a time, tokens split over the pool (a 2048-token prompt step writes 1M
-// values: 2.5-5 ms one value at a time on one thread). With KV scales (kScaled) the values
-// are divided by them first, as the reference's quantize_kv does.
-template <bool kScaled, typename C>
-static void WriteKV(ffi::ThreadPool& pool, const float* k, const float* v, const int32_t* slots,
-                    int64_t T, int64_t NB, int64_t Hkv, int64_t BS, int64_t D, C* kc, C* vc,
-                    float ks, float vs) {
-  constexpr int64_t kTokensPerTask = 64;
-  ParallelFor(pool, (T + kTokensPerTask - 1) / kTokensPerTask, [&](int64_t task) {
-    for (int64_t t = task * kTokensPerTask; t < std::min(T, (task + 1) * kTokensPerTask); ++t) {
-      const int64_t slot = slots[t];
-      if (slot < 0 || slot >= NB * BS) continue;
-      for (int64_t h = 0; h < Hkv; ++h) {
-        const int64_t dst = ((slot / BS * Hkv + h) * BS + slot % BS) * D, src = (t * Hkv + h) * D;
-        int64_t d = 0;
-        for (; d + 8 <= D; d += 8) {
-          if constexpr (kScaled) {
-            Store8(Load8(k + src + d) / Splat8(ks), kc + dst + d);
-            Store8(Load8(v + src + d) / Splat8(vs), vc + dst + d);
-          } else {
-            Store8(Load8(k + src + d), kc + dst + d);
-            Store8(Load8(v + src + d), vc + dst + d);
-          }
-        }
-        for (; d < D; ++d) {
-          Store(kScaled ? k[src + d] / ks : k[src + d], kc + dst + d);
-          Store(kScaled ? v[src + d] / vs : v[src + d], vc + dst + d);
-        }
-      }
-    }
-  });
-}
-
-// Writes this step's K/V into layer l of the caches (C: float or bf16 bits), then attends.
+// Writes this step's K/V into layer l of the caches (C: float, bf16 bits or float8), then
+// attends.
 template <typename C>
 static void Attend(ffi::ThreadPool& pool, const float* q, const float* k_new,
                    const float* v_new, C* k_cache, C* v_cache, int64_t l, const int32_t* slots,

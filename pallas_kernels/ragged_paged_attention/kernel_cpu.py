@@ -1,9 +1,10 @@
 """Ragged paged attention for XLA:CPU: `kernel_cpu.cc`, built with the system C++ compiler on
 first use (cached per source and machine) and called through the XLA FFI.
 
-Every step kind (decode, prefill, chunked prefill, mixed) with an f32 or bf16 cache on one
-device, this step's K/V written into the cache by the same call; the pure-JAX reference runs the
-rest (other caches, sharded models). `available()` says whether the kernel could be built here.
+Every step kind (decode, prefill, chunked prefill, mixed) with an f32, bf16 or float8 cache on
+one device, this step's K/V written into the cache by the same call; the pure-JAX reference
+runs the rest (float16 caches, sharded models). `available()` says whether the kernel could be
+built here.
 """
 
 from __future__ import annotations
