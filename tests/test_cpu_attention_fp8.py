@@ -173,6 +173,27 @@ def test_fp8_write_bits_on_every_value(dtype, scales):
         assert len(np.unique(_bits(got_k))) > 200  # most of the format's codes were written
 
 
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_reads_every_code_exactly(dtype):
+    """Each of the format's 256 codes (subnormals of both signs, NaNs, e5m2's infinities) is
+    read as its value: 256 one-key sequences, sequence s's value row all code s, so its output
+    is that value (its one probability is 1); d = 64 reads values 8 at a time, d = 20 one at a
+    time."""
+    S = 256
+    codes = np.arange(256, dtype=np.uint8)
+    for d in (64, 20):
+        pages = np.repeat(codes, d).reshape(1, S, 1, 1, d).view(getattr(ml_dtypes, dtype))
+        vc = jnp.asarray(pages)
+        z = jnp.zeros((S, 1, d), jnp.float32)
+        out, _, _ = _kernel(z, z, z, jnp.zeros_like(vc), vc, 0, jnp.full(S, -1, jnp.int32),
+                            jnp.ones(S, jnp.int32), jnp.arange(S, dtype=jnp.int32)[:, None],
+                            jnp.arange(S + 1, dtype=jnp.int32), jnp.array([S], jnp.int32),
+                            sm_scale=1.0)
+        want = codes.view(getattr(ml_dtypes, dtype)).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(out)[:, 0],  # NaN where NaN
+                                      np.repeat(want[:, None], d, 1), err_msg=f"d={d}")
+
+
 def _image_case(hq, hkv, d, seed=0):
     """A ragged step with image spans (attend_to: each image token's last key is its image's
     last token): a 70-query chunk whose image crosses the kernel's 16-query tasks and its
@@ -277,6 +298,7 @@ def test_fp8_and_attend_to_on_each_isa_path(march):
             "t.test_fp8_write_bits_on_every_value('float8_e4m3fn', (0.37, 2.9))\n"
             "t.test_fp8_write_bits_on_every_value('float8_e5m2', None)\n"
             "t.check_attend_to(8, 2, 64, 7, 'float8_e4m3fn')\n"
+            "for dt in t.FP8: t.test_fp8_reads_every_code_exactly(dt)\n"
             "from pallas_kernels import cpu_ffi; print('FLAGS', ' '.join(cpu_ffi.flags()))\n")
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, JAXLLM_CPU_MARCH=march,

@@ -48,9 +48,10 @@ static inline float F8ToF32(uint8_t b) {
   const uint32_t top = (0x7Fu >> Fmt::kMant);
   if (e == top && (std::is_same_v<F, F8E5M2> || m == (1u << Fmt::kMant) - 1))
     return BitsToF32(sign | (m == 0 ? 0x7F800000u : 0x7FC00000u));
-  if (e == 0)
-    return BitsToF32(sign) + static_cast<float>(m) *
-                                 std::ldexp(1.f, 1 - Fmt::kBias - Fmt::kMant);
+  if (e == 0) {
+    const float x = static_cast<float>(m) * std::ldexp(1.f, 1 - Fmt::kBias - Fmt::kMant);
+    return sign ? -x : x;
+  }
   return BitsToF32(sign | (e + 127 - Fmt::kBias) << 23 | m << (23 - Fmt::kMant));
 }
 static inline float ToF32(F8E4M3 x) { return F8ToF32<F8E4M3>(x.bits); }
@@ -59,14 +60,14 @@ static inline float ToF32(F8E5M2 x) { return F8ToF32<F8E5M2>(x.bits); }
 // 8 values as f32. With F16C both formats widen through f16 in hardware (subnormals
 // included): e5m2 is an f16's top byte; e4m3's 7 bits below the sign placed under f16's
 // exponent read as the value / 256 (the biases differ by 8; a subnormal the same way), and
-// its NaN (bits 1111111) gets f16's all-ones exponent.
+// its NaN (bits 1111111) gets f16's all-ones exponent. (The byte sign-extended and shifted by
+// 7 puts the sign in bit 15 and copies of it in bit 14, which the mask clears.)
 static inline v8 Load8(const F8E4M3* p) {
 #ifdef __F16C__
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7F));
-  __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7),
-                           _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
-  h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F)),
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m128i h = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<short>(0xBF80)));
+  const __m128i mag = _mm_and_si128(h, _mm_set1_epi16(0x3F80));
+  h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x3F80)),
                                     _mm_set1_epi16(0x7C00)));
   return (v8)_mm256_cvtph_ps(h) * 256.f;
 #else
