@@ -2,11 +2,11 @@
 
 The paged attention runs every step kind in one kernel that also writes the cache (f32, bf16 or
 float8 caches, with a float8 cache's per-layer scales, and Gemma 3's bidirectional image
-tokens; a float16 cache takes the reference). The projections (a MoE layer's router too), the LM head and
-SiLU-and-mul run in the native matmul and activation kernels, and a MoE layer's experts in the
-native grouped matmul, when they build (`native_matmul`); they read the stacked weights in
-place, where XLA:CPU copies each layer's slice out of the scan, and run bf16 weights at f32
-speed (XLA:CPU converts them first). Against XLA's dot they gain most at few rows, where
+tokens; a float16 cache takes the reference). The projections (a MoE layer's router too), the
+LM head and SiLU-and-mul run in the native matmul and activation kernels, and a MoE layer's
+experts in the native grouped matmul, when they build (`native_matmul`); they read the stacked
+weights in place, where XLA:CPU copies each layer's slice out of the scan, and run bf16
+weights at f32 speed (XLA:CPU converts them first). Against XLA's dot they gain most at few rows, where
 those copies and conversions dominate, and little at thousands of rows (docs/performance.md
 has the figures). Kernels are built by `create` (start-up), so a trace never starts a C++
 build.
