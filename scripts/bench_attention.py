@@ -4,7 +4,8 @@ The batch: `--seqs` sequences of `--context` tokens each (this step's tokens inc
 `--tokens` query tokens (tokens == seqs: decode; one sequence with tokens == context: prefill).
 Bandwidth: bytes of the KV pages the queries can see (K and V, one layer; a sliding window
 skips the pages before it) over the time per call.
-Runs anywhere: on CPU the reference or the native kernel (--backend cpu, f32 or bf16 cache; the Pallas
+Runs anywhere: on CPU the reference or the native kernel (--backend cpu, f32, bf16 or float8
+cache, a float8 one with scales of 1.0 as the reference gets them; the Pallas
 kernels only interpret there, which measures the interpreter); unchanged on a TPU/GPU host with
 --backend pallas.
 
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.layers.attention import NATIVE_CPU_CACHE_DTYPES
 from pallas_kernels.ragged_paged_attention import kernel, kernel_cpu, reference
 
 
@@ -81,8 +83,10 @@ def main() -> None:
     if sinks is not None:
         kw["sinks"] = sinks
     if a.backend == "cpu":
-        if jnp.dtype(a.dtype) not in (jnp.float32, jnp.bfloat16):
-            raise SystemExit("--backend cpu: the native kernel reads float32 or bfloat16 caches")
+        if jnp.dtype(a.dtype) not in NATIVE_CPU_CACHE_DTYPES:
+            raise SystemExit("--backend cpu: the native kernel reads float32, bfloat16 or "
+                             "float8 (e4m3fn, e5m2) caches")
+        scales = None if scale is None else jnp.full((2,), scale, jnp.float32)
         # The kernel also writes this step's K/V: padding slots (-1) write nothing, so every
         # call sees the same cache; the caches are donated and come back (written in place).
         new_kv = jnp.zeros((a.tokens, hkv, a.head_dim), jnp.float32)
@@ -91,7 +95,7 @@ def main() -> None:
         def fn(q, kc, vc, layer, *meta, sliding_window):
             return kernel_cpu.ragged_paged_attention(
                 q, new_kv, new_kv, kc, vc, layer, slots, *meta, sm_scale=kw["sm_scale"],
-                sliding_window=sliding_window, sinks=sinks)
+                sliding_window=sliding_window, sinks=sinks, kv_scales=scales)
     else:
         attend = (functools.partial(kernel.ragged_paged_attention, variant=a.variant, **kw)
                   if a.backend == "pallas" else

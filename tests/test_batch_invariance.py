@@ -110,7 +110,9 @@ class _Cache:
 
     HQ, HKV, D, BS, NB = 6, 2, 64, 4, 400
 
-    def __init__(self, L, seed=0, cache_dtype="bfloat16"):
+    def __init__(self, L, seed=0, cache_dtype="bfloat16", kv_scales=None, attend_to=None):
+        """kv_scales: None or (k_scale, v_scale) for every call. attend_to: None (causal) or
+        int32 [L], the target's last visible key position per position (image spans)."""
         rng = np.random.default_rng(seed)
         self.L = L
         self.q = rng.standard_normal((L, self.HQ, self.D), np.float32)
@@ -120,14 +122,18 @@ class _Cache:
                                                      np.float32), cache_dtype)
         self.B = -(-L // self.BS)
         self.tables = rng.permutation(self.NB)[:4 * self.B].reshape(4, self.B).astype(np.int32)
+        self.kv_scales = None if kv_scales is None else jnp.asarray(kv_scales, jnp.float32)
+        self.attend_to = attend_to
 
     def attend(self, parts, window=None):
         """parts: (table row, first query position, end): that sequence's queries first..end-1
         with kv_len = end, all in one call; row 0 is the target (its q/k/v), the others reuse
-        the target's q/k/v rows at their positions but their own pages. Outputs per part."""
-        q, k, v, slots, lens, cu = [], [], [], [], [], [0]
+        the target's q/k/v rows at their positions but their own pages (and attend causally).
+        Outputs per part."""
+        q, k, v, slots, lens, cu, att = [], [], [], [], [], [0], []
         for row, a, b in parts:
             pos = np.arange(a, b)
+            att.append(pos if self.attend_to is None or row else self.attend_to[pos])
             q.append(self.q[pos] * (1 + row)), k.append(self.k[pos]), v.append(self.v[pos])
             slots.append(self.tables[row, pos // self.BS] * self.BS + pos % self.BS)
             lens.append(b), cu.append(cu[-1] + b - a)
@@ -137,7 +143,9 @@ class _Cache:
             jnp.asarray(np.concatenate(v)), self.cache[0], self.cache[1], 0,
             jnp.asarray(np.concatenate(slots).astype(np.int32)), jnp.asarray(np.int32(lens)),
             jnp.asarray(self.tables[rows]), jnp.asarray(np.int32(cu)),
-            jnp.asarray([len(parts)], jnp.int32), sm_scale=0.125, sliding_window=window)
+            jnp.asarray([len(parts)], jnp.int32), sm_scale=0.125, sliding_window=window,
+            kv_scales=self.kv_scales, attend_to=None if self.attend_to is None
+            else jnp.asarray(np.concatenate(att).astype(np.int32)))
         self.cache = jnp.stack([kc, vc])  # what was written stays (the same values again)
         out = np.asarray(out)
         return [out[cu[i]:cu[i + 1]] for i in range(len(parts))]
@@ -149,11 +157,13 @@ class _Cache:
 
 
 @pytest.mark.parametrize("window", [None, 200])
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 def test_attention_query_does_not_depend_on_batch_or_chunks(window, cache_dtype):
     """A query's output is the same bits in a whole-prompt step, in chunked prefill at any
-    split, as a decode row, and next to other sequences (which change the task split)."""
-    c = _Cache(L=300, cache_dtype=cache_dtype)
+    split, as a decode row, and next to other sequences (which change the task split); a
+    float8 cache with its layer's scales too."""
+    c = _Cache(L=300, cache_dtype=cache_dtype,
+               kv_scales=(0.5, 3.0) if "float8" in cache_dtype else None)
     whole = c.prefill(window)
     for chunk in (1, 7, 16, 37, 129):  # chunked prefill, over a cache holding every position
         for a in range(0, c.L, chunk):
@@ -165,6 +175,29 @@ def test_attention_query_does_not_depend_on_batch_or_chunks(window, cache_dtype)
             parts = others[:at] + [(0, 250, 300)] + others[at:]
             got = c.attend(parts, window)[at]
             np.testing.assert_array_equal(got, whole[250:300], err_msg=f"{parts}")
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_attention_image_query_does_not_depend_on_batch_or_chunks(window):
+    """Bidirectional image tokens (attend_to, Gemma 3): an image's queries see the whole image
+    and get the same bits in a whole-prompt step, in chunks that end outside images (as the
+    scheduler splits prompts), and next to other sequences; the images cross the kernel's
+    16-query tasks and its 32-page (128-key) blocks."""
+    spans = ((20, 61), (100, 160), (250, 256))
+    attend = np.arange(300)
+    for a, b in spans:
+        attend[a:b] = b - 1
+    c = _Cache(L=300, cache_dtype="bfloat16", attend_to=attend)
+    whole = c.prefill(window)
+    assert not np.array_equal(whole, _Cache(L=300, cache_dtype="bfloat16").prefill(window))
+    for cuts in ((20, 61, 100, 160, 250, 256), (10, 61, 99, 170, 249, 299), (64, 200)):
+        bounds = (0, *cuts, 300)
+        for a, b in zip(bounds, bounds[1:]):
+            got = c.attend([(0, a, b)], window)[0]
+            np.testing.assert_array_equal(got, whole[a:b], err_msg=f"{a}:{b} of {cuts}")
+    for others in ([(1, 0, 5)], [(2, 40, 41), (1, 0, 299), (3, 10, 11)]):
+        parts = others + [(0, 90, 170)]
+        np.testing.assert_array_equal(c.attend(parts, window)[-1], whole[90:170])
 
 
 @pytest.mark.slow  # an engine of its own (~20 s); the layers' row tests above stay default
@@ -236,12 +269,15 @@ def test_backends_say_why_they_are_not_batch_invariant():
     assert CpuBackend().batch_variance(dense, jnp.bfloat16) is None
     gemma3_images = SimpleNamespace(**{**vars(dense),
                                        "vision": SimpleNamespace(bidirectional_images=True)})
-    assert "bidirectional image" in CpuBackend().batch_variance(gemma3_images, jnp.float32)
+    # Gemma 3's bidirectional image tokens and float8 caches run the native kernel too
+    assert CpuBackend().batch_variance(gemma3_images, jnp.float32) is None
     assert CpuBackend().batch_variance(dense, jnp.float32) is None
     for backend in (ReferenceBackend(), PallasBackend()):
         assert "XLA dots" in backend.batch_variance(dense, jnp.float32)
     assert "native matmul" in CpuBackend(native_matmul=False).batch_variance(dense, jnp.float32)
-    assert "float8_e4m3fn KV cache" in CpuBackend().batch_variance(dense, jnp.float8_e4m3fn)
+    for fp8_cache in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        assert CpuBackend().batch_variance(dense, fp8_cache) is None
+    assert "float16 KV cache" in CpuBackend().batch_variance(dense, jnp.float16)
     assert CpuBackend().batch_variance(moe, jnp.float32) is None
     assert "native matmul" in CpuBackend(native_matmul=False).batch_variance(moe, jnp.float32)
     # Quantized projections: int8/int4 in the native matmul (invariant), fp8 and quantized

@@ -231,15 +231,39 @@ def test_pallas_backend_refuses_images_by_name(ckpt):
                      _greedy(), use_tqdm=False)
 
 
-def test_cpu_backend_names_its_batch_variance(llm):
-    """The CPU backend runs the XLA reference attention for bidirectional image tokens, so
-    --batch-invariant is refused with that reason rather than promised."""
+def test_cpu_backend_runs_images_in_its_native_kernel(llm):
+    """The engine above runs the CPU backend, whose native attention kernel takes the image
+    tokens' attend_to (so the transformers comparisons ran on it), and --batch-invariant is
+    not refused for the model."""
     import jax.numpy as jnp
 
     from jaxllm.layers.backends import make_backend
 
-    why = make_backend("cpu").batch_variance(llm.llm_engine.model_config, jnp.float32)
-    assert "bidirectional image tokens" in why
+    assert llm.llm_engine.runner.backend.name == "cpu"
+    assert llm.llm_engine.runner.input_batch.image_spans is True
+    assert make_backend("cpu").batch_variance(llm.llm_engine.model_config, jnp.float32) is None
+
+
+@pytest.mark.slow  # an engine of its own (~20 s)
+def test_batch_invariant_images(ckpt):
+    """--batch-invariant with images: a request's tokens and logprobs are the same bits alone
+    and in a batch with other image and text prompts (other task splits, other chunks)."""
+    from jaxllm import LLM
+
+    llm = LLM(ckpt[0], dtype="float32", max_model_len=96, max_num_seqs=4,
+              max_num_batched_tokens=32, block_size=4, batch_invariant=True)
+
+    def run(prompts):
+        return [(list(o.outputs[0].token_ids),
+                 [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, _greedy(logprobs=2), use_tqdm=False)]
+
+    target = {"prompt": TWO, "multi_modal_data": {"image": IMAGES}}
+    alone = run([target])[0]
+    others = [TEXT, {"prompt": gc.PROMPT, "multi_modal_data": {"image": IMAGES[1:]}}]
+    assert run(others + [target])[-1] == alone
+    assert run([others[1], target, others[0]])[1] == alone
+
 
 def _two_prompts():
     return [{"prompt": gc.PROMPT, "multi_modal_data": {"image": IMAGES[0]}},

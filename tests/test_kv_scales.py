@@ -132,8 +132,8 @@ def test_checkpoint_scales_are_read_per_layer(ckpt, load, caplog):
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("reference", marks=pytest.mark.slow),
                                      pytest.param("pallas", marks=pytest.mark.slow)])
 def test_fp8_logits_match_the_float_model_with_scales(ckpt, load, backend):
-    """Checkpoint scales on each backend (the CPU backend's float8 cache runs the XLA
-    reference attention; Pallas: the GPU kernel interpreted)."""
+    """Checkpoint scales on each backend (the CPU backend's float8 cache runs its native
+    attention kernel, the scales a run-time operand; Pallas: the GPU kernel interpreted)."""
     _, scaled, scales, want, limit = ckpt
     model, _, _ = load(scaled, kv_cache_dtype="fp8", attention_backend=backend)
     assert model.attention_backend == backend
@@ -306,7 +306,7 @@ def test_fp8_step_with_scales_exports(platform, tp):
 def test_engine_with_calculated_scales(ckpt, load):
     """The engine (LLM) with --calculate-kv-scales: its runner's scales are the calibration's
     (not 1.0), and its greedy tokens are those of the fp8 prefill with those scales (the
-    engine's steps run the same attention: the CPU backend's reference for a float8 cache),
+    engine's steps run the same attention: the CPU backend's native kernel for a float8 cache),
     within the float tolerance of the float model's logits."""
     from jaxllm import LLM, SamplingParams
     from jaxllm.engine.kv_calibration import calculate_kv_scales
@@ -329,3 +329,30 @@ def test_engine_with_calculated_scales(ckpt, load):
     out = llm.generate([{"prompt_token_ids": PROMPT}],
                        SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids
     assert list(out) == [int(logits[-1].argmax())]
+
+
+@pytest.mark.slow  # two engines (~30 s); the layer-level kernel tests stay default
+def test_native_cpu_engine_equals_the_reference_backend(ckpt):
+    """An fp8 cache with checkpoint scales, k/v saturating without them: the CPU backend's
+    engine (the native kernel writes and reads the float8 pages, scales as a run-time operand)
+    gives the reference backend's greedy tokens and logprobs, over a batch of prompts whose
+    decode runs past the first block."""
+    from jaxllm import LLM, SamplingParams
+
+    _, scaled, _, _, _ = ckpt
+    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[5:12]},
+               {"prompt_token_ids": PROMPT[::-1] * 2}]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True)
+    runs = {}
+    for backend in ("cpu", "reference"):
+        llm = LLM(model=scaled, kv_cache_dtype="fp8", attention_backend=backend,
+                  max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=8,
+                  dtype="float32")
+        assert llm.llm_engine.model_config.kv_scales == "checkpoint"
+        runs[backend] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    for got, want in zip(runs["cpu"], runs["reference"]):
+        assert list(got.token_ids) == list(want.token_ids)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)],
+                                   [lp[t].logprob for lp, t in zip(want.logprobs,
+                                                                   want.token_ids)], atol=1e-4)

@@ -53,10 +53,16 @@ class AttentionMetadata:
 REFERENCE_TILING = {True: (1, 16, 128), False: (16, 4, 256)}
 
 
+# The KV cache dtypes the native CPU attention kernel reads and writes (float8 ones with or
+# without per-layer scales; pallas_kernels/ragged_paged_attention/kernel_cpu_fp8.h).
+NATIVE_CPU_CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
 def native_cpu_attention(backend: str, cache_dtype) -> bool:
-    """Whether backend 'cpu' runs every step's attention in the native kernel (an f32 or bf16
-    cache; the reference handles the others), so decode steps need no programs of their own."""
-    return backend == "cpu" and jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16)
+    """Whether backend 'cpu' runs every step's attention in the native kernel (an f32, bf16 or
+    float8 e4m3fn/e5m2 cache; the reference handles the others, float16), so decode steps need
+    no programs of their own."""
+    return backend == "cpu" and jnp.dtype(cache_dtype) in NATIVE_CPU_CACHE_DTYPES
 
 
 def kv_cache_shardings(shapes: Sequence[tuple], mesh: Mesh) -> tuple[KVCache, ...]:

@@ -3,13 +3,20 @@
 // XLA:CPU runs the pure-JAX reference's page gather, transposes and small batched dots at
 // 2-4 GB/s; this loop reads each sequence's pages in place (10-20 GB/s here). Same layout and
 // semantics as reference.py's write_kv followed by ragged_paged_attention:
-//   q [T, Hq, D] f32, k/v [T, Hkv, D] f32 (this step's), k/v cache [L, NB, Hkv, BS, D] f32 or
-//   bf16 (written rounded to nearest even, read converted in registers: half the bytes),
+//   q [T, Hq, D] f32, k/v [T, Hkv, D] f32 (this step's), k/v cache [L, NB, Hkv, BS, D] f32,
+//   bf16 (written rounded to nearest even, read converted in registers: half the bytes) or
+//   float8 e4m3fn / e5m2 (kernel_cpu_fp8.h: written divided by the layer's scale, saturated
+//   and rounded as the reference's quantize_kv; read converted and scaled back),
 //   layer [], slot_mapping [T] (block * BS + offset; < 0: padding), kv_lens [S],
 //   block_tables [S, B], cu_q_lens [S + 1], num_seqs [1], window [] (<= 0: none), chunk []
 //   (Llama 4's chunked local attention, <= 0: none: a query sees only keys of its own chunk);
 //   sinks [Hq] or [0] (none: attention sinks, one logit per query head in the softmax's
 //   denominator: a query's running maximum starts at its head's sink and its sum at 1);
+//   attend_to [T] or [0] (none: causal; the last key position each query sees, >= its own:
+//   Gemma 3's bidirectional image tokens); kv_scales [2] or [0] (none: 1, 1): k_scale and
+//   v_scale, run-time values (they ride the layer scan). The scales are applied outside the
+//   inner loops: k_scale joins sm_scale (q . (k * ks) = (q . k) * ks) and v_scale multiplies
+//   the output (sum p (v * vs) = vs sum p v);
 //   attrs sm_scale, soft_cap (0: none); results out [T, Hq, D] (f32, or bf16 rounded to nearest
 //   even: XLA's convert of a bf16 model's f32 out took 33 us a decode layer) and the two caches,
 //   which alias the cache arguments: k/v are written in place. (As XLA ops, the scatter's index
@@ -29,13 +36,12 @@
 
 #include "cpu_parallel.h"
 #include "cpu_vec.h"
+#include "ragged_paged_attention/kernel_cpu_write.h"
 
 namespace ffi = xla::ffi;
 
-static inline void Store(float x, float* p) { *p = x; }
-static inline void Store(float x, uint16_t* p) { *p = ToBF16(x); }
-
-// What every task reads: one layer's pages (C: float or bf16 bits) and the step's inputs.
+// What every task reads: one layer's pages (C: float, bf16 bits or float8) and the step's
+// inputs.
 template <typename C>
 struct Step {
   const float* q;  // [T, Hq, D]
@@ -45,21 +51,23 @@ struct Step {
   uint16_t* out16;   // bf16 (one of the two is null)
   int64_t Hq, Hkv, G, BS, B, D;
   int32_t window, chunk;
-  float sm_scale, soft_cap;
+  float sm_scale, soft_cap;  // sm_scale times k_scale
   const float* sinks;  // [Hq], or null: none
+  const int32_t* attend;  // [T], or null: causal
+  float v_scale;
 };
 
 // A task's queries i0..i1-1 of sequence s: the row in q of the sequence's first query, and the
 // first and last query positions (the sequence's length, capped by its block table, ends with
 // its q_len new queries).
 struct Span {
-  int64_t first, p0, p1;
+  int64_t first, p0, p1, len;
 };
 template <typename C>
 static Span SpanOf(const Step<C>& st, int64_t s, int64_t i0, int64_t i1) {
   const int64_t len = std::min<int64_t>(st.lens[s], st.B * st.BS);
   const int64_t first = st.cu[s], q_len = st.cu[s + 1] - first;
-  return {first, len - q_len + i0, len - q_len + i1 - 1};
+  return {first, len - q_len + i0, len - q_len + i1 - 1, len};
 }
 
 // The first key a query at pos sees: 0, or its sliding window's first, or its attention
@@ -74,9 +82,17 @@ static inline int64_t FirstKey(const Step<C>& st, int64_t pos) {
 template <typename C>
 static void StoreOut(const Step<C>& st, int64_t o, const float* acc, float sum, int64_t D) {
   if (st.out16 != nullptr)
-    for (int64_t d = 0; d < D; ++d) st.out16[o + d] = ToBF16(acc[d] / sum);
+    for (int64_t d = 0; d < D; ++d) st.out16[o + d] = ToBF16(acc[d] / sum * st.v_scale);
   else
-    for (int64_t d = 0; d < D; ++d) st.out[o + d] = acc[d] / sum;
+    for (int64_t d = 0; d < D; ++d) st.out[o + d] = acc[d] / sum * st.v_scale;
+}
+
+// The last key position the query in row t at position pos sees: its own, or with attend_to
+// a later one of this step's (capped by the sequence's length, the keys there are).
+template <typename C>
+static inline int64_t LastKey(const Step<C>& st, int64_t t, int64_t pos, int64_t len) {
+  return st.attend == nullptr ? pos : std::min<int64_t>(std::max<int64_t>(pos, st.attend[t]),
+                                                        len - 1);
 }
 
 // q . k over D values (kD: D known at compile time, so the loop unrolls; 0: runtime D).
@@ -237,6 +253,10 @@ static void Task(const Step<C>& st, int64_t s, int64_t h0, int64_t h1, int64_t i
   const Span span = SpanOf(st, s, i0, i1);
   const int64_t first = span.first, p0 = span.p0, p1 = span.p1;
   if (p1 < 0) return;
+  int64_t p_last = p1;  // the last key any query of the task sees
+  if (st.attend != nullptr)
+    for (int64_t i = std::max<int64_t>(-p0, 0); i < nq; ++i)
+      p_last = std::max(p_last, LastKey(st, first + i0 + i, p0 + i, span.len));
   const int64_t groups = (G + 2) / 3;
   thread_local std::vector<float> buf;
   buf.assign(nq * H * (D + 2) + H * ld, 0.f);
@@ -260,7 +280,7 @@ static void Task(const Step<C>& st, int64_t s, int64_t h0, int64_t h1, int64_t i
   // task, so chunked prefill and decode give it the same bits (batch invariance: issue 26).
   const int64_t first_block =
       FirstKey(st, std::max<int64_t>(p0, 0)) / BS / kBlockPages * kBlockPages;
-  for (int64_t b0 = first_block, last = p1 / BS; b0 <= last; b0 += kBlockPages) {
+  for (int64_t b0 = first_block, last = p_last / BS; b0 <= last; b0 += kBlockPages) {
     const int64_t nb = std::min(kBlockPages, last + 1 - b0), base = b0 * BS;
     // The block's pages are fetched ahead for its first query; the task's others find them in
     // cache. Pages are random in memory, so the hardware prefetcher stops at each one: a
@@ -270,7 +290,8 @@ static void Task(const Step<C>& st, int64_t s, int64_t h0, int64_t h1, int64_t i
       const int64_t pos = p0 + i;
       if (pos < 0) continue;
       const int64_t j0 = std::max(FirstKey(st, pos), base) - base;
-      const int64_t j1 = std::min(pos + 1, base + nb * BS) - base;
+      const int64_t j1 =
+          std::min(LastKey(st, first + i0 + i, pos, span.len) + 1, base + nb * BS) - base;
       if (j0 >= j1) continue;
       const float* q = st.q + ((first + i0 + i) * st.Hq + h0 * G) * D;
       float *mi = m + i * H, *si = sum + i * H, *ai = acc + i * H * D;
@@ -327,48 +348,26 @@ static void Task(const Step<C>& st, int64_t s, int64_t h0, int64_t h1, int64_t i
 // Queries per task: a page read for a task serves this many queries of a prompt from L1.
 constexpr int64_t kQueriesPerTask = 16;
 
-// This step's k/v rows [T, Hkv, D] into the layer's pages [NB, Hkv, BS, D] at their slots;
-// padding (slot < 0) and slots past the cache are dropped, as the reference's scatter does.
-// Eight values at a time, tokens split over the pool (a 2048-token prompt step writes 1M
-// values: 2.5-5 ms one value at a time on one thread).
-template <typename C>
-static void WriteKV(ffi::ThreadPool& pool, const float* k, const float* v, const int32_t* slots,
-                    int64_t T, int64_t NB, int64_t Hkv, int64_t BS, int64_t D, C* kc, C* vc) {
-  constexpr int64_t kTokensPerTask = 64;
-  ParallelFor(pool, (T + kTokensPerTask - 1) / kTokensPerTask, [&](int64_t task) {
-    for (int64_t t = task * kTokensPerTask; t < std::min(T, (task + 1) * kTokensPerTask); ++t) {
-      const int64_t slot = slots[t];
-      if (slot < 0 || slot >= NB * BS) continue;
-      for (int64_t h = 0; h < Hkv; ++h) {
-        const int64_t dst = ((slot / BS * Hkv + h) * BS + slot % BS) * D, src = (t * Hkv + h) * D;
-        int64_t d = 0;
-        for (; d + 8 <= D; d += 8) {
-          Store8(Load8(k + src + d), kc + dst + d);
-          Store8(Load8(v + src + d), vc + dst + d);
-        }
-        for (; d < D; ++d) {
-          Store(k[src + d], kc + dst + d);
-          Store(v[src + d], vc + dst + d);
-        }
-      }
-    }
-  });
-}
-
-// Writes this step's K/V into layer l of the caches (C: float or bf16 bits), then attends.
+// Writes this step's K/V into layer l of the caches (C: float, bf16 bits or float8), then
+// attends.
 template <typename C>
 static void Attend(ffi::ThreadPool& pool, const float* q, const float* k_new,
                    const float* v_new, C* k_cache, C* v_cache, int64_t l, const int32_t* slots,
                    const int32_t* lens, const int32_t* tables, const int32_t* cu, int64_t n,
                    float* out, uint16_t* out16, int64_t T, int64_t Hq, int64_t Hkv, int64_t NB,
                    int64_t BS, int64_t B, int64_t D, int32_t window, int32_t chunk,
-                   float sm_scale,
-                   float soft_cap, const float* sinks) {
+                   float sm_scale, float soft_cap, const float* sinks, const int32_t* attend,
+                   const float* scales) {
   const int64_t page = Hkv * BS * D;  // values per page of one layer
   C *kc = k_cache + l * NB * page, *vc = v_cache + l * NB * page;
-  WriteKV(pool, k_new, v_new, slots, T, NB, Hkv, BS, D, kc, vc);
-  const Step<C> st{q, kc, vc, lens, tables, cu, out, out16, Hq, Hkv, Hq / Hkv, BS, B, D, window,
-                   chunk, sm_scale, soft_cap, sinks};
+  const float ks = scales != nullptr ? scales[0] : 1.f, vs = scales != nullptr ? scales[1] : 1.f;
+  if (scales != nullptr)
+    WriteKV<true>(pool, k_new, v_new, slots, T, NB, Hkv, BS, D, kc, vc, ks, vs);
+  else
+    WriteKV<false>(pool, k_new, v_new, slots, T, NB, Hkv, BS, D, kc, vc, ks, vs);
+  const Step<C> st{q,  kc,     vc,     lens,  tables,        cu,       out,   out16,
+                   Hq, Hkv,    Hq / Hkv, BS,  B,             D,        window, chunk,
+                   sm_scale * ks, soft_cap, sinks, attend, vs};
   if (out16 != nullptr)
     std::memset(out16, 0, sizeof(uint16_t) * T * Hq * D);
   else
@@ -384,9 +383,10 @@ static void Attend(ffi::ThreadPool& pool, const float* q, const float* k_new,
   const int64_t n_chunks = std::max<int64_t>(static_cast<int64_t>(chunks.size()), 1);
   const int64_t split = std::min(Hkv, (min_tasks + n_chunks - 1) / n_chunks);
 #ifdef JAXLLM_AMX
-  // (Sinks run on vectors: the tiles' path starts its softmax without them.)
+  // (Sinks and attend_to run on vectors: the tiles' path starts its softmax without sinks and
+  // ends each query's keys at its own position.)
   const bool amx = std::is_same_v<C, uint16_t> && (D == 64 || D == 128) && sinks == nullptr &&
-                   AmxAllowed();
+                   attend == nullptr && AmxAllowed();
 #endif
   // A task learns the one its thread runs next, whose first pages it fetches (AMX path).
   ParallelForAhead(pool, static_cast<int64_t>(chunks.size()) * split, [&](int64_t task,
@@ -433,6 +433,8 @@ static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
                                      ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
                                      ffi::Buffer<ffi::S32> chunk,
                                      ffi::Buffer<ffi::F32> sinks,
+                                     ffi::Buffer<ffi::S32> attend_to,
+                                     ffi::Buffer<ffi::F32> kv_scales,
                                      ffi::Result<ffi::AnyBuffer> out,
                                      ffi::Result<ffi::AnyBuffer> k_out,
                                      ffi::Result<ffi::AnyBuffer> v_out, float sm_scale,
@@ -449,12 +451,16 @@ static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
   if (cd[4] != D || Hq % Hkv != 0 || cu_q_lens.element_count() != S + 1 ||
       k_new.element_count() != T * Hkv * D || v_new.element_count() != T * Hkv * D ||
       slots.element_count() != T || v_cache.element_count() != k_cache.element_count() ||
-      (sinks.element_count() != 0 && sinks.element_count() != Hq)) {
+      (sinks.element_count() != 0 && sinks.element_count() != Hq) ||
+      (attend_to.element_count() != 0 && attend_to.element_count() != T) ||
+      (kv_scales.element_count() != 0 && kv_scales.element_count() != 2)) {
     return ffi::Error::InvalidArgument("paged attention: shapes do not match");
   }
   const auto dtype = k_cache.element_type();
-  if ((dtype != ffi::F32 && dtype != ffi::BF16) || v_cache.element_type() != dtype)
-    return ffi::Error::InvalidArgument("paged attention: the caches must be f32 or bf16");
+  if ((dtype != ffi::F32 && dtype != ffi::BF16 && dtype != ffi::F8E4M3FN &&
+       dtype != ffi::F8E5M2) || v_cache.element_type() != dtype)
+    return ffi::Error::InvalidArgument(
+        "paged attention: the caches must be f32, bf16, f8e4m3fn or f8e5m2, both alike");
   const int32_t l = layer.typed_data()[0];
   const int32_t* cu = cu_q_lens.typed_data();
   const int64_t n = std::min<int64_t>(num_seqs.typed_data()[0], S);
@@ -474,13 +480,22 @@ static ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
            out16 ? nullptr : out->typed_data<float>(),
            out16 ? static_cast<uint16_t*>(out->untyped_data()) : nullptr, T, Hq, Hkv, NB, BS, B,
            D, window.typed_data()[0], chunk.typed_data()[0], sm_scale,
-           soft_cap, sinks.element_count() ? sinks.typed_data() : nullptr);
+           soft_cap, sinks.element_count() ? sinks.typed_data() : nullptr,
+           attend_to.element_count() ? attend_to.typed_data() : nullptr,
+           kv_scales.element_count() ? kv_scales.typed_data() : nullptr);
+  };
+  auto as = [&](auto* type) {  // the caches' (aliased) buffers as that element type
+    using C = std::remove_pointer_t<decltype(type)>;
+    run(static_cast<C*>(k_out->untyped_data()), static_cast<C*>(v_out->untyped_data()));
   };
   if (dtype == ffi::F32)
-    run(static_cast<float*>(k_out->untyped_data()), static_cast<float*>(v_out->untyped_data()));
+    as(static_cast<float*>(nullptr));
+  else if (dtype == ffi::BF16)
+    as(static_cast<uint16_t*>(nullptr));
+  else if (dtype == ffi::F8E4M3FN)
+    as(static_cast<F8E4M3*>(nullptr));
   else
-    run(static_cast<uint16_t*>(k_out->untyped_data()),
-        static_cast<uint16_t*>(v_out->untyped_data()));
+    as(static_cast<F8E5M2*>(nullptr));
   return ffi::Error::Success();
 }
 
@@ -490,7 +505,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k (this step's)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::AnyBuffer>()         // k_cache, f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()         // k_cache, f32/bf16/fp8
                                   .Arg<ffi::AnyBuffer>()         // v_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
@@ -501,6 +516,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Arg<ffi::Buffer<ffi::S32>>()  // chunk
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sinks [Hq] or [0]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // attend_to [T] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kv_scales [2] or [0]
                                   .Ret<ffi::AnyBuffer>()         // out, f32 or bf16
                                   .Ret<ffi::AnyBuffer>()         // k_cache, aliased
                                   .Ret<ffi::AnyBuffer>()         // v_cache, aliased

@@ -1,11 +1,12 @@
 """The CPU backend: jaxllm's native C++ kernels through the XLA FFI (pallas_kernels/*/kernel_cpu).
 
-The paged attention runs every step kind in one kernel that also writes the cache (f32 or bf16
-caches; others take the reference). The projections (a MoE layer's router too), the LM head and
-SiLU-and-mul run in the native matmul and activation kernels, and a MoE layer's experts in the
-native grouped matmul, when they build (`native_matmul`); they read the stacked weights in
-place, where XLA:CPU copies each layer's slice out of the scan, and run bf16 weights at f32
-speed (XLA:CPU converts them first). Against XLA's dot they gain most at few rows, where
+The paged attention runs every step kind in one kernel that also writes the cache (f32, bf16 or
+float8 caches, with a float8 cache's per-layer scales, and Gemma 3's bidirectional image
+tokens; a float16 cache takes the reference). The projections (a MoE layer's router too), the
+LM head and SiLU-and-mul run in the native matmul and activation kernels, and a MoE layer's
+experts in the native grouped matmul, when they build (`native_matmul`); they read the stacked
+weights in place, where XLA:CPU copies each layer's slice out of the scan, and run bf16
+weights at f32 speed (XLA:CPU converts them first). Against XLA's dot they gain most at few rows, where
 those copies and conversions dominate, and little at thousands of rows (docs/performance.md
 has the figures). Kernels are built by `create` (start-up), so a trace never starts a C++
 build.
@@ -152,10 +153,10 @@ class CpuBackend(ReferenceBackend):
 
     def attention(self, q, k, v, cache, layer, md, *, sm_scale, sliding_window=None,
                   soft_cap=None, sinks=None, attention_chunk=None, kv_scales=None):
-        # The native kernel is causal only: bidirectional image tokens (md.attend_to, Gemma 3)
-        # run the XLA reference; so do float8 caches (and KV scales, which only they carry).
-        if (not native_cpu_attention(self.name, cache.k.dtype) or md.attend_to is not None
-                or kv_scales is not None):
+        # The native kernel takes bidirectional image tokens (md.attend_to, Gemma 3) and a
+        # float8 cache's per-layer scales as run-time operands; a float16 cache runs the XLA
+        # reference.
+        if not native_cpu_attention(self.name, cache.k.dtype):
             return super().attention(q, k, v, cache, layer, md, sm_scale=sm_scale,
                                      sliding_window=sliding_window, soft_cap=soft_cap,
                                      sinks=sinks, attention_chunk=attention_chunk,
@@ -163,7 +164,8 @@ class CpuBackend(ReferenceBackend):
         out, kc, vc = attention_cpu.ragged_paged_attention(
             q, k, v, cache.k, cache.v, layer, md.slot_mapping, md.kv_lens, md.block_tables,
             md.cu_q_lens, md.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-            soft_cap=soft_cap, sinks=sinks, attention_chunk=attention_chunk)
+            soft_cap=soft_cap, sinks=sinks, attention_chunk=attention_chunk,
+            attend_to=md.attend_to, kv_scales=kv_scales)
         return out, KVCache(kc, vc)
 
     def logits(self, hidden, w, vocab):
@@ -199,9 +201,6 @@ class CpuBackend(ReferenceBackend):
             return "quantized experts run XLA's dots (the native grouped matmul reads float ones)"
         if getattr(cfg, "kv_lora_rank", 0):
             return "multi-head latent attention runs the XLA reference (no native MLA kernel)"
-        if getattr(cfg.vision, "bidirectional_images", False):
-            return ("its bidirectional image tokens run the XLA reference attention (the "
-                    "native kernel is causal only)")
         if not native_cpu_attention(self.name, cache_dtype):
             return (f"a {jnp.dtype(cache_dtype).name} KV cache runs the XLA attention (use "
                     "--kv-cache-dtype auto)")
