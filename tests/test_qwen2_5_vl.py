@@ -162,23 +162,32 @@ def test_encoder_and_step_export_for_accelerators(platform):
     """The vision tower and the forward with image rows and M-RoPE positions, exported with
     the Pallas backend for TPU and CUDA from this CPU host: the platform's attention kernel,
     nothing CPU-only."""
-    import re
-
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax import export
-
     from jaxllm.config import EngineArgs
-    from jaxllm.layers.attention import AttentionMetadata, KVCache
-    from jaxllm.layers.backends.pallas import PallasBackend
-    from jaxllm.models.decoder import abstract_decoder
     from jaxllm.models.model_config import ModelConfig
     from jaxllm.models.qwen2_5_vl import vision_inputs
-    from test_export import CPU_ONLY, KERNEL, UNCHECKED
 
     cfg = ModelConfig.from_hf(vc.config(vc.tokenizer()),
                               EngineArgs(model="tiny", dtype="bfloat16").create_engine_config()
                               .model)
+    assert_vlm_step_exports(cfg, vision_inputs, platform)
+
+
+def assert_vlm_step_exports(cfg, vision_inputs, platform: str) -> None:
+    """Export a Qwen-VL model's tower and forward (image rows scattered into a 16-token step)
+    with the Pallas backend for `platform`: only the platform's attention kernel is a custom
+    call, nothing CPU-only. vision_inputs: the model module's host-input builder."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax import export
+
+    from jaxllm.layers.attention import AttentionMetadata, KVCache
+    from jaxllm.layers.backends.pallas import PallasBackend
+    from jaxllm.models.decoder import abstract_decoder
+    from test_export import CPU_ONLY, KERNEL, UNCHECKED
+
     model = abstract_decoder(cfg, PallasBackend(None))
     graphdef, state = nnx.split(model)
     T, S, N = 16, 4, 64
@@ -186,7 +195,7 @@ def test_encoder_and_step_export_for_accelerators(platform):
     def step(state, caches, ids, pos, md, patches, inp, rows):
         m = nnx.merge(graphdef, state)
         emb = m.encode_images(patches, inp)
-        mm = (jnp.zeros((T, cfg.hidden_size), emb.dtype).at[rows].set(emb),
+        mm = (jnp.zeros((T, emb.shape[1]), emb.dtype).at[rows].set(emb),
               jnp.zeros(T, bool).at[rows].set(True))  # the image's rows of the step
         hidden, caches = m(caches, ids, pos, md, None, mm)
         return m.compute_logits(hidden), caches
@@ -198,7 +207,7 @@ def test_encoder_and_step_export_for_accelerators(platform):
     caches = tuple(KVCache(sds(s, cfg.jnp_dtype), sds(s, cfg.jnp_dtype))
                    for s in model.kv_cache_shapes(32, 16))
     md = AttentionMetadata(i32(T), i32(S), i32(S, 8), i32(S + 1), i32(1))
-    inp = jax.tree.map(lambda a: i32(*a.shape), vision_inputs([(1, 4, 6)], cfg.vision, N))
+    inp = jax.tree.map(lambda a: sds(a.shape, a.dtype), vision_inputs([(1, 4, 6)], cfg.vision, N))
     exported = export.export(jax.jit(step, donate_argnums=1), platforms=(platform,),
                              disabled_checks=UNCHECKED)(
         params, caches, i32(T), i32(3, T), md, sds((N, cfg.vision.patch_values), jnp.float32),

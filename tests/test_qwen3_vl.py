@@ -210,53 +210,17 @@ def test_encoder_and_step_export_for_accelerators(platform):
     """The tower and the forward with image rows carrying two deepstack levels, exported with
     the Pallas backend for TPU and CUDA from this CPU host: the platform's attention kernel,
     nothing CPU-only."""
-    import re
-
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax import export
-
     from jaxllm.config import EngineArgs
-    from jaxllm.layers.attention import AttentionMetadata, KVCache
-    from jaxllm.layers.backends.pallas import PallasBackend
-    from jaxllm.models.decoder import abstract_decoder
     from jaxllm.models.model_config import ModelConfig
     from jaxllm.models.qwen3_vl import vision_inputs
     from jaxllm.models.vision_spec import mm_embed_width
-    from test_export import CPU_ONLY, KERNEL, UNCHECKED
+    from test_qwen2_5_vl import assert_vlm_step_exports
 
     cfg = ModelConfig.from_hf(qc.config(vc.tokenizer()),
                               EngineArgs(model="tiny", dtype="bfloat16").create_engine_config()
                               .model)
-    assert mm_embed_width(cfg) == 3 * cfg.hidden_size
-    model = abstract_decoder(cfg, PallasBackend(None))
-    graphdef, state = nnx.split(model)
-    T, S, N = 16, 4, 64
-
-    def step(state, caches, ids, pos, md, patches, inp, rows):
-        m = nnx.merge(graphdef, state)
-        emb = m.encode_images(patches, inp)
-        mm = (jnp.zeros((T, emb.shape[1]), emb.dtype).at[rows].set(emb),
-              jnp.zeros(T, bool).at[rows].set(True))
-        hidden, caches = m(caches, ids, pos, md, None, mm)
-        return m.compute_logits(hidden), caches
-
-    sds = jax.ShapeDtypeStruct
-    i32 = lambda *shape: sds(shape, jnp.int32)  # noqa: E731
-    params = jax.tree.map(lambda v: sds(v.shape, v.dtype), state,
-                          is_leaf=lambda x: isinstance(x, nnx.Variable))
-    caches = tuple(KVCache(sds(s, cfg.jnp_dtype), sds(s, cfg.jnp_dtype))
-                   for s in model.kv_cache_shapes(32, 16))
-    md = AttentionMetadata(i32(T), i32(S), i32(S, 8), i32(S + 1), i32(1))
-    inp = jax.tree.map(lambda a: sds(a.shape, a.dtype), vision_inputs([(1, 4, 6)], cfg.vision, N))
-    exported = export.export(jax.jit(step, donate_argnums=1), platforms=(platform,),
-                             disabled_checks=UNCHECKED)(
-        params, caches, i32(T), i32(3, T), md, sds((N, cfg.vision.patch_values), jnp.float32),
-        inp, i32(N // 4))
-    text = exported.mlir_module()
-    assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {KERNEL[platform]}
-    assert not [name for name in CPU_ONLY if name in text]
+    assert mm_embed_width(cfg) == 3 * cfg.hidden_size  # the main rows and two deepstack levels
+    assert_vlm_step_exports(cfg, vision_inputs, platform)
 
 
 @pytest.mark.slow

@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.config import ConfigError
-from jaxllm.models.vision_spec import mrope_section
+from jaxllm.models.vision_spec import QwenPatches, mrope_section
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3VLVisionSpec:
+class Qwen3VLVisionSpec(QwenPatches):
     """A Qwen3-VL vision transformer: patch embedding (a Conv3d of stride = kernel, with bias),
     learned position embeddings over a square grid, `depth` pre-LayerNorm blocks of full
     attention within each image, the 2x2 patch merger, and one more merger per deepstack
@@ -30,18 +30,6 @@ class Qwen3VLVisionSpec:
     activation: str
     rope_theta: float
     image_token_id: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_values(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size ** 2
 
     @property
     def grid_side(self) -> int:

@@ -14,8 +14,26 @@ import dataclasses
 from jaxllm.config import ConfigError
 
 
+class QwenPatches:
+    """The patch geometry both Qwen-VL towers derive from their fields (hidden_size,
+    num_heads, in_channels, temporal_patch_size, patch_size, spatial_merge_size)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_values(self) -> int:
+        """Values of one flattened patch (channels x temporal x patch x patch)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size ** 2
+
+
 @dataclasses.dataclass(frozen=True)
-class VisionSpec:
+class VisionSpec(QwenPatches):
     """A Qwen2.5-VL vision transformer: patch embedding (a Conv3d of stride = kernel, i.e. one
     matmul per patch), `depth` pre-norm blocks, windowed except `fullatt_block_indexes`, and a
     2x2 patch merger projecting to the language model's width."""
@@ -33,19 +51,6 @@ class VisionSpec:
     activation: str
     rope_theta: float
     image_token_id: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_values(self) -> int:
-        """Values of one flattened patch (channels x temporal x patch x patch)."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size ** 2
 
     @classmethod
     def from_hf(cls, top) -> "VisionSpec":
