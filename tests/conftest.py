@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from typing import Optional
 
 import numpy as np
@@ -305,14 +307,31 @@ def greedy():
 def run_with_host_devices(n: int, argv: list[str], timeout: int = 900):
     """python argv in a subprocess with n virtual CPU devices (JAX fixes its device count at
     import) and this checkout's code first on the path; the CompletedProcess."""
-    import subprocess
-    import sys
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, *argv], env=env, cwd=root, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def run_on_isa(march: str, needs: set, code: str) -> None:
+    """`python -c code` with the CPU kernels built for -march=`march` (skipped, naming the
+    missing CPU flags, where this CPU lacks `needs`): the child passed and built that ISA."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((set(line.split(":", 1)[1].split()) for line in f
+                      if line.startswith("flags")), set())
+    missing = needs - flags
+    if missing:
+        pytest.skip(f"this CPU cannot run -march={march} code (no {', '.join(sorted(missing))})")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, JAXLLM_CPU_MARCH=march,
+               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here),
+                                           os.environ.get("PYTHONPATH", "")]))
+    code += "from pallas_kernels import cpu_ffi; print('FLAGS', ' '.join(cpu_ffi.flags()))\n"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert f"-march={march}" in res.stdout
 
 
 def sharded_params(model) -> list[str]:

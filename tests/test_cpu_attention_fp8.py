@@ -8,9 +8,6 @@ to the output, the reference to the values). The kernel is built on first use, a
 tests/test_cpu_attention.py: a build failure fails these tests.
 """
 
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import spread_grid
+from conftest import run_on_isa, spread_grid
 from pallas_kernels.ragged_paged_attention import kernel_cpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
 from test_cpu_attention import _case
@@ -288,23 +285,10 @@ ISAS = {"x86-64-v3": {"avx2", "fma", "f16c"}, "x86-64-v2": {"sse4_2"}}
 def test_fp8_and_attend_to_on_each_isa_path(march):
     """The same checks on the kernel built for AVX2 with F16C (x86-64-v3: float8 widened
     through f16 in hardware) and for SSE4.2 (x86-64-v2: one value at a time)."""
-    with open("/proc/cpuinfo") as f:
-        flags = set(next(line for line in f if line.startswith("flags")).split()[2:])
-    missing = ISAS[march] - flags
-    if missing:
-        pytest.skip(f"this CPU cannot run -march={march} code (no {', '.join(sorted(missing))})")
-    code = ("import test_cpu_attention_fp8 as t\n"
-            "for dt in t.FP8: t.check_fp8(8, 2, 64, 16, dt, (0.37, 2.9), True)\n"
-            "t.test_fp8_write_bits_on_every_value('float8_e4m3fn', (0.37, 2.9))\n"
-            "t.test_fp8_write_bits_on_every_value('float8_e5m2', None)\n"
-            "t.check_attend_to(8, 2, 64, 7, 'float8_e4m3fn')\n"
-            "for dt in t.FP8: t.test_fp8_reads_every_code_exactly(dt)\n"
-            "from pallas_kernels import cpu_ffi; print('FLAGS', ' '.join(cpu_ffi.flags()))\n")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, JAXLLM_CPU_MARCH=march,
-               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here),
-                                           os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
-    assert f"-march={march}" in res.stdout
+    run_on_isa(march, ISAS[march], (
+        "import test_cpu_attention_fp8 as t\n"
+        "for dt in t.FP8: t.check_fp8(8, 2, 64, 16, dt, (0.37, 2.9), True)\n"
+        "t.test_fp8_write_bits_on_every_value('float8_e4m3fn', (0.37, 2.9))\n"
+        "t.test_fp8_write_bits_on_every_value('float8_e5m2', None)\n"
+        "t.check_attend_to(8, 2, 64, 7, 'float8_e4m3fn')\n"
+        "for dt in t.FP8: t.test_fp8_reads_every_code_exactly(dt)\n"))

@@ -9,15 +9,13 @@ kernels are built for (`JAXLLM_CPU_MARCH`: the build is keyed by its flags), on 
 CPU can execute.
 """
 
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import run_on_isa
 from pallas_kernels.grouped_matmul import kernel_cpu as grouped_cpu
 from pallas_kernels.matmul import kernel_cpu as matmul_cpu
 
@@ -95,15 +93,6 @@ def test_grouped_rows_do_not_depend_on_their_group_size(w_dtype, x_dtype):
     check_grouped(w_dtype, x_dtype)
 
 
-def _cpu_flags() -> set:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f
-                         if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 # -march values the kernels have distinct paths for, and the CPU flags each needs to run.
 ISAS = {
     "x86-64-v2": {"sse4_2"},  # the portable (no AVX2) path
@@ -117,18 +106,7 @@ ISAS = {
 @pytest.mark.slow  # a kernel build per ISA (tens of seconds each on 2 cores) and a child each
 @pytest.mark.parametrize("march", list(ISAS))
 def test_rows_agree_on_each_isa_path(march):
-    missing = ISAS[march] - _cpu_flags()
-    if missing:
-        pytest.skip(f"this CPU cannot run -march={march} code (no {', '.join(sorted(missing))})")
-    code = ("import test_invariant_matmul_rows as t\n"
-            "for w, x in t.DTYPES: t.check_dense(w, x)\n"
-            "t.check_grouped('float32', 'float32'); t.check_grouped('bits', 'bfloat16')\n"
-            "from pallas_kernels import cpu_ffi; print('FLAGS', ' '.join(cpu_ffi.flags()))\n")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, JAXLLM_CPU_MARCH=march,
-               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here),
-                                           os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
-    assert f"-march={march}" in res.stdout  # the child built (or found) this ISA's kernels
+    run_on_isa(march, ISAS[march], (
+        "import test_invariant_matmul_rows as t\n"
+        "for w, x in t.DTYPES: t.check_dense(w, x)\n"
+        "t.check_grouped('float32', 'float32'); t.check_grouped('bits', 'bfloat16')\n"))
