@@ -18,6 +18,7 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 from jaxllm.engine_config import (QUANTIZATION_METHODS, ConfigError, EngineConfig,
                                   check_data_parallel, check_lora, check_pipeline,
                                   check_kv_offloading, check_kv_scales, check_sleep_mode,
+                                  check_logits_processors,
                                   check_structured_outputs,
                                   engine_config_from, flag_name, mm_limits)
 from jaxllm.json_object import json_object
@@ -209,6 +210,10 @@ class EngineArgs:
                                    "level 1 moves the weights to host memory and frees the KV "
                                    "cache; level 2 frees both (wake-up reads the checkpoint "
                                    "again, or takes new weights).", default=False)
+    logits_processors: Optional[list] = _arg(
+        "Custom logits processors (vLLM's v1 interface over NumPy logits, jaxllm/"
+        "logits_processor.py): 'module:Class' or 'module.Class' names, or the classes "
+        "offline; requests opt in with extra_args (vllm_xargs over HTTP).", default=None)
     served_model_name: Optional[list] = _arg("Name(s) the API serves the model under.",
                                              default=None)
     max_logprobs: int = _arg("Most logprobs a request may ask for.", default=20)
@@ -307,6 +312,7 @@ class EngineArgs:
         check_data_parallel(self, bad)
         check_lora(self, bad)
         check_sleep_mode(self, bad)
+        check_logits_processors(self, bad)
         check_kv_offloading(self, bad)
         check_kv_scales(self, bad)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

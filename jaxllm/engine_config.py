@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from jaxllm.json_object import json_object
+from jaxllm.logits_processor import load_logits_processors
 from jaxllm.spec_decode.config import SpeculativeConfig
 
 
@@ -152,6 +153,7 @@ class EngineConfig:
     disable_log_stats: bool
     lora: Optional[LoRAConfig] = None  # --enable-lora
     enable_sleep_mode: bool = False
+    logits_processors: tuple = ()  # --logits-processors: the classes (jaxllm/logits_processor.py)
 
 
 def engine_config_from(args: Any) -> EngineConfig:
@@ -178,7 +180,8 @@ def engine_config_from(args: Any) -> EngineConfig:
         structured_outputs=args.structured_outputs_config,
         disable_log_stats=args.disable_log_stats,
         lora=lora,
-        enable_sleep_mode=args.enable_sleep_mode)
+        enable_sleep_mode=args.enable_sleep_mode,
+        logits_processors=logits_processor_classes(args))
 
 
 def check_pipeline(args: Any) -> None:
@@ -219,6 +222,37 @@ def check_lora(args: Any, bad: Callable[[str, str], None]) -> None:
         bad("max_cpu_loras", f"must be at least --max-loras ({args.max_loras})")
     if args.runner == "pooling" or args.convert == "embed":
         bad("runner", "with --enable-lora is not implemented yet; drop one of the two")
+
+
+def logits_processor_classes(args: Any) -> tuple[type, ...]:
+    """--logits-processors' classes (ConfigError naming the flag for one that does not load)."""
+    try:
+        return load_logits_processors(args.logits_processors or ())
+    except ValueError as e:
+        raise ConfigError(f"--logits-processors: {e}") from None
+
+
+def check_logits_processors(args: Any, bad: Callable[[str, str], None]) -> None:
+    """--logits-processors: the classes load, and the flags they do not combine with. Their
+    steps read the logits on the host of one engine (jaxllm/worker/logits_processing.py)."""
+    if not args.logits_processors:
+        return
+    logits_processor_classes(args)
+    spec = args.speculative_config is not None
+    for name, on, why in (
+            ("speculative_config", spec, "speculative decoding (vLLM refuses it too)"),
+            ("runner", args.runner == "pooling" or args.convert in ("embed", "classify"),
+             "a pooling model (it samples nothing)"),
+            ("async_scheduling", args.async_scheduling, "asynchronous scheduling (the "
+             "processors see each step's output tokens before the next step's logits)"),
+            ("num_scheduler_steps", args.num_scheduler_steps > 1,
+             "multi-step programs (they sample on the device)"),
+            ("pipeline_parallel_size", args.pipeline_parallel_size > 1, "a pipeline"),
+            ("data_parallel_size", args.data_parallel_size > 1, "data-parallel replicas"),
+            ("nnodes", args.nnodes > 1, "several hosts")):
+        if on:
+            bad(name, f"custom logits processors with {why} are not supported; drop one of "
+                "the two")
 
 
 def check_sleep_mode(args: Any, bad: Callable[[str, str], None]) -> None:

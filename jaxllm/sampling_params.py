@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import enum
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from jaxllm.structured_output.params import StructuredOutputsParams
 
@@ -57,6 +57,9 @@ class SamplingParams:
     # (GuidedDecodingParams is StructuredOutputsParams), accepted and read as an alias.
     structured_outputs: Optional[StructuredOutputsParams] = None
     guided_decoding: Optional[StructuredOutputsParams] = field(default=None, repr=False)
+    # Arguments for custom logits processors (vLLM's; `vllm_xargs` over HTTP): the engine
+    # refuses them when none is configured, each processor's validate_params checks them.
+    extra_args: Optional[dict[str, Any]] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -134,6 +137,9 @@ class SamplingParams:
             bad("allowed_token_ids", "must not be empty")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer")
+        if self.extra_args is not None and not (isinstance(self.extra_args, dict) and all(
+                isinstance(k, str) for k in self.extra_args)):
+            bad("extra_args", "must be a dict with string keys")
 
     def verify_for_model(self, vocab_size: int, max_logprobs: int) -> None:
         """Checks that need the model: token ids in range, logprob counts within the cap."""

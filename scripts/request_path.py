@@ -274,7 +274,7 @@ def start_server(model: str, server_args: list[str]):
     from jaxllm.config import EngineArgs
     from jaxllm.engine.async_engine import AsyncLLMEngine
     from jaxllm.deploy.data_parallel import make_engine
-    from jaxllm.entrypoints.chat_utils import load_chat_template
+    from jaxllm.engine.input_processor import load_chat_template
     from serving.api_server import bind_socket, build_app, request_limits
     from serving.cli.serve import parse_args
     from serving.cli_args import chat_output_settings

@@ -254,7 +254,7 @@ def bind_socket(host: Optional[str], port: int) -> socket.socket:
 
 def run_server(args: argparse.Namespace) -> None:
     from jaxllm.config import ConfigError, EngineArgs
-    from jaxllm.entrypoints.chat_utils import load_chat_template
+    from jaxllm.engine.input_processor import load_chat_template
     from serving.vllm_flags import check_vllm_flags
 
     setup_logging(args.log_level)

@@ -43,7 +43,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from jaxllm.entrypoints.chat_utils import normalize_messages, render_chat_prompt
+from jaxllm.engine.input_processor import normalize_messages, render_chat_prompt
 from jaxllm.entrypoints.media import load_image
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams

@@ -112,6 +112,8 @@ class SamplingRequest(RequestBody):
     bad_words: Optional[list[str]] = None
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
     return_tokens_as_token_ids: Optional[bool] = None
+    # vLLM's: SamplingParams.extra_args, for the server's custom logits processors.
+    vllm_xargs: Optional[dict[str, Union[str, int, float, list[Union[str, int, float]]]]] = None
     # Structured output in every spelling vLLM has had (response_format above, too); at most
     # one may constrain a request (jaxllm/structured_output/params.py `from_request`).
     structured_outputs: Optional[dict[str, Any]] = None
@@ -185,6 +187,7 @@ class SamplingRequest(RequestBody):
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             structured_outputs=self.structured_output_params(),
+            extra_args=self.vllm_xargs,
         )
 
 

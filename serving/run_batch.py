@@ -16,7 +16,7 @@ import sys
 from pydantic import ValidationError
 
 from jaxllm.config import EngineArgs
-from jaxllm.entrypoints.chat_utils import load_chat_template
+from jaxllm.engine.input_processor import load_chat_template
 from serving.cli_args import chat_output_settings
 from serving.errors import APIError, describe_validation_errors, error_body
 from serving.protocol import (BatchRequestInput, BatchRequestOutput, BatchResponseData,

@@ -30,7 +30,7 @@ RESPONSES_STORED = 1024  # /v1/responses kept for previous_response_id and GET
 logger = logging.getLogger("jaxllm.serving")
 # vLLM request fields this server has no implementation of yet (and any guided_* field other
 # than the ones serving/protocol.py declares).
-UNSUPPORTED_VLLM_FIELDS = {"logits_processors", "vllm_xargs", "kv_transfer_params", "cache_salt",
+UNSUPPORTED_VLLM_FIELDS = {"logits_processors", "kv_transfer_params", "cache_salt",
                            "mm_processor_kwargs"}
 RETRY_AFTER_SECONDS = 1
 

@@ -15,7 +15,7 @@ import pytest
 
 from jaxllm.layers.sampler import sample_rows
 from jaxllm.models.params import rms_norm
-from jaxllm.layers.sampling_tensors import SamplingTensors
+from jaxllm.sequence import SamplingTensors
 from pallas_kernels.activation import kernel_cpu as activation_cpu
 from pallas_kernels.matmul import kernel_cpu as matmul_cpu
 from pallas_kernels.ragged_paged_attention import kernel_cpu as attention_cpu

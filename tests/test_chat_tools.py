@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from jaxllm.entrypoints.chat_utils import content_format_of, normalize_messages
+from jaxllm.engine.input_processor import content_format_of, normalize_messages
 from server_process import ENGINE_FLAGS, ServerProcess
 
 NAME = "tiny-tools"

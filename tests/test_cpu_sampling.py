@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxllm.layers.sampler import sample_rows
-from jaxllm.layers.sampling_tensors import SamplingTensors
+from jaxllm.sequence import SamplingTensors
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sequence import Sequence
 from pallas_kernels.sampling import kernel_cpu, reference

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from jaxllm.config import DEFAULT_MODEL
-from jaxllm.entrypoints.chat_utils import render_chat_prompt
+from jaxllm.engine.input_processor import render_chat_prompt
 from test_chat_tools import assemble
 from server_process import ServerProcess
 

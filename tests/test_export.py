@@ -23,7 +23,7 @@ from jaxllm.config import EngineArgs
 from jaxllm.layers.attention import KV_CACHE_AXES, AttentionMetadata, KVCache
 from jaxllm.layers.backends.pallas import PallasBackend
 from jaxllm.layers.sampler import sample_rows
-from jaxllm.layers.sampling_tensors import warmup_tensors
+from jaxllm.sequence import warmup_tensors
 from jaxllm.models.decoder import abstract_decoder
 from jaxllm.models.model_config import ModelConfig
 from jaxllm.parallel.mesh import MESH_AXES, logical_to_spec

@@ -33,6 +33,7 @@ LAYERS = {
     "jaxllm.engine_config": 0,      # the resolved, typed engine config (EngineArgs builds it)
     "jaxllm.json_object": 0,        # host types: no JAX, importable from anywhere
     "jaxllm.sampling_params": 0,
+    "jaxllm.logits_processor": 0,  # the custom logits processors' interface (no JAX)
     "jaxllm.pooling_params": 0,
     "jaxllm.sequence": 0,
     "jaxllm.outputs": 0,

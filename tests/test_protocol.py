@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from jaxllm.entrypoints.chat_utils import (load_chat_template, normalize_messages,
+from jaxllm.engine.input_processor import (load_chat_template, normalize_messages,
                                            render_chat_prompt)
 from jaxllm.engine.stats import EngineStats
 from jaxllm.outputs import CompletionOutput, RequestOutput

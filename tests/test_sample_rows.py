@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxllm.layers.sampler import LOGIT_ROWS, sample, sample_rows
-from jaxllm.layers.sampling_tensors import SamplingTensors
+from jaxllm.sequence import SamplingTensors
 from test_sampler import V, rand_logits, req
 
 

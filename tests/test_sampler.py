@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from jaxllm.layers.sampler import process_logits, sample
-from jaxllm.layers.sampling_tensors import SamplingTensors, draw_uniforms, warmup_tensors
+from jaxllm.sequence import SamplingTensors, draw_uniforms, warmup_tensors
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sequence import Sequence
 

@@ -1,8 +1,8 @@
 """Structured output in the engine: a request's constraint compiled once (cached per schema)
 into a matcher per sequence, and each sampled token fed back to it on the host.
 
-The mask itself is written by the sampler's host packing (jaxllm/layers/sampling_tensors.py)
-into the banned-token bitmask that the jitted sampler applies, so a grammar row costs one
+The mask itself is written by the sampler's host packing (jaxllm/sequence.py) into the
+banned-token bitmask that the jitted sampler applies, so a grammar row costs one
 bitmask row per step and needs no program of its own. The matcher must have seen every token
 before the next mask is built, so steps with a grammar row are read before the next one is
 scheduled (no async overlap, no multi-step bursts for them; see engine.py).

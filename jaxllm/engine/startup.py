@@ -163,6 +163,12 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
                        max_logprobs=sched.max_logprobs, enforce_eager=sched.enforce_eager,
                        num_scheduler_steps=sched.num_scheduler_steps,
                        num_speculative_tokens=_num_speculative_tokens(config, kind))
+    if config.logits_processors:
+        if kind == "pooling":
+            raise ConfigError("--logits-processors: this model runs with the pooling runner, "
+                              "which samples nothing")
+        runner_args["logits_processors"] = tuple(
+            cls(config, mesh.devices.flat[0], False) for cls in config.logits_processors)
     if _mtp(config, mc, topo.multi_host):  # the MTP drafter reads the target's hidden states
         runner_args["keep_hidden"] = True
     if meshes is not None and pooler_config is not None:

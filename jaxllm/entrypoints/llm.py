@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from jaxllm.config import DEFAULT_MODEL, EngineArgs
 from jaxllm.deploy.data_parallel import make_engine
 from jaxllm.engine.engine import PromptType
+from jaxllm.engine.input_processor import render_chat_prompt
 from jaxllm.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from jaxllm.lora.request import LoRARequest
 from jaxllm.entrypoints.score_utils import ScoreJob, Texts, score_pairs
@@ -91,8 +92,6 @@ class LLM:
         function definitions) are rendered by the chat template, as in vLLM; the outputs are
         the model's text (parse tool calls with a tool parser from
         jaxllm.entrypoints.openai_parsers)."""
-        from jaxllm.entrypoints.chat_utils import render_chat_prompt
-
         from jaxllm.entrypoints.media import load_image
 
         tok = self.get_tokenizer()

@@ -1,7 +1,7 @@
 """Batched sampling inside the runner's jitted step: logits [S, V] -> tokens (+ raw logprobs).
 
-Host side, `SamplingTensors.from_seqs` (jaxllm/layers/sampling_tensors.py) packs every
-sequence's SamplingParams into fixed-shape arrays; device side, `sample(logits, tensors)`
+Host side, `SamplingTensors.from_seqs` (jaxllm/sequence.py) packs every sequence's
+SamplingParams into fixed-shape arrays; device side, `sample(logits, tensors)`
 applies them per row, in vLLM's order:
 allowed_token_ids -> min_tokens and logit_bias -> repetition/frequency/presence penalties ->
 (greedy rows: argmax) -> temperature -> min_p -> top_k -> top_p -> draw.
@@ -51,7 +51,7 @@ import numpy as np
 from jax import lax
 
 from jaxllm.layers.reductions import rowsum
-from jaxllm.layers.sampling_tensors import SamplingTensors
+from jaxllm.sequence import SamplingTensors
 
 _ROWS = 8          # rows sampled together (a lax.map step, a sample_rows group)
 # Rows per compute_logits call in sample_rows. Streaming the [V, E] weight costs a dot about as

@@ -18,8 +18,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from jaxllm.layers.attention import AttentionMetadata
-from jaxllm.layers.sampling_tensors import SamplingTensors
-from jaxllm.sequence import PENDING, SchedulerOutput, Sequence
+from jaxllm.sequence import PENDING, SamplingTensors, SchedulerOutput, Sequence
 from jaxllm.spec_decode.acceptance import draft_views
 
 

@@ -15,8 +15,9 @@ A third, compiled on first use per T (steps computing prompt_logprobs only), giv
 target prompt token's logprob, rank and top max_logprobs at its hidden row; a fourth runs
 num_scheduler_steps decode steps (forward and sampler) in one call (`burst`). The only
 device-to-host transfers per step are the sampler's output (with the expert load, when
-counted) and the prompt logprobs, when asked. Speculative drafts are rows of the same sampler
-call; `collect` keeps the prefix matching the drafts (jaxllm/spec_decode/acceptance.py).
+counted), the prompt logprobs when asked, and the logits with custom logits processors (the
+sampler then splits around them: logits_processing.py). Speculative drafts are rows of one
+sampler call; `collect` keeps the prefix matching them (jaxllm/spec_decode/acceptance.py).
 `dispatch` launches a step and `collect` reads it, so the engine can dispatch step N+1 (its
 in-flight input tokens read on the device from step N's output) before reading step N.
 
@@ -42,15 +43,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxllm.layers.attention import empty_kv_caches, kv_cache_shardings
 from jaxllm.layers.lora import fill_slot, write_slot
 from jaxllm.layers.sampler import LOGIT_ROWS, SamplerOutput, gathered_token_logprobs, sample_rows
-from jaxllm.layers.sampling_tensors import (EXTRA_PENALTY_IDS, SamplingTensors, needs_processing,
-                                          warmup_tensors)
 from jaxllm.models.vision_spec import bidirectional_images, mm_embed_width
-from jaxllm.sequence import SchedulerOutput, Sequence
+from jaxllm.sequence import (EXTRA_PENALTY_IDS, SamplingTensors, SchedulerOutput, Sequence,
+                             needs_processing, warmup_tensors)
 from jaxllm.spec_decode.acceptance import num_accepted
 from jaxllm.worker.compile_manager import CompileManager, ProgramKey, StepLauncher
 from jaxllm.worker.encoder import ImageEncoder
 from jaxllm.worker.executable_cache import ExecutableCache
 from jaxllm.worker.kv_transfer import HostKVStore
+from jaxllm.worker.logits_processing import ProcessedSampling
 from jaxllm.worker.memory_tiers import MemoryTiers
 from jaxllm.worker.input_batch import (BurstStep, Inflight, InputBatcher, PromptRows,
                                        SampleResult, StepEvent, StepHidden, StepInputs, bucket,
@@ -64,9 +65,10 @@ class ModelRunner(MemoryTiers):
                  kv_cache_dtype, max_num_seqs: int, max_num_batched_tokens: int,
                  max_logprobs: int, enforce_eager: bool = False,
                  executable_dir: Optional[str] = None, num_scheduler_steps: int = 1,
-                 num_speculative_tokens: int = 0, keep_hidden: bool = False):
-        """keep_hidden: each dispatched step keeps its hidden states (`Inflight.hidden`), which
-        an MTP drafter reads when the step is collected."""
+                 num_speculative_tokens: int = 0, keep_hidden: bool = False,
+                 logits_processors: tuple = ()):
+        """keep_hidden: each dispatched step keeps its hidden states (`Inflight.hidden`) for an
+        MTP drafter; logits_processors: custom ones (their steps sample in ProcessedSampling)."""
         self.model_config = model_config
         self.keep_hidden = keep_hidden
         self.num_scheduler_steps = num_scheduler_steps
@@ -77,9 +79,8 @@ class ModelRunner(MemoryTiers):
         self.enforce_eager = enforce_eager
         self.num_rows = max_num_seqs * (1 + num_speculative_tokens)  # sampled rows per step
         self.backend = backend = model.backend
-        # Why this runner takes no images (None: it does, or the model takes none): the Pallas
-        # kernel is causal only, so a model whose image tokens attend bidirectionally runs
-        # text there and its images are refused by name (the engine's input processor).
+        # Why this runner takes no images (None: it does, or the model takes none): the causal
+        # Pallas kernel runs such a model's text and refuses its images by name.
         self.image_refusal = None
         if bidirectional_images(model_config) and backend.name == "pallas":
             self.image_refusal = (
@@ -107,6 +108,9 @@ class ModelRunner(MemoryTiers):
         self.state = backend.relayout(state, model_config)  # the weights as its ops read them
         self._offloaded = None  # sleep mode: the weights' host copy and shardings
         self.logit_rows = backend.logit_rows(model_config, LOGIT_ROWS)  # LM-head chunk sizes
+        self.processed = ProcessedSampling(
+            logits_processors, self.graphdef, model_config.vocab_size, max_logprobs,
+            self.penalty_width, self.logit_rows) if logits_processors else None
         kv_shapes = model.kv_cache_shapes(num_blocks, block_size, state_slots=max_num_seqs)
         kv_sharding = kv_cache_shardings(kv_shapes, mesh)
         self._kv_layout = (kv_shapes, kv_cache_dtype, kv_sharding)
@@ -268,7 +272,9 @@ class ModelRunner(MemoryTiers):
         prompt = self._compute_prompt_logprobs(hidden, step.prompt_rows) \
             if step.prompt_rows else None
         out = None
-        if step.seqs:
+        if step.seqs and self.processed is not None:
+            out = self.processed.sample(self.state, rows, step.seqs)
+        elif step.seqs:
             tensors = self._sampling_tensors(step.seqs)
             key = ProgramKey("sample", sampler=jax.tree_util.tree_structure(tensors))
             out = self.launcher.run(key, self._sample, self.state, rows,
