@@ -18,7 +18,7 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 from jaxllm.engine_config import (QUANTIZATION_METHODS, ConfigError, EngineConfig,
                                   check_data_parallel, check_lora, check_pipeline,
                                   check_kv_offloading, check_kv_scales, check_sleep_mode,
-                                  check_logits_processors,
+                                  check_logits_processors, check_prompt_embeds,
                                   check_structured_outputs,
                                   engine_config_from, flag_name, mm_limits)
 from jaxllm.json_object import json_object
@@ -210,6 +210,9 @@ class EngineArgs:
                                    "level 1 moves the weights to host memory and frees the KV "
                                    "cache; level 2 frees both (wake-up reads the checkpoint "
                                    "again, or takes new weights).", default=False)
+    enable_prompt_embeds: bool = _arg(
+        "Accept prompts given as embeddings ([tokens, hidden size]): offline "
+        "{'prompt_embeds': array}, over HTTP vLLM's base64 torch.save tensor.", default=False)
     logits_processors: Optional[list] = _arg(
         "Custom logits processors (vLLM's v1 interface over NumPy logits, jaxllm/"
         "logits_processor.py): 'module:Class' or 'module.Class' names, or the classes "
@@ -313,6 +316,7 @@ class EngineArgs:
         check_lora(self, bad)
         check_sleep_mode(self, bad)
         check_logits_processors(self, bad)
+        check_prompt_embeds(self, bad)
         check_kv_offloading(self, bad)
         check_kv_scales(self, bad)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

@@ -83,6 +83,7 @@ class ModelOptions:
     # --calculate-kv-scales (computed at start-up; jaxllm/engine/kv_calibration.py).
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+    enable_prompt_embeds: bool = False  # steps take given embeddings at a prompt's tokens
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,18 @@ def check_logits_processors(args: Any, bad: Callable[[str, str], None]) -> None:
         if on:
             bad(name, f"custom logits processors with {why} are not supported; drop one of "
                 "the two")
+
+
+def check_prompt_embeds(args: Any, bad: Callable[[str, str], None]) -> None:
+    """--enable-prompt-embeds: the layouts it does not combine with yet (the rows ride the
+    step's image-embedding input, which a pipeline and the pooling runner do not take)."""
+    if not args.enable_prompt_embeds:
+        return
+    for name, on in (("pipeline_parallel_size", args.pipeline_parallel_size > 1),
+                     ("runner", args.runner == "pooling" or args.convert in ("embed",
+                                                                             "classify"))):
+        if on:
+            bad(name, "with --enable-prompt-embeds is not supported; drop one of the two")
 
 
 def check_sleep_mode(args: Any, bad: Callable[[str, str], None]) -> None:

@@ -64,6 +64,9 @@ class ImageInputs:
     delta: int                # token i past the prompt is at position i + delta (3 axes)
     hash_tokens: tuple        # the prompt, each image's tokens replaced by its key (< 0): what
     # the prefix cache hashes and compares, so a block holding an image is keyed by its content
+    # A prompt given as embeddings (--enable-prompt-embeds) is one "image" over all its
+    # tokens whose embeddings are given (pixel_values), with no tower to run.
+    given_embeds: bool = False
 
     def rope_positions(self, start: int, n: int):
         """[3, n] positions of tokens start .. start + n - 1 (the prompt's, then i + delta)."""

@@ -15,7 +15,10 @@ from serving.protocol import SamplingRequest, UsageInfo
 
 class CompletionRequest(SamplingRequest):
     beam_search_supported: ClassVar[bool] = True
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Optional[Union[str, list[str], list[int], list[list[int]]]] = None
+    # vLLM's (--enable-prompt-embeds): base64 torch.save tensors [tokens, hidden size], one
+    # prompt each, in place of `prompt` (serving/prompt_embeds.py reads them).
+    prompt_embeds: Optional[Union[str, list[str]]] = None
     echo: bool = False
     logprobs: Optional[int] = None
     max_tokens: Optional[int] = 16
@@ -26,6 +29,14 @@ class CompletionRequest(SamplingRequest):
         super().check_supported()
         if self.suffix is not None:
             raise APIError("suffix is not supported.", param="suffix")
+        if (self.prompt is None) == (self.prompt_embeds is None):
+            raise APIError("Give either prompt or prompt_embeds (one of the two).",
+                           param="prompt")
+        if self.prompt_embeds is not None:
+            for name, on in (("echo", self.echo), ("use_beam_search", self.use_beam_search)):
+                if on:
+                    raise APIError(f"{name} is not supported with prompt_embeds (the prompt's "
+                                   "tokens are unknown).", param=name)
 
 
 class CompletionLogProbs(BaseModel):

@@ -9,10 +9,11 @@ from typing import AsyncIterator, Union
 
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from serving.beam_search import beam_search_completion
-from serving.errors import error_body, stream_error_status
+from serving.errors import APIError, error_body, stream_error_status
 from serving.generation import (DONE, Prompt, build_params, collect, max_tokens_for, merge,
                                split_prompts, sse, submit, to_prompts, truncated)
 from serving.logprobs import completion_logprobs, prompt_logprobs_json
+from serving.prompt_embeds import decode_prompt_embeds
 from serving.protocol import UsageInfo
 from serving.protocol_completion import (CompletionLogProbs, CompletionRequest,
                                          CompletionResponse, CompletionResponseChoice,
@@ -28,9 +29,13 @@ async def create_completion(state: ServingState, req: CompletionRequest, base_id
     model = state.model_name(req.model)
     req.check_supported()
     state.warn_ignored_fields(req)
-    check_request_limits(state.limits, req, len(split_prompts(req.prompt)))
-    prompts = [truncated(state, p, req.truncate_prompt_tokens)
-               for p in await to_prompts(state, req.prompt, req.add_special_tokens)]
+    if req.prompt_embeds is not None:
+        prompts = embeds_prompts(state, req)
+        check_request_limits(state.limits, req, len(prompts))
+    else:
+        check_request_limits(state.limits, req, len(split_prompts(req.prompt)))
+        prompts = [truncated(state, p, req.truncate_prompt_tokens)
+                   for p in await to_prompts(state, req.prompt, req.add_special_tokens)]
     if req.use_beam_search:
         return await beam_search_completion(state, req, model, prompts, f"cmpl-{base_id}")
     # As vLLM: echo with logprobs also asks for the prompt's, so the echoed tokens carry them.
@@ -58,6 +63,22 @@ async def create_completion(state: ServingState, req: CompletionRequest, base_id
     return CompletionResponse(id=request_id, model=model,
                               choices=sorted(choices, key=lambda c: c.index),
                               usage=_usage(req, prompts, final))
+
+
+def embeds_prompts(state: ServingState, req: CompletionRequest) -> list[Prompt]:
+    """The request's prompt_embeds, decoded and cut to truncate_prompt_tokens (the engine
+    checks their shape against the model); their token ids are placeholders, one per row."""
+    items = [req.prompt_embeds] if isinstance(req.prompt_embeds, str) else req.prompt_embeds
+    if not items:
+        raise APIError("prompt_embeds cannot be empty.", param="prompt_embeds")
+    keep = req.truncate_prompt_tokens
+    keep = state.max_model_len if keep == -1 else keep
+    out = []
+    for item in items:
+        emb = decode_prompt_embeds(item)
+        emb = emb[-keep:] if keep is not None and emb.ndim else emb
+        out.append(Prompt([0] * (len(emb) if emb.ndim else 1), None, {"prompt_embeds": emb}))
+    return out
 
 
 def _scoring_only(req: CompletionRequest) -> bool:

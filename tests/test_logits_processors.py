@@ -196,7 +196,7 @@ def test_cli_flag_and_vllm_xargs():
         CompletionRequest(model="m", prompt="hi", vllm_xargs={"force": {"nested": 1}})
 
 
-@pytest.mark.slow  # a server process (~40 s)
+@pytest.mark.slow  # a server process of its own
 def test_server_vllm_xargs(tiny_llama, monkeypatch):
     """`jaxllm serve --logits-processors MODULE:CLASS` (the module on the server's PYTHONPATH,
     as a vLLM user ships one): vllm_xargs reach the processor; a request it refuses is a 400

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Optional, Union
 import numpy as np
 
 from jaxllm.engine.grammar import Grammars
-from jaxllm.engine.multimodal import image_processor
+from jaxllm.engine.multimodal import image_processor, prompt_embeds_inputs
 from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sequence import EXTRA_PENALTY_IDS, ImageInputs
@@ -78,6 +78,8 @@ class InputProcessor:
         request's parameters."""
         self.images = images
         self.logits_processors = logits_processors
+        self.prompt_embeds = model_config.prompt_embeds
+        self.hidden_size = model_config.hidden_size
         self.architecture = model_config.architecture
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
@@ -99,6 +101,8 @@ class InputProcessor:
     def _prompt(self, prompt: PromptType, truncate_prompt_tokens: Optional[int]
                 ) -> tuple[Optional[str], list[int], Optional[ImageInputs]]:
         text, ids, mm = None, None, None
+        if isinstance(prompt, dict) and prompt.get("prompt_embeds") is not None:
+            return self._embeds_prompt(prompt, truncate_prompt_tokens)
         if isinstance(prompt, dict):
             ids = prompt.get("prompt_token_ids")
             text = prompt.get("prompt")
@@ -138,6 +142,22 @@ class InputProcessor:
                              f"length of {limit}. Make it shorter, or raise --max-model-len.")
         return text, ids, mm
 
+    def _embeds_prompt(self, prompt: dict, truncate_prompt_tokens: Optional[int]):
+        if not self.prompt_embeds:
+            raise ValueError("prompt_embeds: this engine was started without "
+                             "--enable-prompt-embeds")
+        other = sorted(k for k in ("prompt", "prompt_token_ids", "multi_modal_data")
+                       if prompt.get(k) is not None)
+        if other:
+            raise ValueError(f"prompt_embeds cannot be combined with {', '.join(other)}")
+        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        ids, mm = prompt_embeds_inputs(prompt["prompt_embeds"], self.hidden_size, keep)
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"The prompt (length {len(ids)}) is longer than the maximum model "
+                             f"length of {self.max_model_len}. Make it shorter, or raise "
+                             "--max-model-len.")
+        return None, ids, mm
+
     def process(self, request_id: str, prompt: PromptType,
                 params: Optional[SamplingParams] = None, priority: int = 0,
                 arrival_time: Optional[float] = None,
@@ -161,6 +181,12 @@ class InputProcessor:
             raise ValueError(f"logit_bias and stop_token_ids name {extra} tokens; at most "
                              f"{EXTRA_PENALTY_IDS} are supported.")
         text, ids, mm = self._prompt(prompt, params.truncate_prompt_tokens)
+        if mm is not None and mm.given_embeds:  # what needs the prompt's token ids
+            for name, on in (("repetition_penalty", params.repetition_penalty != 1.0),
+                             ("prompt_logprobs", params.prompt_logprobs is not None)):
+                if on:
+                    raise ValueError(f"{name} is not supported with prompt_embeds (the "
+                                     "prompt's token ids are unknown)")
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
         if not self.priority_scheduling and priority != 0:

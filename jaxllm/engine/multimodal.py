@@ -67,6 +67,32 @@ def _key(digest: str) -> int:
     return -1 - int(digest[:15], 16)
 
 
+def prompt_embeds_inputs(value: Any, hidden_size: int, keep: Optional[int] = None
+                         ) -> tuple[list[int], ImageInputs]:
+    """A prompt given as embeddings (a NumPy, JAX or torch array [tokens, hidden size]; keep: its
+    last k rows) as placeholder token ids and the ImageInputs that carry the rows to the step.
+    The prefix cache keys its tokens by the embeddings' content hash. ValueError naming
+    prompt_embeds for a bad array."""
+    if hasattr(value, "detach"):  # a torch tensor (vLLM's type), read without importing torch
+        value = value.detach().float().cpu().numpy()
+    emb = np.asarray(value)
+    if emb.ndim != 2 or emb.shape[0] < 1 or emb.shape[1] != hidden_size:
+        raise ValueError(f"prompt_embeds must be an array [tokens, {hidden_size}] (the model's "
+                         f"hidden size), got shape {list(emb.shape)}")
+    if not np.issubdtype(emb.dtype, np.floating) and emb.dtype.name != "bfloat16":
+        raise ValueError(f"prompt_embeds must be floating point, got {emb.dtype}")
+    emb = emb.astype(np.float32)
+    if keep is not None:
+        emb = emb[-keep:]
+    if not np.isfinite(emb).all():
+        raise ValueError("prompt_embeds must be finite (no NaN or inf)")
+    h = hashlib.sha256(f"embeds:{emb.shape}".encode())
+    h.update(emb.tobytes())
+    digest, n = h.hexdigest(), len(emb)
+    return [0] * n, ImageInputs((emb,), ((),), (digest,), (0,), (n,), None, 0,
+                                (_key(digest),) * n, given_embeds=True)
+
+
 class ImageProcessor:
     """Images of one vision-language model: `expand` turns (token ids, images) into the
     expanded token ids and their `ImageInputs`."""

@@ -163,10 +163,12 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
                        max_logprobs=sched.max_logprobs, enforce_eager=sched.enforce_eager,
                        num_scheduler_steps=sched.num_scheduler_steps,
                        num_speculative_tokens=_num_speculative_tokens(config, kind))
+    for flag, on in (("--logits-processors", config.logits_processors),
+                     ("--enable-prompt-embeds", mc.prompt_embeds)):
+        if on and kind == "pooling":
+            raise ConfigError(f"{flag}: this model runs with the pooling runner (it is not "
+                              "implemented there)")
     if config.logits_processors:
-        if kind == "pooling":
-            raise ConfigError("--logits-processors: this model runs with the pooling runner, "
-                              "which samples nothing")
         runner_args["logits_processors"] = tuple(
             cls(config, mesh.devices.flat[0], False) for cls in config.logits_processors)
     if _mtp(config, mc, topo.multi_host):  # the MTP drafter reads the target's hidden states

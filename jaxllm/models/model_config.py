@@ -72,6 +72,7 @@ class ModelConfig:
     count_expert_load: bool = False     # --enable-expert-load-metrics: the step counts routes
     quant: Optional[QuantSpec] = None   # quantized layer projections (None: float weights)
     lora: Optional[LoRAConfig] = None   # --enable-lora: adapter slots beside the projections
+    prompt_embeds: bool = False         # --enable-prompt-embeds: steps take given embeddings
     # DeepSeek-V2/V3 routing (jaxllm/models/moe.py's `route`): the score function over the
     # router logits ('softmax' | 'sigmoid'), the top-k selection ('greedy',
     # 'group_limited_greedy': V2's groups by their best expert, 'noaux_tc': V3's groups by the
@@ -256,6 +257,12 @@ class ModelConfig:
             checkpoint_quant = None
         fields["quant"] = quant_spec(checkpoint_quant, options.quantization)
         fields["lora"] = options.lora
+        fields["prompt_embeds"] = bool(options.enable_prompt_embeds)
+        gemma4_inputs = getattr(fields.get("gemma4"), "per_layer_size", 0)
+        if options.enable_prompt_embeds and (fields.get("vision") or gemma4_inputs):
+            raise ConfigError(f"--enable-prompt-embeds: not supported for {arch} (its "
+                              + ("images take the embedding rows" if fields.get("vision") else
+                                 "per-layer inputs are made from the token ids") + ")")
         fields["kv_scales"] = kv_scales_wanted(fields, options)
         if options.lora is not None and fields.get("nope_layers"):
             raise ConfigError("--enable-lora: Llama 4 adapters are not supported (the loader "

@@ -8,6 +8,9 @@ patches (so a few programs serve every image size; each compiles on first use), 
 its one fixed image size. The embeddings (Qwen3-VL's with its deepstack features beside them)
 come back to the host, where the step's input preparation places them at their tokens' rows
 (jaxllm/worker/input_batch.py).
+
+A prompt given as embeddings (--enable-prompt-embeds, on a text model too) takes the same road
+with nothing to encode: its rows are placed at its tokens like an image's.
 """
 
 from __future__ import annotations
@@ -42,8 +45,9 @@ class ImageEncoder:
 
     @classmethod
     def of(cls, graphdef, model_config) -> "ImageEncoder | None":
-        """The encoder of a vision-language model (None for a text-only one)."""
-        if model_config.vision is None:
+        """The encoder of a vision-language model, or of a text model taking prompt
+        embeddings (no tower: spec None); None for a text-only one."""
+        if model_config.vision is None and not model_config.prompt_embeds:
             return None
         return cls(graphdef, model_config.vision, model_config.jnp_dtype)
 
@@ -66,7 +70,8 @@ class ImageEncoder:
         digest = mm.hashes[k]
         emb = self._cache.get(digest)
         if emb is None:
-            emb = self._embeddings(state, mm.pixel_values[k], mm.grids[k])
+            emb = (mm.pixel_values[k].astype(self.dtype) if mm.given_embeds  # prompt embeds
+                   else self._embeddings(state, mm.pixel_values[k], mm.grids[k]))
             self._cache[digest] = emb
             self._cached_tokens += len(emb)
             while self._cached_tokens > self.cache_tokens and len(self._cache) > 1:

@@ -96,8 +96,8 @@ class ModelRunner(MemoryTiers):
             # the same for every step: then a decode step of T tokens runs the bucket T one.
             decode_programs=backend.decode_programs(kv_cache_dtype), num_rows=self.num_rows,
             num_speculative_tokens=num_speculative_tokens, lora=model_config.lora is not None,
-            mm=((mm_embed_width(model_config), model_config.jnp_dtype) if model_config.vision
-                else None),
+            mm=((mm_embed_width(model_config), model_config.jnp_dtype)
+                if model_config.vision or model_config.prompt_embeds else None),
             state_slots=bool(model_config.linear_layers),
             mrope=bool(model_config.mrope_section),
             image_spans=bidirectional_images(model_config) and self.image_refusal is None)
