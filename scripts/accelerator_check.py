@@ -4,12 +4,14 @@ from the hardware's limits (issue 42; docs/accelerators.md has the roofline mode
     PYTHONPATH=. python scripts/accelerator_check.py [--out DIR] [--dry-run] [--budget-s 420]
                                                      [--phases kernels,e2e] [--commit SHA]
 
-Phases, in order (scripts/accelerator_phases.py, accelerator_roofline.py, accelerator_models.py,
-accelerator_archs.py):
+Phases, in order (scripts/accelerator_phases.py, accelerator_gdn.py, accelerator_roofline.py,
+accelerator_models.py, accelerator_archs.py):
   env       devices, versions, memory, which optional pieces import
   kernels   the Pallas ragged paged-attention kernel compiled for real against the pure-JAX
             reference on random ragged batches (decode / prefill / mixed, f32 / bf16 / fp8
             cache, page sizes, GQA ratios, sliding window, soft cap): max error, NaN
+  gdn       the Pallas gated DeltaNet kernels (chunked and recurrent) against the reference:
+            chunk boundaries, continuing and fresh states, decays near 0 and 1; error, time
   quant     int8 / int4 / fp8 `QuantizedWeight`s through the backend's `project` against a
             float64 numpy product
   roofline  the device's copy / read bandwidth and bf16 matmul rate, measured now; decode
@@ -53,8 +55,8 @@ ROOT = os.path.dirname(HERE)
 SCHEMA = "jaxllm-accelerator-check/1"
 # (phase, share of the budget). Shares are of the time still left when the phase starts, so
 # what a quick phase leaves goes to the later ones, the end-to-end run most of all.
-PHASES = (("env", 0.02), ("kernels", 0.20), ("quant", 0.04), ("roofline", 0.14),
-          ("models", 0.13), ("archs", 0.08), ("e2e_hf", 0.12), ("e2e", 0.27))
+PHASES = (("env", 0.02), ("kernels", 0.18), ("gdn", 0.04), ("quant", 0.04), ("roofline", 0.14),
+          ("models", 0.13), ("archs", 0.08), ("e2e_hf", 0.11), ("e2e", 0.26))
 # A phase past its deadline gets this long to write its partial results before it is killed.
 GRACE_S = 20.0
 # Phases that run torch on the device: jax must not take 75 % of its memory up front there.
@@ -126,11 +128,13 @@ class Recorder:
 
 def phase_function(prefix: str, phase: str):
     import accelerator_archs
+    import accelerator_gdn
     import accelerator_models
     import accelerator_phases
     import accelerator_roofline
 
-    for mod in (accelerator_phases, accelerator_roofline, accelerator_models, accelerator_archs):
+    for mod in (accelerator_phases, accelerator_roofline, accelerator_models, accelerator_archs,
+                accelerator_gdn):
         if hasattr(mod, f"{prefix}_{phase}"):
             return getattr(mod, f"{prefix}_{phase}")
     raise LookupError(f"no {prefix}_{phase}")

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "accelerator_check.py")
-PHASES = ["env", "kernels", "quant", "roofline", "models", "archs", "e2e_hf", "e2e"]
+PHASES = ["env", "kernels", "gdn", "quant", "roofline", "models", "archs", "e2e_hf", "e2e"]
 
 
 def run_check(out, *args, timeout=300):
@@ -52,6 +52,13 @@ def test_dry_run_passes_every_phase(tmp_path):
     assert any(c["cache"].startswith("float8") for c in kernels["cases"])
     for c in kernels["cases"]:  # cpu: f32 to 1e-5, bf16 to 2e-2, nothing leaked from padding
         assert c["nan"] == 0 and c["padding_zero"] and c["max_abs_err"] <= c["tol"], c
+
+    gdn = r["gdn"]  # both forms, both dtypes, every case; errors against the reference
+    assert gdn["interpret"] and not gdn.get("not_run") and len(gdn["cases"]) == 10
+    assert {(c["form"], c["dtype"]) for c in gdn["cases"]} == {
+        (f, d) for f in ("chunked", "recurrent") for d in ("float32", "bfloat16")}
+    assert all(c["out_nan"] == c["state_nan"] == 0 and c["out_rel_err"] <= c["tol"]
+               and c["state_rel_err"] <= c["tol"] for c in gdn["cases"]), gdn["cases"]
 
     assert len(r["quant"]["cases"]) == 16
     assert all(c["rel_err"] <= c["tol"] and c["nan"] == 0 for c in r["quant"]["cases"])
