@@ -149,27 +149,52 @@ def test_bert_cross_encoder_scores_pairs_with_token_types(ce_llm, bert_ce):
     with torch.no_grad():
         z = model(torch.tensor([one.prompt_token_ids])).logits[0, 0].item()
     np.testing.assert_allclose(one.outputs.probs, [1 / (1 + np.exp(-z))], atol=ATOL)
+    with pytest.raises(ValueError, match="maximum model length of 64"):
+        ce_llm.score(QUERY, "the cat " * 40, use_tqdm=False)  # past the 64 positions
 
 
-def test_xlm_roberta_cross_encoder_and_positions(xlmr_ce, tmp_path):
+def test_xlm_roberta_cross_encoder_and_positions(xlmr_ce):
     llm = _llm(xlmr_ce)
     assert llm.llm_engine.model_config.max_model_len == 64  # 66 positions less the offset 2
     ids, want = _hf_scores(xlmr_ce, QUERY, DOCS)
     outs = llm.score(QUERY, DOCS, use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == ids
     np.testing.assert_allclose([o.outputs.score for o in outs], want, atol=ATOL)
-
-
-def test_roberta_embeddings_count_positions_past_padding(tmp_path):
-    path = make_encoder(str(tmp_path / "roberta"), "RobertaModel", seed=4)
-    llm = _llm(path)
-    # a pad token (1) inside a prompt takes the padding position, as transformers'
-    # create_position_ids_from_input_ids gives it
+    # The encoder's hidden states (transformers' XLMRobertaModel of the same checkpoint): a
+    # pad token (1) inside a prompt takes the padding position, as transformers'
+    # create_position_ids_from_input_ids gives it.
     prompts = [[0, 40, 41, 2], [0, 40, 1, 41, 42, 2], [0] + list(range(5, 25)) + [2]]
-    refs = _hf_hidden(path, [{"input_ids": p} for p in prompts])
-    for out, ref in zip(llm.embed(prompts, use_tqdm=False), refs):
-        np.testing.assert_allclose(out.outputs.embedding, ref[0] / np.linalg.norm(ref[0]),
-                                   atol=ATOL)
+    refs = _hf_hidden(xlmr_ce, [{"input_ids": p} for p in prompts])
+    for p, ref in zip(prompts, refs):
+        np.testing.assert_allclose(llm.llm_engine.pooler.hidden_states(p), ref, atol=ATOL)
+
+
+def test_roberta_model_checkpoint_loads_without_prefix(tmp_path):
+    """A bare RobertaModel checkpoint (names without `roberta.`) builds the same encoder."""
+    from jaxllm.engine_config import ModelOptions
+    from jaxllm.loader.bert_weights import encoder_weights
+    from jaxllm.loader.loader import hf_config
+    from jaxllm.models.model_config import ModelConfig
+
+    path = make_encoder(str(tmp_path / "roberta"), "RobertaModel", seed=4)
+    cfg = ModelConfig.from_hf(hf_config(path), ModelOptions(dtype="float32"))
+    assert cfg.encoder.padding_idx == 1 and cfg.encoder.prefix == "roberta"
+    import torch
+    from transformers import AutoModel
+
+    sd = AutoModel.from_pretrained(path, dtype=torch.float32).state_dict()
+    bare = encoder_weights(cfg, ((k, v.numpy()) for k, v in sd.items()), path)
+    prefixed = encoder_weights(cfg, ((f"roberta.{k}", v.numpy()) for k, v in sd.items()), path)
+    assert set(bare) == set(prefixed) and bare["wq"].shape == (2, 32, 32)
+    for name in bare:
+        np.testing.assert_array_equal(bare[name], prefixed[name])
+    np.testing.assert_array_equal(bare["wq"][1], sd["encoder.layer.1.attention.self.query"
+                                                    ".weight"].numpy().T)
+    with pytest.raises(ConfigError, match="lacks"):
+        encoder_weights(cfg, ((k, v.numpy()) for k, v in sd.items() if "layer.1." not in k),
+                        path)
+    with pytest.raises(ConfigError, match="not part of"):
+        encoder_weights(cfg, [("encoder.layer.0.extra.weight", np.zeros(2))], path)
 
 
 # --- run-batch lines: /v1/embeddings, /score, /rerank ---------------------------------------
@@ -227,6 +252,7 @@ def test_run_batch_embedding_lines(bert_mean):
     ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype"),
     ({"max_model_len": 100}, "--max-model-len"),  # past max_position_embeddings
     ({"enable_lora": True}, "--enable-lora"),
+    ({"rope_theta": 1e4}, "--rope-theta"),
 ])
 def test_refusals_name_the_flag(bert_bare, kw, flag):
     with pytest.raises(ConfigError, match=flag.replace("-", "\\-")):
@@ -270,3 +296,55 @@ def test_decoder_refuses_token_types(tiny_llama):
     with pytest.raises(ValueError, match="only taken by encoder-only"):
         llm.embed([[5, 6, 7]], PoolingParams(extra_kwargs={"compressed_token_type_ids": 1}),
                   use_tqdm=False)
+
+
+def test_sleep_and_new_weights(bert_bare, bert_mean):
+    """Level-2 sleep reads the checkpoint again; update_weights takes another checkpoint's
+    tensors (a bare BertModel's names, its unused pooler skipped)."""
+    import torch
+    from transformers import AutoModel
+
+    llm = _llm(bert_bare, enable_sleep_mode=True)
+    before = llm.embed(TEXTS[:1], use_tqdm=False)[0].outputs.embedding
+    llm.sleep(level=2)
+    llm.wake_up()
+    np.testing.assert_array_equal(llm.embed(TEXTS[:1], use_tqdm=False)[0].outputs.embedding,
+                                  before)
+    other = AutoModel.from_pretrained(bert_mean, dtype=torch.float32)
+    llm.update_weights(other.state_dict().items())
+    ref = _hf_hidden(bert_mean, _tokens(bert_bare, TEXTS[:1]))[0][0]
+    np.testing.assert_allclose(llm.embed(TEXTS[:1], use_tqdm=False)[0].outputs.embedding,
+                               ref / np.linalg.norm(ref), atol=ATOL)
+
+
+@pytest.mark.slow  # a server process (~20 s); run-batch's lines cover the same routes
+def test_server_embeddings_score_and_rerank(bert_ce, ce_llm, bert_mean):
+    import httpx
+
+    from server_process import ServerProcess
+
+    flags = ("--dtype", "float32", "--block-size", "4", "--disable-log-stats")
+    offline = np.asarray([o.outputs.score for o in ce_llm.score(QUERY, DOCS, use_tqdm=False)])
+    srv = ServerProcess(bert_ce, *flags, "--served-model-name", "ce")
+    try:
+        r = httpx.post(srv.url + "/v1/score", json={"model": "ce", "text_1": QUERY,
+                                                    "text_2": DOCS}).json()
+        np.testing.assert_allclose([d["score"] for d in r["data"]], offline, atol=1e-6)
+        rr = httpx.post(srv.url + "/v1/rerank", json={"query": QUERY, "documents": DOCS,
+                                                       "top_n": 3}).json()
+        order = np.argsort(-offline, kind="stable")[:3]
+        assert [x["index"] for x in rr["results"]] == order.tolist()
+        assert [x["document"]["text"] for x in rr["results"]] == [DOCS[i] for i in order]
+    finally:
+        srv.stop()
+    srv = ServerProcess(bert_mean, *flags)
+    try:
+        r = httpx.post(srv.url + "/v1/embeddings", json={"input": TEXTS}).json()
+        refs = _hf_hidden(bert_mean, _tokens(bert_mean, TEXTS))
+        for d, ref in zip(r["data"], refs):
+            np.testing.assert_allclose(d["embedding"],
+                                       ref.mean(0) / np.linalg.norm(ref.mean(0)), atol=ATOL)
+        assert r["usage"]["prompt_tokens"] == sum(len(x["input_ids"])
+                                                  for x in _tokens(bert_mean, TEXTS))
+    finally:
+        srv.stop()

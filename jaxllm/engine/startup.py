@@ -165,6 +165,10 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
                        num_speculative_tokens=_num_speculative_tokens(config, kind))
     if _mtp(config, mc, topo.multi_host):  # the MTP drafter reads the target's hidden states
         runner_args["keep_hidden"] = True
+    if meshes is not None and mc.encoder is not None:
+        raise ConfigError(f"--pipeline-parallel-size={pp}: {mc.architecture} (encoder-only) "
+                          f"is not split into stages; run it on one device (give "
+                          f"--data-parallel-size for replicas)")
     if meshes is not None and pooler_config is not None:
         raise ConfigError(f"--pipeline-parallel-size={pp}: the pooling runner (--runner auto "
                           f"chose it for this sentence-transformers folder) is not implemented "

@@ -68,6 +68,9 @@ def check_encoder_options(cfg: ModelConfig, options: ModelOptions, mesh: Mesh) -
     if options.kv_cache_dtype != "auto" or options.calculate_kv_scales:
         raise ConfigError(f"--kv-cache-dtype / --calculate-kv-scales: {arch} (encoder-only) "
                           "keeps no KV cache")
+    if options.rope_scaling or options.rope_theta:
+        raise ConfigError(f"--rope-scaling / --rope-theta: {arch} (encoder-only) has learned "
+                          "absolute positions, no RoPE")
     limit = cfg.encoder.max_positions
     if cfg.max_model_len > limit:
         if options.max_model_len is not None:

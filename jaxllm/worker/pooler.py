@@ -119,13 +119,18 @@ class Pooler:
     def __init__(self, config: PoolerConfig, runner, block_size: int,
                  classifier: Optional[ClassifierHead] = None):
         self.config, self.classifier = config, classifier
-        self.graphdef, self.state, self.block_size = runner.graphdef, runner.state, block_size
+        self.graphdef, self.runner, self.block_size = runner.graphdef, runner, block_size
         # Each group's cache shape and dtype, with the block count left to the prompt.
         self.cache_specs = tuple((c.k.shape[:1] + c.k.shape[2:], c.k.dtype)
                                  for c in runner.kv_cache)
         self.encoder = runner.model_config.encoder is not None
         self._hidden = jax.jit(self._hidden_fn, static_argnums=(4,))
         self._encode = jax.jit(self._encode_fn)
+
+    @property
+    def state(self):
+        """The runner's weights now (sleep mode and update_weights replace them)."""
+        return self.runner.state
 
     @property
     def tasks(self) -> tuple[str, ...]:
