@@ -167,6 +167,9 @@ def test_xlm_roberta_cross_encoder_and_positions(xlmr_ce):
     refs = _hf_hidden(xlmr_ce, [{"input_ids": p} for p in prompts])
     for p, ref in zip(prompts, refs):
         np.testing.assert_allclose(llm.llm_engine.pooler.hidden_states(p), ref, atol=ATOL)
+    with pytest.raises(ValueError, match="this model has one"):  # type_vocab_size 1
+        llm.classify([prompts[0]], PoolingParams(extra_kwargs={"compressed_token_type_ids": 2}),
+                     use_tqdm=False)
 
 
 def test_roberta_model_checkpoint_loads_without_prefix(tmp_path):
@@ -185,9 +188,14 @@ def test_roberta_model_checkpoint_loads_without_prefix(tmp_path):
     sd = AutoModel.from_pretrained(path, dtype=torch.float32).state_dict()
     bare = encoder_weights(cfg, ((k, v.numpy()) for k, v in sd.items()), path)
     prefixed = encoder_weights(cfg, ((f"roberta.{k}", v.numpy()) for k, v in sd.items()), path)
-    assert set(bare) == set(prefixed) and bare["wq"].shape == (2, 32, 32)
+    # old TF-converted checkpoints name the LayerNorm weights gamma / beta
+    legacy = encoder_weights(cfg, ((k.replace("LayerNorm.weight", "LayerNorm.gamma")
+                                    .replace("LayerNorm.bias", "LayerNorm.beta"), v.numpy())
+                                   for k, v in sd.items()), path)
+    assert set(bare) == set(prefixed) == set(legacy) and bare["wq"].shape == (2, 32, 32)
     for name in bare:
         np.testing.assert_array_equal(bare[name], prefixed[name])
+        np.testing.assert_array_equal(bare[name], legacy[name])
     np.testing.assert_array_equal(bare["wq"][1], sd["encoder.layer.1.attention.self.query"
                                                     ".weight"].numpy().T)
     with pytest.raises(ConfigError, match="lacks"):
@@ -293,7 +301,7 @@ def test_decoder_refuses_token_types(tiny_llama):
         compress_token_type_ids([0, 1, 0])
     llm = LLM(tiny_llama, dtype="float32", block_size=4, runner="pooling", max_model_len=64,
               use_tqdm_on_load=False, disable_log_stats=True)
-    with pytest.raises(ValueError, match="only taken by encoder-only"):
+    with pytest.raises(ValueError, match="only taken by encoder-only.*none \\(a decoder\\)"):
         llm.embed([[5, 6, 7]], PoolingParams(extra_kwargs={"compressed_token_type_ids": 1}),
                   use_tqdm=False)
 

@@ -124,6 +124,8 @@ class Pooler:
         self.cache_specs = tuple((c.k.shape[:1] + c.k.shape[2:], c.k.dtype)
                                  for c in runner.kv_cache)
         self.encoder = runner.model_config.encoder is not None
+        self.token_types = (runner.model_config.encoder.type_vocab_size if self.encoder
+                            else 1)
         self._hidden = jax.jit(self._hidden_fn, static_argnums=(4,))
         self._encode = jax.jit(self._encode_fn)
 
@@ -153,10 +155,11 @@ class Pooler:
         activation = (self.config.normalize if params.use_activation is None
                       else params.use_activation)
         start = params.type_start
-        if start is not None and start < len(token_ids) and not self.encoder:
+        if start is not None and start < len(token_ids) and self.token_types < 2:
             raise ValueError("token type ids (extra_kwargs compressed_token_type_ids) are "
-                             "only taken by encoder-only models (BERT); this model is a "
-                             "decoder")
+                             "only taken by encoder-only models with two token types "
+                             "(BERT); this model has " + ("one" if self.encoder else
+                                                           "none (a decoder)"))
         hidden = self.hidden_states(token_ids, start)
         if self.classifier is not None:
             hidden = pool(hidden, self.config.pooling_type, False)
