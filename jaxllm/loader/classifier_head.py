@@ -4,9 +4,11 @@
 The head is one small matmul on the pooled (last-token) hidden state, so it runs on the host
 in float32 and never enters a compiled program. An encoder's head (BERT, RoBERTa: the pooled
 [CLS] / <s> state) has a dense layer and tanh before it: BERT's `bert.pooler.dense`, RoBERTa's
-`classifier.dense`, then `classifier` / `classifier.out_proj` as the projection. The activation follows transformers'
-`problem_type` as vLLM aligns with it: regression keeps the logits, multi-label classification
-takes a sigmoid per label, otherwise one label is a sigmoid and several a softmax.
+`classifier.dense`, then `classifier` / `classifier.out_proj` as the projection.
+
+The activation follows transformers' `problem_type` as vLLM aligns with it: regression keeps
+the logits, multi-label classification takes a sigmoid per label, otherwise one label is a
+sigmoid and several a softmax.
 `use_activation=False` (per request, or --pooler-config) returns the raw logits.
 """
 
