@@ -332,13 +332,14 @@ def test_server_embeddings_score_and_rerank(bert_ce, ce_llm, bert_mean):
     from server_process import ServerProcess
 
     flags = ("--dtype", "float32", "--block-size", "4", "--disable-log-stats")
+    http = httpx.Client(timeout=120)  # a bucket's first request compiles its program
     offline = np.asarray([o.outputs.score for o in ce_llm.score(QUERY, DOCS, use_tqdm=False)])
     srv = ServerProcess(bert_ce, *flags, "--served-model-name", "ce")
     try:
-        r = httpx.post(srv.url + "/v1/score", json={"model": "ce", "text_1": QUERY,
+        r = http.post(srv.url + "/v1/score", json={"model": "ce", "text_1": QUERY,
                                                     "text_2": DOCS}).json()
         np.testing.assert_allclose([d["score"] for d in r["data"]], offline, atol=1e-6)
-        rr = httpx.post(srv.url + "/v1/rerank", json={"query": QUERY, "documents": DOCS,
+        rr = http.post(srv.url + "/v1/rerank", json={"query": QUERY, "documents": DOCS,
                                                        "top_n": 3}).json()
         order = np.argsort(-offline, kind="stable")[:3]
         assert [x["index"] for x in rr["results"]] == order.tolist()
@@ -347,7 +348,7 @@ def test_server_embeddings_score_and_rerank(bert_ce, ce_llm, bert_mean):
         srv.stop()
     srv = ServerProcess(bert_mean, *flags)
     try:
-        r = httpx.post(srv.url + "/v1/embeddings", json={"input": TEXTS}).json()
+        r = http.post(srv.url + "/v1/embeddings", json={"input": TEXTS}).json()
         refs = _hf_hidden(bert_mean, _tokens(bert_mean, TEXTS))
         for d, ref in zip(r["data"], refs):
             np.testing.assert_allclose(d["embedding"],
