@@ -14,6 +14,7 @@ from typing import Optional
 # embed: one vector per prompt (the model's pooling); token_embed: one per prompt token;
 # classify: a classifier's label probabilities; score: a cross-encoder's relevance of a pair.
 POOLING_TASKS = ("embed", "token_embed", "classify", "score")
+TYPE_START = "compressed_token_type_ids"
 
 
 @dataclass
@@ -22,6 +23,10 @@ class PoolingParams:
     dimensions: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = None
     task: Optional[str] = None        # None: embed
+    # vLLM's per-request extras; the one taken: compressed_token_type_ids, where a sequence
+    # pair's second segment starts (token type 1 from there; an encoder cross-encoder's
+    # `tokenizer(text_1, text_2)`, jaxllm/entrypoints/score_utils.py).
+    extra_kwargs: Optional[dict] = None
 
     def __post_init__(self):
         if self.dimensions is not None:
@@ -34,3 +39,16 @@ class PoolingParams:
                              f"{', '.join(POOLING_TASKS)})")
         if self.use_activation is not None and not isinstance(self.use_activation, bool):
             raise ValueError("use_activation must be a boolean")
+        unknown = sorted(set(self.extra_kwargs or ()) - {TYPE_START})
+        if unknown:
+            raise ValueError(f"extra_kwargs {unknown} are not supported (supported: "
+                             f"{TYPE_START})")
+        start = (self.extra_kwargs or {}).get(TYPE_START)
+        if start is not None and (isinstance(start, bool) or not isinstance(start, int)
+                                  or start < 0):
+            raise ValueError(f"extra_kwargs {TYPE_START} must be a non-negative integer")
+
+    @property
+    def type_start(self) -> Optional[int]:
+        """Where token type 1 starts (None: one segment)."""
+        return (self.extra_kwargs or {}).get(TYPE_START)

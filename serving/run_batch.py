@@ -22,10 +22,14 @@ from serving.errors import APIError, describe_validation_errors, error_body
 from serving.protocol import (BatchRequestInput, BatchRequestOutput, BatchResponseData,
                               ChatCompletionRequest, random_id)
 from serving.protocol_completion import CompletionRequest
+from serving.protocol_pooling import EmbeddingRequest
 from serving.protocol_responses import ResponsesRequest
+from serving.protocol_score import RerankRequest, ScoreRequest
 from serving.serving_chat import create_chat_completion
 from serving.serving_completion import create_completion
+from serving.serving_embedding import create_embedding
 from serving.serving_responses import create_response
+from serving.serving_score import create_rerank, create_score
 from serving.state import ServingState
 
 logger = logging.getLogger("jaxllm.run_batch")
@@ -34,6 +38,12 @@ logger = logging.getLogger("jaxllm.run_batch")
 HANDLERS = {"/v1/completions": (CompletionRequest, create_completion),
             "/v1/chat/completions": (ChatCompletionRequest, create_chat_completion),
             "/v1/responses": (ResponsesRequest, create_response)}
+# A pooling model's lines (--runner pooling), as vLLM's run-batch takes them: the server's
+# routes for embeddings, scores and reranking.
+POOLING_HANDLERS = {"/v1/embeddings": (EmbeddingRequest, create_embedding),
+                    **{url: (ScoreRequest, create_score) for url in ("/score", "/v1/score")},
+                    **{url: (RerankRequest, create_rerank)
+                       for url in ("/rerank", "/v1/rerank", "/v2/rerank")}}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,17 +93,19 @@ async def run_line(state: ServingState, line: str) -> BatchRequestOutput:
     try:
         try:
             request = BatchRequestInput.model_validate_json(line)
-            if request.url not in HANDLERS:
-                raise APIError(f"url {request.url!r} is not supported; use "
-                               f"{' or '.join(HANDLERS)}.", param="url")
+            handlers = (HANDLERS if "generate" in state.engine.supported_tasks
+                        else POOLING_HANDLERS)
+            if request.url not in handlers:
+                raise APIError(f"url {request.url!r} is not supported by this model "
+                               f"({_kind(state)}); use {' or '.join(handlers)}.", param="url")
             if request.method.upper() != "POST":
                 raise APIError(f"method {request.method!r} is not supported; use POST.",
                                param="method")
-            model, create = HANDLERS[request.url]
+            model, create = handlers[request.url]
             body = model.model_validate(request.body)
         except ValidationError as e:
             raise APIError(describe_validation_errors(e.errors())[0]) from None
-        if body.stream:
+        if getattr(body, "stream", False):
             raise APIError("stream is not supported in batch files.", param="stream")
         response = await create(state, body, base_id)
     except APIError as e:
@@ -105,6 +117,11 @@ async def run_line(state: ServingState, line: str) -> BatchRequestOutput:
         id=f"batch_req_{random_id()}", custom_id=custom_id, error=None,
         response=BatchResponseData(status_code=200, request_id=base_id,
                                    body=response.model_dump()))
+
+
+def _kind(state: ServingState) -> str:
+    return ("a generative model" if "generate" in state.engine.supported_tasks
+            else "a pooling model, --runner pooling")
 
 
 def _failed(custom_id, body: dict) -> BatchRequestOutput:

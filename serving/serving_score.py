@@ -81,9 +81,9 @@ async def _score(state: ServingState, req: ScoringBody, base_id: str, data_1, da
     ticket = state.admission.enter(len(job.prompts))
     try:
         outs = []
-        for i, ids in enumerate(job.prompts):
+        for i, (ids, params) in enumerate(zip(job.prompts, job.prompt_params)):
             try:
-                outs.append(await state.engine.encode({"prompt_token_ids": ids}, job.params,
+                outs.append(await state.engine.encode({"prompt_token_ids": ids}, params,
                                                       f"{base_id}-{i}"))
             except ValueError as e:
                 raise APIError(str(e), param=fields[1]) from None

@@ -23,7 +23,8 @@ from jaxllm.config import ConfigError
 from jaxllm.engine.hybrid import state_cache_bytes
 from jaxllm.engine_config import CacheConfig, EngineConfig, ModelOptions, SchedulerConfig
 from jaxllm.layers.attention import native_cpu_attention
-from jaxllm.models.registry import SEQUENCE_CLASSIFIERS
+from jaxllm.models.bert_spec import ENCODER_ARCHITECTURES
+from jaxllm.models.registry import ENCODER_CLASSIFIERS, SEQUENCE_CLASSIFIERS
 
 logger = logging.getLogger("jaxllm")
 
@@ -43,7 +44,14 @@ def model_architectures(model_path: str) -> list[str]:
 
 
 def is_sequence_classifier(model_path: str) -> bool:
-    return any(a in SEQUENCE_CLASSIFIERS for a in model_architectures(model_path))
+    return any(a in SEQUENCE_CLASSIFIERS or a in ENCODER_CLASSIFIERS
+               for a in model_architectures(model_path))
+
+
+def encoder_only(model_path: str) -> str | None:
+    """The architecture of an encoder-only model folder (BERT, RoBERTa), else None."""
+    return next((a for a in model_architectures(model_path) if a in ENCODER_ARCHITECTURES),
+                None)
 
 
 def runner_type(options: ModelOptions, model_path: str) -> str:
@@ -55,8 +63,15 @@ def runner_type(options: ModelOptions, model_path: str) -> str:
         raise ConfigError(f"--runner generate: {model_architectures(model_path)[0]} is a "
                           f"classification model (a score head, no LM head); it runs on "
                           f"--runner pooling (classify, score, rerank)")
+    encoder = encoder_only(model_path)
+    if options.runner == "generate" and encoder:
+        raise ConfigError(f"--runner generate: {encoder} is an encoder-only model (no LM "
+                          f"head, bidirectional attention); it runs on --runner pooling "
+                          f"(embed, classify, score, rerank)")
     if options.runner != "auto":
         return options.runner
+    if encoder:
+        return "pooling"
     st = os.path.isdir(model_path) and os.path.exists(os.path.join(model_path,
                                                                    "modules.json"))
     auto = options.convert == "auto" and (st or classifier)

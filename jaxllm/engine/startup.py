@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jaxllm.config import ConfigError
 from jaxllm.engine.kv_calibration import calculate_kv_scales
 from jaxllm.models.kv_scales import CALCULATED
-from jaxllm.engine.runner_settings import (executable_cache_dir, kv_cache_dtype,
+from jaxllm.engine.runner_settings import (encoder_only, executable_cache_dir, kv_cache_dtype,
                                            max_num_batched_tokens, num_kv_blocks,
                                            pooling_convert, runner_type)
 from jaxllm.engine_config import EngineConfig, ParallelConfig
@@ -173,6 +173,10 @@ def build_engine_parts(config: EngineConfig, headless: bool = False,
             cls(config, mesh.devices.flat[0], False) for cls in config.logits_processors)
     if _mtp(config, mc, topo.multi_host):  # the MTP drafter reads the target's hidden states
         runner_args["keep_hidden"] = True
+    if meshes is not None and mc.encoder is not None:
+        raise ConfigError(f"--pipeline-parallel-size={pp}: {mc.architecture} (encoder-only) "
+                          f"is not split into stages; run it on one device (give "
+                          f"--data-parallel-size for replicas)")
     if meshes is not None and pooler_config is not None:
         raise ConfigError(f"--pipeline-parallel-size={pp}: the pooling runner (--runner auto "
                           f"chose it for this sentence-transformers folder) is not implemented "
@@ -219,7 +223,9 @@ def pooling_setup(options, load, path: str) -> tuple[str, Optional[PoolerConfig]
     kind = runner_type(options, path)
     if kind != "pooling":
         return kind, None, None
-    pooler_config = read_pooler_config(path, options.pooler_config)
+    # vLLM pools an encoder's first token ([CLS], <s>) unless the folder says otherwise.
+    pooler_config = read_pooler_config(path, options.pooler_config,
+                                       "CLS" if encoder_only(path) else "LAST")
     classifier = (read_classifier_head(path, load.load_format)
                   if pooling_convert(options, path) == "classify" else None)
     if classifier is not None and pooler_config.pooling_type == "ALL":

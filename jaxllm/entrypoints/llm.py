@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from typing import Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -138,13 +139,17 @@ class LLM:
                pooling_task: Optional[str] = None) -> list[PoolingRequestOutput]:
         """Pooled hidden states of each prompt (a model run with --runner pooling); vLLM's
         pooling_task picks embed (one vector) or token_embed (one per token)."""
-        params = pooling_params or PoolingParams()
-        if pooling_task is not None:
-            params = PoolingParams(use_activation=params.use_activation, task=pooling_task)
         prompts = _as_list(prompts)
+        each = (pooling_params if isinstance(pooling_params, list)  # vLLM: or one per prompt
+                else [pooling_params] * len(prompts))
+        if len(each) != len(prompts):
+            raise ValueError(f"{len(each)} pooling_params for {len(prompts)} prompts")
+        each = [replace(p or PoolingParams(), **({} if pooling_task is None
+                                                 else {"task": pooling_task})) for p in each]
         return [self.llm_engine.encode(str(next(self._ids)), p, params)
-                for p in tqdm(prompts, desc="Processed prompts", unit="req",
-                              disable=None if use_tqdm else True, dynamic_ncols=True)]
+                for p, params in tqdm(list(zip(prompts, each)), desc="Processed prompts",
+                                      unit="req", disable=None if use_tqdm else True,
+                                      dynamic_ncols=True)]
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
               pooling_params: Optional[PoolingParams] = None,
@@ -184,7 +189,7 @@ class LLM:
                              engine.tokenizer, score_pairs(data_1, data_2),
                              pooling_params.use_activation if pooling_params else None,
                              None if head is None else head.num_labels)
-        outs = self.encode([{"prompt_token_ids": p} for p in job.prompts], job.params,
+        outs = self.encode([{"prompt_token_ids": p} for p in job.prompts], job.prompt_params,
                            use_tqdm)
         return [ScoringRequestOutput(str(next(self._ids)), ScoringOutput(score), ids)
                 for score, ids in job.scores(outs)]

@@ -3,6 +3,12 @@ model: a cross-encoder (a classifier with one label) scores each pair's joint en
 `tokenizer(text_1, text_2)`, through its sigmoid; an embedding model scores the cosine
 similarity of the two texts' embeddings.
 
+An encoder cross-encoder (BERT) also reads the pair's token types, segment 0 for text_1 and 1
+for text_2 (`[CLS] q [SEP] d [SEP]`): each prompt carries them as vLLM's compressed form,
+where segment 1 starts (PoolingParams.extra_kwargs), in its own PoolingParams
+(`ScoreJob.prompt_params`). Tokenizers that give no token types (decoders', RoBERTa's) add
+nothing.
+
 The pairing is vLLM's: a single text_1 (a string, or a list of one) is scored against every
 text_2 (1:N); lists of equal length are scored pairwise (N:N); any other shape is refused.
 A `ScoreJob` is the prompts to pool and how their outputs become scores, so the offline API
@@ -11,13 +17,13 @@ and the server (which pools each prompt on the engine thread) share it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
 from jaxllm.outputs import PoolingRequestOutput
-from jaxllm.pooling_params import PoolingParams
+from jaxllm.pooling_params import TYPE_START, PoolingParams
 
 Texts = Union[str, Sequence[str]]
 
@@ -37,6 +43,18 @@ def score_pairs(data_1: Texts, data_2: Texts) -> list[tuple[str, str]]:
     if len(first) == 1:
         first = first * len(second)
     return list(zip(first, second))
+
+
+def compress_token_type_ids(token_type_ids: Optional[Sequence[int]]) -> Optional[int]:
+    """vLLM's compressed token type ids: where the ones start (None: no token types, or all
+    zeros); ValueError unless they are zeros then ones."""
+    if token_type_ids is None:
+        return None
+    types = list(token_type_ids)
+    start = next((i for i, t in enumerate(types) if t != 0), len(types))
+    if any(t != 1 for t in types[start:]):
+        raise ValueError("token type ids are expected to be zeros followed by ones")
+    return None if start == len(types) else start
 
 
 def cosine(a: np.ndarray, b: np.ndarray, eps: float = 1e-8) -> float:
@@ -65,6 +83,15 @@ class ScoreJob:
     params: PoolingParams
     pairs: list[tuple[int, ...]]
     pad: list[int]
+    type_starts: Optional[list[Optional[int]]] = None  # per prompt: where segment 1 starts
+
+    @property
+    def prompt_params(self) -> list[PoolingParams]:
+        """Each prompt's PoolingParams: `params`, with its token types where it has two
+        segments."""
+        starts = self.type_starts or [None] * len(self.prompts)
+        return [self.params if s is None else
+                replace(self.params, extra_kwargs={TYPE_START: s}) for s in starts]
 
     @classmethod
     def build(cls, tasks: Sequence[str], tokenizer, pairs: list[tuple[str, str]],
@@ -77,9 +104,11 @@ class ScoreJob:
             raise ValueError("scoring texts needs the tokenizer (started with "
                              "--skip-tokenizer-init)")
         if "score" in tasks:
-            prompts = [list(tokenizer(a, b)["input_ids"]) for a, b in pairs]
-            return cls(prompts, PoolingParams(use_activation=use_activation, task="score"),
-                       [(i,) for i in range(len(pairs))], [])
+            encs = [tokenizer(a, b) for a, b in pairs]
+            return cls([list(e["input_ids"]) for e in encs],
+                       PoolingParams(use_activation=use_activation, task="score"),
+                       [(i,) for i in range(len(pairs))], [],
+                       [compress_token_type_ids(e.get("token_type_ids")) for e in encs])
         index: dict[str, int] = {}  # each distinct text is embedded once (1:N's query)
         prompts = []
         for text in (t for pair in pairs for t in pair):

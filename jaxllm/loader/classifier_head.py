@@ -2,9 +2,13 @@
 [num_labels, hidden] and how its logits become probabilities, as vLLM's classify pooler does.
 
 The head is one small matmul on the pooled (last-token) hidden state, so it runs on the host
-in float32 and never enters a compiled program. The activation follows transformers'
-`problem_type` as vLLM aligns with it: regression keeps the logits, multi-label classification
-takes a sigmoid per label, otherwise one label is a sigmoid and several a softmax.
+in float32 and never enters a compiled program. An encoder's head (BERT, RoBERTa: the pooled
+[CLS] / <s> state) has a dense layer and tanh before it: BERT's `bert.pooler.dense`, RoBERTa's
+`classifier.dense`, then `classifier` / `classifier.out_proj` as the projection.
+
+The activation follows transformers' `problem_type` as vLLM aligns with it: regression keeps
+the logits, multi-label classification takes a sigmoid per label, otherwise one label is a
+sigmoid and several a softmax.
 `use_activation=False` (per request, or --pooler-config) returns the raw logits.
 """
 
@@ -19,9 +23,14 @@ import numpy as np
 
 from jaxllm.config import ConfigError
 from jaxllm.loader import hf
+from jaxllm.models.bert_spec import ENCODER_ARCHITECTURES
 
 HEAD = "score.weight"
 HEAD_BIAS = "score.bias"
+# An encoder classifier's head kind (jaxllm/models/bert_spec.py) -> (its dense layer's, its
+# projection's) tensor-name prefixes.
+ENCODER_HEADS = {"bert": ("bert.pooler.dense.", "classifier."),
+                 "roberta": ("classifier.dense.", "classifier.out_proj.")}
 
 
 @dataclass(frozen=True)
@@ -30,13 +39,19 @@ class ClassifierHead:
     bias: Optional[np.ndarray]    # float32 [num_labels] (none in the decoders' heads)
     id2label: dict                # label index -> name
     problem_type: Optional[str] = None
+    # float32 ([E, E] torch layout, [E]): an encoder head's dense layer, tanh-activated,
+    # before the projection (None: the projection alone)
+    dense: Optional[tuple[np.ndarray, np.ndarray]] = None
 
     @property
     def num_labels(self) -> int:
         return self.weight.shape[0]
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
-        out = self.weight @ hidden.astype(np.float32)
+        hidden = hidden.astype(np.float32)
+        if self.dense is not None:
+            hidden = np.tanh(self.dense[0] @ hidden + self.dense[1])
+        out = self.weight @ hidden
         return out if self.bias is None else out + self.bias
 
     def probs(self, hidden: np.ndarray, use_activation: bool = True,
@@ -62,19 +77,40 @@ def read_classifier_head(path: str, load_format: str = "auto") -> ClassifierHead
     if not os.path.isdir(path):
         raise ConfigError(f"--convert classify: {path} is not a checkpoint folder with a "
                           f"classification head ({HEAD})")
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
     fmt, files = hf.weight_files(path, "auto" if load_format == "dummy" else load_format)
+    kind = next((ENCODER_ARCHITECTURES[a][1] for a in config.get("architectures") or ()
+                 if a in ENCODER_ARCHITECTURES), None)
+    if kind is not None:
+        return _encoder_head(path, config, files, fmt, kind)
     tensors = _read(files, fmt, (HEAD, HEAD_BIAS))
     if HEAD not in tensors:
         raise ConfigError(f"--convert classify: {path} has no classification head ({HEAD}); "
                           f"it needs a *ForSequenceClassification checkpoint (use --convert "
                           f"embed to pool this model's hidden states)")
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
     weight = np.asarray(tensors[HEAD], np.float32)
     names = {int(k): v for k, v in (config.get("id2label") or {}).items()}
     bias = tensors.get(HEAD_BIAS)
     return ClassifierHead(weight, None if bias is None else np.asarray(bias, np.float32),
                           names, config.get("problem_type"))
+
+
+def _encoder_head(path: str, config: dict, files: list[str], fmt: str,
+                  kind: str) -> ClassifierHead:
+    """An encoder's head: its dense layer (+ tanh) and projection, with their biases."""
+    dense, proj = ENCODER_HEADS[kind]
+    names = tuple(p + s for p in (dense, proj) for s in ("weight", "bias"))
+    tensors = _read(files, fmt, names)
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ConfigError(f"--convert classify: {path} lacks its classification head's "
+                          f"{', '.join(missing)}")
+    t = {n: np.asarray(tensors[n], np.float32) for n in names}
+    labels = {int(k): v for k, v in (config.get("id2label") or {}).items()}
+    return ClassifierHead(t[proj + "weight"], t[proj + "bias"], labels,
+                          config.get("problem_type"),
+                          (t[dense + "weight"], t[dense + "bias"]))
 
 
 def _read(files: list[str], fmt: str, names: tuple[str, ...]) -> dict[str, np.ndarray]:

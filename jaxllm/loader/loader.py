@@ -21,6 +21,7 @@ from jaxllm.engine_config import LoadConfig, ModelOptions
 from jaxllm.layers.backends import make_backend
 from jaxllm.layers.backends.cpu import build_projection_kernels
 from jaxllm.loader import hf, sharded_state
+from jaxllm.loader.bert_weights import load_encoder, read_encoder_state
 from jaxllm.loader.weights import load_weights, param_shardings
 from jaxllm.models.decoder import Decoder, abstract_decoder, init_decoder
 from jaxllm.models.model_config import ModelConfig
@@ -97,6 +98,8 @@ def load_model(load: LoadConfig, options: ModelOptions,
     kernels = _kernel_builder(mesh)
     try:
         cfg = ModelConfig.from_hf(hf_config(path), options)
+        if cfg.encoder is not None:  # BERT, RoBERTa: jaxllm/loader/bert_weights.py
+            return load_encoder(load, options, mesh, cfg, path, fmt)
         _check_expert_parallel(cfg, mesh)
         backend = kernels.submit(make_backend, options.attention_backend, mesh,
                                  cfg.num_experts > 0, cfg.quant)
@@ -142,6 +145,8 @@ def read_weights(load: LoadConfig, cfg: ModelConfig, mesh: Mesh, seed: int = 0,
     on `mesh`: read again from its checkpoint (load.model, resolved; dummy weights made again
     from `seed`), or from `tensors`, a whole checkpoint's (HF name, array) pairs (new weights:
     sleep mode, RL loops)."""
+    if cfg.encoder is not None:
+        return read_encoder_state(load, cfg, mesh, seed, tensors)
     model = abstract_decoder(cfg)
     if tensors is None and load_format(load, load.model) == "dummy":
         return nnx.state(init_decoder(cfg, seed, shardings=param_shardings(nnx.state(model),

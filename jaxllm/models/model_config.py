@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxllm.config import ConfigError
 from jaxllm.engine_config import LoRAConfig, ModelOptions
 from jaxllm.layers.quantization import QuantSpec
+from jaxllm.models.bert_spec import EncoderSpec
 from jaxllm.models.gemma4_spec import Gemma4Spec
 from jaxllm.models.kv_scales import kv_scales_wanted
 from jaxllm.models.quant_config import quant_spec
@@ -138,6 +139,9 @@ class ModelConfig:
     # v_scale), from the checkpoint ('checkpoint') or computed at start-up ('calculate');
     # None: no scales (jaxllm/models/kv_scales.py).
     kv_scales: Optional[str] = None
+    # Encoder-only models (BERT, RoBERTa; jaxllm/models/bert.py): bidirectional, no KV cache,
+    # the pooling runner only. None for every decoder.
+    encoder: Optional[EncoderSpec] = None
 
     @property
     def kv_values_per_token(self) -> int:
@@ -150,7 +154,9 @@ class ModelConfig:
     @property
     def num_kv_layers(self) -> int:
         """Layers that keep a paged KV cache (a hybrid model's linear-attention layers keep a
-        per-sequence state instead)."""
+        per-sequence state instead; an encoder-only model keeps none)."""
+        if self.encoder is not None:
+            return 0
         if self.gemma4 is not None:  # KV-shared layers read another layer's cache
             return sum(p < 0 for p in self.gemma4.kv_producer)
         return self.num_layers - sum(self.linear_layers)
@@ -226,7 +232,8 @@ class ModelConfig:
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
             # absent where every layer is sparse (Qwen3.5-MoE): no dense MLP to size
             intermediate_size=getattr(c, "intermediate_size", 0),
-            rms_norm_eps=float(c.rms_norm_eps),
+            # (an encoder's LayerNorm eps: its EncoderSpec)
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", None) or c.layer_norm_eps),
             rope=rope,
             sliding_window=window,
             max_model_len=max_len,

@@ -11,6 +11,7 @@ import copy
 from typing import Callable
 
 from jaxllm.config import ConfigError
+from jaxllm.models.bert_spec import ENCODER_ARCHITECTURES, encoder_features
 from jaxllm.models.gemma4_spec import Gemma4Spec
 from jaxllm.models.qwen3_vl_spec import Qwen3VLVisionSpec, text_features as _qwen3_vl_text
 from jaxllm.models.vision_spec import Gemma3VisionSpec, VisionSpec, mrope_section
@@ -349,6 +350,11 @@ SEQUENCE_CLASSIFIERS = {"LlamaForSequenceClassification": _llama,
                         "Qwen2ForSequenceClassification": _qwen2,
                         "Qwen3ForSequenceClassification": _qwen3}
 ARCHITECTURES.update({name: _classifier(f) for name, f in SEQUENCE_CLASSIFIERS.items()})
+# Encoder-only models (jaxllm/models/bert.py): the pooling runner only, bidirectional, no KV
+# cache; their classifiers' heads are read by jaxllm/loader/classifier_head.py.
+ARCHITECTURES.update({name: (lambda c, name=name: encoder_features(c, name))
+                      for name in ENCODER_ARCHITECTURES})
+ENCODER_CLASSIFIERS = tuple(name for name, (_, head) in ENCODER_ARCHITECTURES.items() if head)
 
 
 def architecture_of(hf_config) -> str:

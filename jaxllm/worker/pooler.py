@@ -14,6 +14,11 @@ otherwise vLLM's default for a decoder LM used for embeddings: the last token, L
 A classifier (--convert classify) pools the same way (the last token) and puts the pooled
 state through its head (jaxllm/loader/classifier_head.py); its activation is what `normalize`
 (use_activation) turns on or off.
+
+An encoder-only model (BERT, RoBERTa: jaxllm/models/bert.py) has no cache at all: its bucket
+runs through `BertEncoder.encode`, bidirectionally, with the request's token types (a
+cross-encoder's sequence pair: `PoolingParams.type_start`); its default pooling is vLLM's for
+it, the first token ([CLS], <s>).
 """
 
 from __future__ import annotations
@@ -58,11 +63,13 @@ class PoolerConfig:
     normalize: bool = True
 
 
-def read_pooler_config(path: str, override: Optional[dict] = None) -> PoolerConfig:
-    """The model folder's pooling (sentence-transformers files, else vLLM's default), with
-    --pooler-config's keys on top: pooling_type (or seq_pooling_type) and use_activation (for
-    embeddings, normalize: the key older vLLM versions used)."""
-    cfg = PoolerConfig()
+def read_pooler_config(path: str, override: Optional[dict] = None,
+                       default_type: str = "LAST") -> PoolerConfig:
+    """The model folder's pooling (sentence-transformers files, else vLLM's default:
+    `default_type`, CLS for an encoder), with --pooler-config's keys on top: pooling_type (or
+    seq_pooling_type) and use_activation (for embeddings, normalize: the key older vLLM
+    versions used)."""
+    cfg = PoolerConfig(default_type)
     modules = os.path.join(path, "modules.json") if os.path.isdir(path) else ""
     if modules and os.path.exists(modules):
         with open(modules) as f:
@@ -112,11 +119,20 @@ class Pooler:
     def __init__(self, config: PoolerConfig, runner, block_size: int,
                  classifier: Optional[ClassifierHead] = None):
         self.config, self.classifier = config, classifier
-        self.graphdef, self.state, self.block_size = runner.graphdef, runner.state, block_size
+        self.graphdef, self.runner, self.block_size = runner.graphdef, runner, block_size
         # Each group's cache shape and dtype, with the block count left to the prompt.
         self.cache_specs = tuple((c.k.shape[:1] + c.k.shape[2:], c.k.dtype)
                                  for c in runner.kv_cache)
+        self.encoder = runner.model_config.encoder is not None
+        self.token_types = (runner.model_config.encoder.type_vocab_size if self.encoder
+                            else 1)
         self._hidden = jax.jit(self._hidden_fn, static_argnums=(4,))
+        self._encode = jax.jit(self._encode_fn)
+
+    @property
+    def state(self):
+        """The runner's weights now (sleep mode and update_weights replace them)."""
+        return self.runner.state
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -138,11 +154,18 @@ class Pooler:
                              f"supported: {', '.join(self.tasks)})")
         activation = (self.config.normalize if params.use_activation is None
                       else params.use_activation)
+        start = params.type_start
+        if start is not None and start < len(token_ids) and self.token_types < 2:
+            raise ValueError("token type ids (extra_kwargs compressed_token_type_ids) are "
+                             "only taken by encoder-only models with two token types "
+                             "(BERT); this model has " + ("one" if self.encoder else
+                                                           "none (a decoder)"))
+        hidden = self.hidden_states(token_ids, start)
         if self.classifier is not None:
-            hidden = pool(self.hidden_states(token_ids), self.config.pooling_type, False)
+            hidden = pool(hidden, self.config.pooling_type, False)
             return self.classifier.probs(hidden, activation, score=task == "score")
         ptype = "ALL" if task == "token_embed" else self.config.pooling_type
-        return pool(self.hidden_states(token_ids), ptype, activation)
+        return pool(hidden, ptype, activation)
 
     def _hidden_fn(self, state, token_ids, positions, md, num_blocks: int):
         model = nnx.merge(self.graphdef, state)
@@ -153,12 +176,21 @@ class Pooler:
         hidden, _ = model(tuple(caches), token_ids, positions, md)
         return hidden
 
-    def hidden_states(self, token_ids: list[int]) -> np.ndarray:
-        """float32 [len(token_ids), E]: the final (normed) hidden state of every position."""
+    def _encode_fn(self, state, token_ids, num_tokens, type_start):
+        return nnx.merge(self.graphdef, state).encode(token_ids, num_tokens, type_start)
+
+    def hidden_states(self, token_ids: list[int], type_start: Optional[int] = None
+                      ) -> np.ndarray:
+        """float32 [len(token_ids), E]: the final (normed) hidden state of every position.
+        type_start: an encoder's segment 1 start (None: one segment)."""
         n, bs = len(token_ids), self.block_size
         T = max(16, bs, 1 << (n - 1).bit_length())  # powers of two: a multiple of bs
         ids = np.zeros(T, np.int32)
         ids[:n] = token_ids
+        if self.encoder:
+            start = np.int32(n if type_start is None else min(type_start, n))
+            hidden = self._encode(self.state, ids, np.int32(n), start)
+            return np.asarray(jax.device_get(hidden[:n]), np.float32)
         slots = np.arange(T, dtype=np.int32)
         slots[n:] = -1
         md = AttentionMetadata(slots, np.array([n], np.int32),
