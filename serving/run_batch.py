@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import sys
+from typing import Optional
 
 from pydantic import ValidationError
 
@@ -55,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
         settings = chat_output_settings(args)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    results = asyncio.run(_run(engine_args, lines, args.response_role, chat_template,
-                               settings))
+    results = asyncio.run(run_with_engine(engine_args, lines, args.response_role, chat_template,
+                                          settings))
     with open(args.output_file, "w", encoding="utf-8") as f:
         for result in results:
             f.write(result.model_dump_json() + "\n")
@@ -66,15 +67,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run(engine_args, lines: list[str], response_role: str, chat_template,
-               settings: dict):
+async def run_with_engine(engine_args, lines: list[str], response_role: str = "assistant",
+                          chat_template=None, settings: Optional[dict] = None):
+    """The lines' results from an engine started for them (and shut down after)."""
     from jaxllm.deploy.data_parallel import make_engine  # JAX loads here, not at import
     from jaxllm.engine.async_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine(make_engine(engine_args))
     state = ServingState.from_engine(engine, chat_template=chat_template,
                                      response_role=response_role, log_requests=False,
-                                     **settings)
+                                     **(settings or {}))
     try:
         return await run_lines(state, lines)
     finally:

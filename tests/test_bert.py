@@ -212,8 +212,7 @@ def _run_batch(path: str, lines: list[dict]) -> list[dict]:
 
     args = EngineArgs(model=path, dtype="float32", block_size=4, disable_log_stats=True,
                       use_tqdm_on_load=False)
-    results = asyncio.run(run_batch._run(args, [json.dumps(x) for x in lines], "assistant",
-                                         None, {}))
+    results = asyncio.run(run_batch.run_with_engine(args, [json.dumps(x) for x in lines]))
     return [json.loads(r.model_dump_json()) for r in results]
 
 

@@ -82,6 +82,8 @@ def test_prefix_cache_keys_embeds_by_content(llm, hf):
     ({"prompt_embeds": np.zeros((2, 64), np.float32)},
      SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
     ({"prompt_embeds": np.zeros((65, 64), np.float32)}, GREEDY, "maximum model length"),
+    # Any key the engine does not read is refused, not dropped (vLLM's token_type_ids here).
+    ({"prompt_token_ids": [1, 2], "token_type_ids": [0, 0]}, GREEDY, "token_type_ids"),
 ])
 def test_bad_embeds_are_refused_naming_the_problem(llm, prompt, params, match):
     with pytest.raises(ValueError, match=match):

@@ -36,6 +36,8 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.sequence import EXTRA_PENALTY_IDS, ImageInputs
 
 PromptType = Union[str, list[int], dict]
+# The keys of a prompt dict this engine reads (vLLM's TextPrompt / TokensPrompt / EmbedsPrompt).
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "prompt_embeds"})
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,10 @@ class InputProcessor:
     def _prompt(self, prompt: PromptType, truncate_prompt_tokens: Optional[int]
                 ) -> tuple[Optional[str], list[int], Optional[ImageInputs]]:
         text, ids, mm = None, None, None
+        unknown = sorted(set(prompt) - PROMPT_KEYS) if isinstance(prompt, dict) else []
+        if unknown:  # vLLM's other prompt keys (token_type_ids, cache_salt, ...) included
+            raise ValueError(f"prompt key(s) {', '.join(map(str, unknown))} are not supported "
+                             f"(supported: {', '.join(sorted(PROMPT_KEYS))})")
         if isinstance(prompt, dict) and prompt.get("prompt_embeds") is not None:
             return self._embeds_prompt(prompt, truncate_prompt_tokens)
         if isinstance(prompt, dict):
