@@ -34,8 +34,11 @@ _KV_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.f
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
-def model_architectures(model_path: str) -> list[str]:
-    """The `architectures` of a model folder's config.json ([] for anything else)."""
+def model_architectures(model_path: str, hf_overrides: Optional[dict] = None) -> list[str]:
+    """The `architectures` of a model folder's config.json, or --hf-overrides' ([] for
+    anything else)."""
+    if (hf_overrides or {}).get("architectures"):
+        return list(hf_overrides["architectures"])
     try:
         with open(os.path.join(model_path, "config.json")) as f:
             return list(json.load(f).get("architectures") or [])
@@ -43,27 +46,29 @@ def model_architectures(model_path: str) -> list[str]:
         return []
 
 
-def is_sequence_classifier(model_path: str) -> bool:
+def is_sequence_classifier(model_path: str, hf_overrides: Optional[dict] = None) -> bool:
     return any(a in SEQUENCE_CLASSIFIERS or a in ENCODER_CLASSIFIERS
-               for a in model_architectures(model_path))
+               for a in model_architectures(model_path, hf_overrides))
 
 
-def encoder_only(model_path: str) -> str | None:
+def encoder_only(model_path: str, hf_overrides: Optional[dict] = None) -> str | None:
     """The architecture of an encoder-only model folder (BERT, RoBERTa), else None."""
-    return next((a for a in model_architectures(model_path) if a in ENCODER_ARCHITECTURES),
-                None)
+    return next((a for a in model_architectures(model_path, hf_overrides)
+                 if a in ENCODER_ARCHITECTURES), None)
 
 
 def runner_type(options: ModelOptions, model_path: str) -> str:
     """'generate' or 'pooling': --runner, with auto resolved for the model at `model_path`
     (pooling with --convert embed/classify, for a sentence-transformers folder or a
     *ForSequenceClassification checkpoint, as vLLM)."""
-    classifier = is_sequence_classifier(model_path)
+    overrides = options.hf_overrides
+    classifier = is_sequence_classifier(model_path, overrides)
     if options.runner == "generate" and classifier:
-        raise ConfigError(f"--runner generate: {model_architectures(model_path)[0]} is a "
+        arch = model_architectures(model_path, overrides)[0]
+        raise ConfigError(f"--runner generate: {arch} is a "
                           f"classification model (a score head, no LM head); it runs on "
                           f"--runner pooling (classify, score, rerank)")
-    encoder = encoder_only(model_path)
+    encoder = encoder_only(model_path, overrides)
     if options.runner == "generate" and encoder:
         raise ConfigError(f"--runner generate: {encoder} is an encoder-only model (no LM "
                           f"head, bidirectional attention); it runs on --runner pooling "
@@ -83,7 +88,7 @@ def pooling_convert(options: ModelOptions, model_path: str) -> str:
     auto = classify for a *ForSequenceClassification checkpoint, else embed)."""
     if options.convert in ("embed", "classify"):
         return options.convert
-    return "classify" if is_sequence_classifier(model_path) else "embed"
+    return "classify" if is_sequence_classifier(model_path, options.hf_overrides) else "embed"
 
 
 def max_num_batched_tokens(scheduler: SchedulerConfig, max_model_len: Optional[int] = None,

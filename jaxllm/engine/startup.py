@@ -225,8 +225,10 @@ def pooling_setup(options, load, path: str) -> tuple[str, Optional[PoolerConfig]
         return kind, None, None
     # vLLM pools an encoder's first token ([CLS], <s>) unless the folder says otherwise.
     pooler_config = read_pooler_config(path, options.pooler_config,
-                                       "CLS" if encoder_only(path) else "LAST")
-    classifier = (read_classifier_head(path, load.load_format)
+                                       "CLS" if encoder_only(path, options.hf_overrides)
+                                       else "LAST")
+    classifier = (read_classifier_head(path, load.load_format, options.hf_overrides,
+                                       load.tokenizer)
                   if pooling_convert(options, path) == "classify" else None)
     if classifier is not None and pooler_config.pooling_type == "ALL":
         raise ConfigError("--pooler-config: pooling_type ALL gives no single state for the "

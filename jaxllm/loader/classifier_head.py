@@ -71,15 +71,21 @@ class ClassifierHead:
         return self.id2label.get(int(np.argmax(probs)))
 
 
-def read_classifier_head(path: str, load_format: str = "auto") -> ClassifierHead:
-    """The head of the checkpoint at `path` (a folder); a ConfigError naming --convert when it
-    has none (a causal LM's checkpoint: its LM head is no classifier)."""
+def read_classifier_head(path: str, load_format: str = "auto",
+                         hf_overrides: Optional[dict] = None,
+                         tokenizer: Optional[str] = None) -> ClassifierHead:
+    """The head of the checkpoint at `path` (a folder), its config.json under --hf-overrides;
+    a ConfigError naming --convert when it has none (a causal LM's checkpoint: its LM head is
+    no classifier, unless `classifier_from_token` makes one of its rows: `tokenizer` is the
+    folder that names them, default `path`)."""
     if not os.path.isdir(path):
         raise ConfigError(f"--convert classify: {path} is not a checkpoint folder with a "
                           f"classification head ({HEAD})")
     with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
+        config = {**json.load(f), **(hf_overrides or {})}
     fmt, files = hf.weight_files(path, "auto" if load_format == "dummy" else load_format)
+    if config.get("classifier_from_token") is not None:
+        return _token_head(config, files, fmt, tokenizer or path)
     kind = next((ENCODER_ARCHITECTURES[a][1] for a in config.get("architectures") or ()
                  if a in ENCODER_ARCHITECTURES), None)
     if kind is not None:
@@ -94,6 +100,32 @@ def read_classifier_head(path: str, load_format: str = "auto") -> ClassifierHead
     bias = tensors.get(HEAD_BIAS)
     return ClassifierHead(weight, None if bias is None else np.asarray(bias, np.float32),
                           names, config.get("problem_type"))
+
+
+def _token_head(config: dict, files: list[str], fmt: str, tokenizer: str) -> ClassifierHead:
+    """vLLM's LM-head reranker (Qwen3-Reranker: --hf-overrides '{"architectures":
+    ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": true}'): the relevance is the softmax of the two tokens'
+    logits at the last position, taken for the second; as one label, the head is the
+    difference of their LM-head rows under a sigmoid (`from_2_way_softmax`)."""
+    tokens, method = config["classifier_from_token"], config.get("method", "from_2_way_softmax")
+    if method != "from_2_way_softmax" or not (isinstance(tokens, list) and len(tokens) == 2):
+        raise ConfigError(f"--hf-overrides: classifier_from_token {tokens!r} with method "
+                          f"{method!r} is not supported (two tokens, from_2_way_softmax: the "
+                          "Qwen3-Reranker form)")
+    from transformers import AutoTokenizer
+
+    vocab = AutoTokenizer.from_pretrained(tokenizer).get_vocab()
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise ConfigError(f"--hf-overrides: classifier_from_token {missing} are not tokens of "
+                          f"the tokenizer")
+    head = "model.embed_tokens.weight" if config.get("tie_word_embeddings") else "lm_head.weight"
+    rows = _read(files, fmt, (head,)).get(head)
+    if rows is None:
+        raise ConfigError(f"--hf-overrides: classifier_from_token needs the LM head ({head})")
+    lo, hi = (np.asarray(rows[vocab[t]], np.float32) for t in tokens)
+    return ClassifierHead((hi - lo)[None], None, {0: tokens[1]}, None)
 
 
 def _encoder_head(path: str, config: dict, files: list[str], fmt: str,
