@@ -54,8 +54,10 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
         req.num_logprobs, req.prompt_logprobs, state.generation_defaults), choice))
     if keeps_special_tokens(state, choice):  # GPT-OSS's harmony markers are special tokens
         params = replace(params, skip_special_tokens=False)
+    params = after_reasoning(state, params, prompt.token_ids, req.chat_template_kwargs)
+    so = params.structured_outputs
     parsers = [ChoiceParser(choice, state.tool_call_parser, state.reasoning_parser,
-                            state.tokenizer, params.structured_outputs is not None,
+                            state.tokenizer, so is not None and so.after_reasoning is None,
                             tools=req.tools, chat_template_kwargs=req.chat_template_kwargs)
                for _ in range(req.n)]
     role = state.response_role if req.add_generation_prompt else messages[-1]["role"]
@@ -89,6 +91,23 @@ def _with_tool_choice(params: SamplingParams, choice: ToolChoice) -> SamplingPar
     if choice.mode == "auto":
         return replace(params, skip_special_tokens=False)
     return params
+
+
+def after_reasoning(state: ServingState, params: SamplingParams, prompt_ids: list[int],
+                    chat_template_kwargs: Optional[dict]) -> SamplingParams:
+    """With --reasoning-parser, a constraint (structured output, tool_choice required/named)
+    starts after the model's reasoning, as vLLM's does: the parser says where, from its
+    markers and the prompt (`ReasoningParser.grammar_gate`); None keeps it from the first
+    token."""
+    so = params.structured_outputs
+    if so is None or not state.reasoning_parser:
+        return params
+    gate = get_reasoning_parser(state.reasoning_parser)(
+        state.tokenizer, chat_template_kwargs=chat_template_kwargs).grammar_gate(prompt_ids)
+    if gate is None:
+        return params
+    return replace(params, structured_outputs=replace(so, after_reasoning=gate),
+                   guided_decoding=None)
 
 
 def keeps_special_tokens(state: ServingState, choice: "ToolChoice") -> bool:
@@ -237,10 +256,10 @@ class ChoiceParser:
             self.tools = RequiredToolParser(tokenizer)
         elif choice.mode == "named":
             self.tools = NamedToolParser(choice.function, tokenizer)
-        # The grammar of a constrained output (structured output, tool_choice required/named)
-        # applies from the first token, not after the reasoning: such an output has reasoning
-        # only where it writes <think>...</think> itself, which is qwen3's reading
-        # (deepseek_r1's would call a JSON answer reasoning, as it never sees </think>).
+        # `constrained`: a grammar that applies from the first token (the reasoning parser gave
+        # it no gate, `after_reasoning`): such an output has reasoning only where it writes
+        # <think>...</think> itself, which is qwen3's reading (deepseek_r1's would call a JSON
+        # answer reasoning, as it never sees </think>).
         if reasoning_parser and constrained:
             reasoning_parser = "qwen3"
         self.reasoning = (get_reasoning_parser(reasoning_parser)(

@@ -239,3 +239,29 @@ def test_harmony_parsers_are_checked_at_start_up(monkeypatch):
     monkeypatch.setattr(harmony, "encoding", unavailable)
     with pytest.raises(ValueError, match="--tool-call-parser openai: no vocabulary here"):
         cli_args.chat_output_settings(parse_args(flags))
+
+
+def test_constraint_starts_at_the_final_message():
+    """`openai_gptoss`'s grammar gate (structured output after the reasoning, as vLLM): the
+    model is inside its analysis from the first token, and the constraint starts after the
+    final channel's header, which a reply's tokens contain exactly where the answer begins;
+    a prompt that opened the final message itself gets no gate."""
+    import openai_harmony as h
+    from types import SimpleNamespace
+
+    from jaxllm.entrypoints.openai_parsers.reasoning_parsers import get_reasoning_parser
+
+    enc = encoding()
+    tok = SimpleNamespace(encode=lambda text, add_special_tokens=False:
+                          enc.encode(text, allowed_special="all"))
+    prompt = render_prompt([{"role": "user", "content": "Weather in Paris?"}], TOOLS)
+    gate = get_reasoning_parser("openai_gptoss")(tok).grammar_gate(prompt)
+    assert gate is not None and gate.inside and len(gate.close) == 3
+    reply = _reply_tokens(prompt, [
+        h.Message.from_role_and_content(h.Role.ASSISTANT, "Think.").with_channel("analysis"),
+        h.Message.from_role_and_content(h.Role.ASSISTANT, '{"a": 1}').with_channel("final")])
+    at = next(i for i in range(len(reply)) if tuple(reply[i:i + 3]) == gate.close)
+    assert enc.decode(reply[at + 3:]).startswith('{"a": 1}')
+    assert enc.decode(reply[:at]).count("Think.") == 1
+    opened = prompt + list(gate.close)
+    assert get_reasoning_parser("openai_gptoss")(tok).grammar_gate(opened) is None

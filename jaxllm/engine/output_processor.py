@@ -90,7 +90,8 @@ class OutputProcessor:
             seq = Sequence(seq_id, list(req.prompt_token_ids), p, eos_token_ids=req.eos_token_ids,
                            arrival_time=req.arrival_time, priority=req.priority, seed=seed,
                            computes_prompt_logprobs=i == 0 and p.prompt_logprobs is not None,
-                           grammar=req.grammar.matcher() if req.grammar is not None else None,
+                           grammar=(req.grammar.matcher(p.structured_outputs.after_reasoning)
+                                    if req.grammar is not None else None),
                            lora_request=req.lora_request, mm=req.mm)
             detok = None
             if self.tokenizer is not None and p.detokenize:

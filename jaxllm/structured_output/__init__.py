@@ -2,7 +2,7 @@
 (params.py), and the grammar engine that turns them into per-step banned-token masks
 (backend.py)."""
 
-from jaxllm.structured_output.params import (GuidedDecodingParams, StructuredOutputsParams,
-                                             from_request)
+from jaxllm.structured_output.params import (GuidedDecodingParams, ReasoningGate,
+                                             StructuredOutputsParams, from_request)
 
-__all__ = ["GuidedDecodingParams", "StructuredOutputsParams", "from_request"]
+__all__ = ["GuidedDecodingParams", "ReasoningGate", "StructuredOutputsParams", "from_request"]

@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxllm.structured_output.params import StructuredOutputsParams
+from jaxllm.structured_output.params import ReasoningGate, StructuredOutputsParams
 
 
 class GrammarError(ValueError):
@@ -55,8 +55,8 @@ class CompiledGrammar:
         self._template = template
         self.compiler = compiler
 
-    def matcher(self) -> "GrammarMatcher":
-        return GrammarMatcher(self)
+    def matcher(self, after: Optional["ReasoningGate"] = None) -> "GrammarMatcher":
+        return GrammarMatcher(self, after)
 
 
 class GrammarMatcher:
@@ -64,36 +64,56 @@ class GrammarMatcher:
     order), `rollback` when it discards tokens (speculation), and reads the next mask through
     `fill_banned_bits`."""
 
-    def __init__(self, compiled: CompiledGrammar):
+    def __init__(self, compiled: CompiledGrammar, after: Optional[ReasoningGate] = None):
         self.compiled = compiled
         self._m = compiled._template.deep_copy()
+        # Before the constraint: "first" (the first token may open the reasoning), "reasoning"
+        # (every token allowed, none fed, until the gate's closing tokens); None: constrained.
+        self.gate = after
+        self.phase = None if after is None else ("reasoning" if after.inside else "first")
+        self._tail: list[int] = []
 
     def accept(self, token: int) -> bool:
         """Advance by one token; False (and an error state) if the grammar forbids it."""
-        return self._m.consume_token(int(token))
+        token = int(token)
+        if self.phase == "first":
+            self.phase = "reasoning" if token == self.gate.open else None
+        if self.phase == "reasoning":
+            close = self.gate.close
+            self._tail = (self._tail + [token])[-len(close):]
+            if tuple(self._tail) == close:
+                self.phase = None
+            return True
+        return self._m.consume_token(token)
 
     def accept_tokens(self, tokens: Sequence[int]) -> bool:
-        return self._m.consume_tokens([int(t) for t in tokens])
+        return all(self.accept(t) for t in tokens)
 
     def validate_tokens(self, tokens: Sequence[int]) -> int:
         """How many leading `tokens` the grammar would accept, without advancing."""
+        self._constrained("validate_tokens")
         return self._m.validate_tokens([int(t) for t in tokens])
 
+    def _constrained(self, what: str) -> None:
+        if self.phase is not None:  # speculation with a grammar is not scheduled (no caller)
+            raise ValueError(f"{what} before the reasoning ends is not supported")
+
     def rollback(self, num_tokens: int) -> None:
+        self._constrained("rollback")
         if not self._m.rollback(num_tokens):
             raise ValueError(f"cannot roll the grammar back by {num_tokens} tokens: "
                              f"{self._m.get_error()}")
 
     def is_terminated(self) -> bool:
         """The grammar is complete and cannot be extended (EOS is the only next token)."""
-        return self._m.is_stopped()
+        return self.phase is None and self._m.is_stopped()
 
     def is_accepting(self) -> bool:
         """The text so far is a complete match (EOS would be allowed now)."""
-        return self._m.is_accepting()
+        return self.phase is None and self._m.is_accepting()
 
     def is_error(self) -> bool:
-        return self._m.is_error()
+        return self.phase is None and self._m.is_error()
 
     @property
     def error(self) -> Optional[str]:
@@ -176,9 +196,19 @@ def fill_banned_bits(rows: Sequence[tuple[GrammarMatcher, int]], bits: np.ndarra
 
     bits: the sampler's uint32 [S, ceil(V/32)] table (C-contiguous; V = the compiler's
     vocab_size). Rows not listed are left as they are, so grammar-free rows keep their own
-    allowed_token_ids bans. The masks are computed in parallel on llguidance's thread pool."""
+    allowed_token_ids bans. The masks are computed in parallel on llguidance's thread pool.
+    A matcher inside its reasoning bans nothing; at its first token it also allows the token
+    that opens the reasoning."""
+    rows = [(m, row) for m, row in rows if m.phase != "reasoning"]
     if not rows:
         return
+    _fill(rows, bits)
+    for m, row in rows:
+        if m.phase == "first" and m.gate.open // 32 < bits.shape[1]:
+            bits[row, m.gate.open // 32] &= ~np.uint32(1 << (m.gate.open % 32))
+
+
+def _fill(rows: Sequence[tuple[GrammarMatcher, int]], bits: np.ndarray) -> None:
     if bits.dtype != np.uint32 or bits.ndim != 2 or not bits.flags["C_CONTIGUOUS"]:
         raise ValueError("bits must be a C-contiguous uint32 [S, words] array")
     words = bits.shape[1]

@@ -24,6 +24,25 @@ _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural
 
 
 @dataclass(frozen=True)
+class ReasoningGate:
+    """Where a constraint starts when the model reasons first (vLLM applies structured output
+    after the reasoning; the server builds this from its --reasoning-parser): `close`, the
+    token ids that end the reasoning, and `open`, the one that begins it. `inside`: the prompt
+    left the reasoning open (the model is in it from its first token), so the constraint waits
+    for `close`. Otherwise the first token may be `open` (then the constraint waits for
+    `close`) or any token the constraint allows (then there is no reasoning)."""
+    close: tuple[int, ...]
+    open: Optional[int] = None
+    inside: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "close", tuple(int(t) for t in self.close))
+        if not self.close or (self.open is None and not self.inside):
+            raise ValueError("a reasoning gate needs the closing tokens, and the opening one "
+                             "unless the prompt opened the reasoning")
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """vLLM's `StructuredOutputsParams` (and, by its older name, `GuidedDecodingParams`).
     Exactly one of json / regex / choice / grammar / json_object is set. `json` is kept as
@@ -40,6 +59,9 @@ class StructuredOutputsParams:
     whitespace_pattern: Optional[str] = None
     structural_tag: Optional[str] = None
     backend: Optional[str] = None
+    # jaxllm's: the constraint starts after the model's reasoning (not a request field: the
+    # server sets it from its reasoning parser; offline callers may set it themselves).
+    after_reasoning: Optional[ReasoningGate] = None
 
     def __post_init__(self):
         set_ = lambda name: getattr(self, name) not in (None, False)
@@ -85,7 +107,7 @@ class StructuredOutputsParams:
         refused by name."""
         if not isinstance(d, dict):
             raise ValueError(f"{where} must be an object, got {d!r}")
-        known = {f.name for f in fields(cls)} - {"backend"}
+        known = {f.name for f in fields(cls)} - {"backend", "after_reasoning"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"{where} has unknown field(s) {unknown}; known: {sorted(known)}")

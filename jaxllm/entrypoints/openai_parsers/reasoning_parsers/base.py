@@ -8,9 +8,18 @@ the message field `reasoning`, older versions `reasoning_content`; the server pi
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Sequence
+
+from jaxllm.structured_output import ReasoningGate
 
 START, END = "<think>", "</think>"
+
+
+def single_token(tokenizer, text: str) -> Optional[int]:
+    """The id of `text` when this tokenizer has it as one token (a model writes such a marker
+    as that token), else None."""
+    ids = tokenizer.encode(text, add_special_tokens=False) if tokenizer is not None else []
+    return ids[0] if len(ids) == 1 else None
 
 
 class ReasoningParser:
@@ -33,6 +42,24 @@ class ReasoningParser:
         """Whether the reasoning is over, so that a grammar (structured output, tool calls)
         applies from here on."""
         return END in text
+
+    def grammar_gate(self, prompt_ids: Sequence[int]) -> Optional[ReasoningGate]:
+        """Where a constraint (structured output, tool_choice required/named) starts: after
+        the reasoning, as vLLM. The think-tag formats: the prompt read from its end decides,
+        as vLLM's parsers do: a </think> last means the reasoning was closed for the model
+        (thinking off), a <think> last that the model starts inside it; neither, that its
+        first token may open it. None: from the first token (also when the tokenizer does
+        not have the tags as single tokens: a marker the model may spell in pieces cannot
+        gate the grammar)."""
+        start, end = single_token(self.tokenizer, START), single_token(self.tokenizer, END)
+        if start is None or end is None:
+            return None
+        for t in reversed(prompt_ids):
+            if t == end:
+                return None
+            if t == start:
+                return ReasoningGate((end,), start, inside=True)
+        return ReasoningGate((end,), start)
 
     def extract(self, text: str) -> tuple[Optional[str], Optional[str]]:
         """(reasoning, content) of a finished output; None for an empty part."""

@@ -24,3 +24,6 @@ class DeepSeekV3ReasoningParser(ReasoningParser):
 
     def is_reasoning_end(self, text: str) -> bool:
         return self._r1.is_reasoning_end(text) if self.thinking else True
+
+    def grammar_gate(self, prompt_ids):
+        return self._r1.grammar_gate(prompt_ids) if self.thinking else None

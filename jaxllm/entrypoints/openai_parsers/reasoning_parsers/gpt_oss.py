@@ -8,7 +8,11 @@ commentary preambles) text as it is."""
 from __future__ import annotations
 
 from jaxllm.entrypoints.harmony import call_text, is_harmony_output, read_text
-from jaxllm.entrypoints.openai_parsers.reasoning_parsers.base import ReasoningParser
+from jaxllm.entrypoints.openai_parsers.reasoning_parsers.base import (ReasoningParser,
+                                                                      single_token)
+from jaxllm.structured_output import ReasoningGate
+
+FINAL = "<|channel|>final<|message|>"
 
 
 class GptOssReasoningParser(ReasoningParser):
@@ -31,3 +35,18 @@ class GptOssReasoningParser(ReasoningParser):
 
     def is_reasoning_end(self, text: str) -> bool:
         return bool(self.split(text, final=False)[1])
+
+    def grammar_gate(self, prompt_ids):
+        """The constraint starts with the final channel's message (`<|channel|>final
+        <|message|>`): harmony output opens with the analysis channel, so the model is in
+        its reasoning from its first token. None: the prompt opened the final message."""
+        if self.tokenizer is None:
+            return None
+        close = tuple(self.tokenizer.encode(FINAL, add_special_tokens=False))
+        start = single_token(self.tokenizer, "<|start|>")
+        tail = list(prompt_ids)
+        if start is not None and start in tail:
+            tail = tail[len(tail) - tail[::-1].index(start):]
+        if any(tuple(tail[i:i + len(close)]) == close for i in range(len(tail))):
+            return None
+        return ReasoningGate(close, inside=True)

@@ -43,3 +43,8 @@ class GraniteReasoningParser(ReasoningParser):
     def is_reasoning_end(self, text: str) -> bool:
         return not any(text.startswith(m) or m.startswith(text) for m in THINK) or any(
             m in text for m in RESPONSE)
+
+    def grammar_gate(self, prompt_ids):
+        """None: Granite's markers are plain text the model may tokenize in several ways, so
+        the constraint applies from the first token."""
+        return None
