@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.grouped_matmul.mxfp4 import GROUP, decode_halves, even_odd
+from pallas_kernels.grouped_matmul.mxfp4 import GROUP, e2m1, even_odd, pow2
 
 F32 = jnp.float32
 
@@ -64,20 +65,23 @@ def block_sizes(M: int, K: int, N: int) -> tuple[int, int, int]:
     return tm, tk, _pow2_divisor(N, 128)
 
 
-def _tile(x_ref, load_q, load_s, o_ref, *, tk, dtype, used, t):
-    """One program: o [tm, tn] = x tile [tm, K] @ the group's decoded columns, chunk by chunk."""
+def _tile(load_x, load_q, load_s, o_ref, *, K, tk, dtype, used, t):
+    """One program: o [tm, tn] = the tile's rows [tm, K] @ its group's decoded columns, chunk
+    by chunk. load_x(start, n): rows' columns [tm, n]; load_q(start, n): q rows [n, tn];
+    load_s(start, n): the scales of q rows [start, start + n) as float32 [n, tn], each of
+    those rows' own (a 32-input group spans 16 rows)."""
     tm, tn = o_ref.shape
-    K = x_ref.shape[1]
     h = tk // 2
 
     @pl.when(t < used)
     def _():
         def chunk(c, acc):
-            x = x_ref[:, pl.ds(c * tk, tk)].astype(dtype)
-            lo, hi = decode_halves(load_q(c * h, h), load_s(c * (tk // GROUP), tk // GROUP),
-                                   dtype)
-            acc += jnp.dot(x[:, :h], lo, preferred_element_type=F32)
-            return acc + jnp.dot(x[:, h:], hi, preferred_element_type=F32)
+            q, s = load_q(c * h, h), load_s(c * h, h)
+            lo = (e2m1(q & 15) * s).astype(dtype)
+            hi = (e2m1(q >> 4) * s).astype(dtype)
+            acc += jnp.dot(load_x(c * tk, h).astype(dtype), lo, preferred_element_type=F32)
+            return acc + jnp.dot(load_x(c * tk + h, h).astype(dtype), hi,
+                                 preferred_element_type=F32)
 
         o_ref[...] = lax.fori_loop(0, K // tk, chunk, jnp.zeros((tm, tn), F32))
 
@@ -86,18 +90,25 @@ def _tile(x_ref, load_q, load_s, o_ref, *, tk, dtype, used, t):
         o_ref[...] = jnp.zeros((tm, tn), F32)
 
 
-def _tpu_kernel(tg_ref, used_ref, x_ref, q_ref, s_ref, o_ref, *, tk, dtype):
-    _tile(x_ref, lambda a, n: q_ref[pl.ds(a, n), :], lambda a, n: s_ref[pl.ds(a, n), :],
-          o_ref, tk=tk, dtype=dtype, used=used_ref[0], t=pl.program_id(0))
+def _mxfp4_tpu_kernel(tg_ref, used_ref, x_ref, q_ref, s_ref, o_ref, *, K, tk, dtype):
+    def load_s(a, n):  # a group's scale row repeated over its 16 rows
+        s = pow2(s_ref[pl.ds(lax.div(a, 16), n // 16), :])
+        return jnp.broadcast_to(s[:, None, :], (n // 16, 16, s.shape[-1])).reshape(n, -1)
+
+    _tile(lambda a, n: x_ref[:, pl.ds(a, n)], lambda a, n: q_ref[pl.ds(a, n), :], load_s,
+          o_ref, K=K, tk=tk, dtype=dtype, used=used_ref[0], t=pl.program_id(0))
 
 
-def _gpu_kernel(tg_ref, used_ref, x_ref, q_ref, s_ref, o_ref, *, tk, dtype):
+def _mxfp4_gpu_kernel(tg_ref, used_ref, x_ref, q_ref, s_ref, o_ref, *, K, tk, dtype):
     t, j = pl.program_id(0), pl.program_id(1)
     g, tn = tg_ref[t], o_ref.shape[1]
-    cols = pl.ds(j * tn, tn)
-    _tile(x_ref, lambda a, n: q_ref[g, pl.ds(a, n), cols],
-          lambda a, n: s_ref[g, pl.ds(a, n), cols], o_ref, tk=tk, dtype=dtype,
-          used=used_ref[0], t=t)
+    cols = j * tn + jnp.arange(tn)
+
+    def load_s(a, n):  # one gather: each q row's group's scale
+        return pow2(s_ref[g, lax.div(a + jnp.arange(n), 16)[:, None], cols[None, :]])
+
+    _tile(lambda a, n: x_ref[:, pl.ds(a, n)], lambda a, n: q_ref[g, pl.ds(a, n), pl.ds(j * tn, tn)],
+          load_s, o_ref, K=K, tk=tk, dtype=dtype, used=used_ref[0], t=t)
 
 
 @functools.partial(jax.jit, static_argnames=("variant", "interpret", "compute_dtype"))
@@ -126,17 +137,18 @@ def grouped_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, group_sizes: ja
                       pl.BlockSpec((None, K // 2, tn), lambda t, j, tg, u: (tg[t], 0, j)),
                       pl.BlockSpec((None, K // GROUP, tn), lambda t, j, tg, u: (tg[t], 0, j))],
             out_specs=pl.BlockSpec((tm, tn), lambda t, j, tg, u: (t, j)))
-        out = pl.pallas_call(functools.partial(_tpu_kernel, tk=tk, dtype=dtype),
+        out = pl.pallas_call(functools.partial(_mxfp4_tpu_kernel, K=K, tk=tk, dtype=dtype),
                              out_shape=out_shape, grid_spec=spec, interpret=interpret,
                              )(tile_group, used, xs, q, scale)
     elif variant == "gpu":
         out = pl.pallas_call(
-            functools.partial(_gpu_kernel, tk=tk, dtype=dtype), out_shape=out_shape,
+            functools.partial(_mxfp4_gpu_kernel, K=K, tk=tk, dtype=dtype), out_shape=out_shape,
             grid=grid,
             in_specs=[pl.no_block_spec, pl.no_block_spec,
                       pl.BlockSpec((tm, K), lambda t, j: (t, 0)),
                       pl.no_block_spec, pl.no_block_spec],
             out_specs=pl.BlockSpec((tm, tn), lambda t, j: (t, j)),
+            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
             interpret=interpret)(tile_group, used, xs, q, scale)
     else:
         raise ValueError(f"variant must be 'tpu' or 'gpu', got {variant!r}")
