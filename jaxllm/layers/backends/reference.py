@@ -17,11 +17,13 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from jaxllm.layers.attention import REFERENCE_TILING, AttentionMetadata, KVCache
 from jaxllm.layers.backends.base import Backend
-from jaxllm.layers.experts import EXPERT_IMPLS, experts_ragged, ragged_dot, tiled_grouped_matmul
+from jaxllm.layers.experts import (EXPERT_IMPLS, experts_ragged, ragged_dot, row_experts,
+                                  tiled_grouped_matmul)
 from jaxllm.layers.lora import lora_delta
 from jaxllm.layers.quantization import (QuantizedWeight, dequantize, dequantize_experts,
                                         is_mxfp4)
 from pallas_kernels.activation import reference as activation_ref
+from pallas_kernels.grouped_matmul import mxfp4
 from pallas_kernels.gated_delta_rule import reference as gdn_ref
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
 from pallas_kernels.ragged_paged_mla.reference import ragged_paged_mla, write_latent
@@ -245,9 +247,21 @@ class ReferenceBackend(Backend):
 def quantized_grouped_matmul(lhs, rhs: QuantizedWeight, group_sizes) -> jax.Array:
     """The grouped matmul over MXFP4 experts (q [G, K / 2, N], scales [G, K / 32, N]) in XLA:
     `tiled_grouped_matmul` decoding each tile's expert in lhs's dtype as it reads it, so no
-    float copy of all experts exists (16-row tiles for decode, 64 for larger batches, where
-    the decoding of a tile's expert costs less against its rows)."""
-    K, N = lhs.shape[1], rhs.scale.shape[-1]
-    tile = 16 if lhs.shape[0] <= 64 else 64
-    return tiled_grouped_matmul(lhs, rhs, group_sizes, tile,
-                                widen=lambda w: dequantize(w, K, N, lhs.dtype))
+    float copy of all experts exists (16-row tiles up to 64 rows, then 64, where the decoding
+    of a tile's expert costs less against its rows); up to 16 rows (decode steps), each row's
+    expert decoded without the loop, whose body XLA:CPU runs far slower than the same ops
+    outside one."""
+    (M, K), N = lhs.shape, rhs.scale.shape[-1]
+    x = mxfp4.even_odd(lhs, K)
+
+    def widen(w, dtype):  # [K, N], the even inputs' rows first (as even_odd orders x)
+        lo, hi = mxfp4.decode_halves(w.q.reshape(K // 2, N), w.scale.reshape(-1, N), dtype)
+        return jnp.concatenate([lo, hi], axis=0)
+
+    if M <= 16:  # few rows (decode): each row's expert decoded, in float32, and no loop
+        # (batched dots: XLA:CPU has no batched bf16 one)
+        w = jax.tree.map(lambda a: a[row_experts(group_sizes, M)], rhs)
+        return jnp.einsum("mk,mkn->mn", x.astype(jnp.float32),
+                          jax.vmap(lambda w: widen(w, jnp.float32))(w))
+    return tiled_grouped_matmul(x, rhs, group_sizes, 16 if M <= 64 else 64,
+                                widen=lambda w: widen(w, lhs.dtype))
