@@ -248,9 +248,9 @@ def quantized_grouped_matmul(lhs, rhs: QuantizedWeight, group_sizes) -> jax.Arra
     """The grouped matmul over MXFP4 experts (q [G, K / 2, N], scales [G, K / 32, N]) in XLA:
     `tiled_grouped_matmul` decoding each tile's expert in lhs's dtype as it reads it, so no
     float copy of all experts exists (16-row tiles up to 64 rows, then 64, where the decoding
-    of a tile's expert costs less against its rows); up to 16 rows (decode steps), each row's
-    expert decoded without the loop, whose body XLA:CPU runs far slower than the same ops
-    outside one."""
+    of a tile's expert costs less against its rows); up to G rows (decode steps), each row's
+    expert decoded without the loop (on XLA:CPU the tiled loop is many times slower than the
+    float experts' path; see docs/quantization.md)."""
     (M, K), N = lhs.shape, rhs.scale.shape[-1]
     x = mxfp4.even_odd(lhs, K)
 
@@ -258,7 +258,8 @@ def quantized_grouped_matmul(lhs, rhs: QuantizedWeight, group_sizes) -> jax.Arra
         lo, hi = mxfp4.decode_halves(w.q.reshape(K // 2, N), w.scale.reshape(-1, N), dtype)
         return jnp.concatenate([lo, hi], axis=0)
 
-    if M <= 16:  # few rows (decode): each row's expert decoded, in float32, and no loop
+    G = group_sizes.shape[0]
+    if M <= G:  # few rows (decode): each row's expert decoded, in float32, and no loop
         # (batched dots: XLA:CPU has no batched bf16 one)
         w = jax.tree.map(lambda a: a[row_experts(group_sizes, M)], rhs)
         return jnp.einsum("mk,mkn->mn", x.astype(jnp.float32),
