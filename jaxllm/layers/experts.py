@@ -63,21 +63,20 @@ def ragged_dot(lhs, rhs, group_sizes) -> jax.Array:
 
 
 def tiled_grouped_matmul(lhs, rhs, group_sizes, tile: int = 16,
-                         widen: Optional[Callable] = None) -> jax.Array:
+                         tile_dot: Optional[Callable] = None) -> jax.Array:
     """`ragged_dot` as a loop over `tile`-row tiles: each group's rows padded to whole tiles,
     then one [tile, K] x [K, N] matmul per tile with its group's rhs read in place, for only the
     tiles the groups fill (at most M / tile + G). XLA:CPU runs ragged_dot as a dense dot over
     every group; this does ~1/G of that work once groups hold a few tiles each.
-    widen: rhs is then a pytree of stacked [G, ...] arrays (a `QuantizedWeight`) and
-    widen(its group g) the float [K, N] matrix: quantized experts decoded one tile's expert
-    at a time, never all at once."""
+    tile_dot: rhs is then a pytree of stacked [G, ...] arrays (a `QuantizedWeight`) and
+    tile_dot(rows [tile, K], its group g) -> float32 [tile, N] the rows times that group's
+    matrix: quantized experts decoded one tile's expert at a time, never all at once."""
     M, K = lhs.shape
     G = group_sizes.shape[0]
-    if widen is None:
-        weight = lambda g: rhs[g]  # noqa: E731
-    else:
-        weight = lambda g: widen(jax.tree.map(lambda a: a[g], rhs))  # noqa: E731
-    N = jax.eval_shape(weight, 0).shape[1]
+    if tile_dot is None:
+        def tile_dot(x, w):
+            return jnp.dot(x, w, preferred_element_type=F32)
+    N = jax.eval_shape(tile_dot, lhs[:tile], jax.tree.map(lambda a: a[0], rhs)).shape[1]
     starts = jnp.cumsum(group_sizes) - group_sizes
     tiles = (group_sizes + tile - 1) // tile
     tile_ends = jnp.cumsum(tiles)
@@ -91,8 +90,8 @@ def tiled_grouped_matmul(lhs, rhs, group_sizes, tile: int = 16,
                              G - 1)
 
     def one_tile(t, out):
-        y = jnp.dot(jax.lax.dynamic_slice_in_dim(padded, t * tile, tile),
-                    weight(tile_group[t]), preferred_element_type=F32)
+        y = tile_dot(jax.lax.dynamic_slice_in_dim(padded, t * tile, tile),
+                     jax.tree.map(lambda a: a[tile_group[t]], rhs))
         return jax.lax.dynamic_update_slice_in_dim(out, y, t * tile, 0)
 
     out = jax.lax.fori_loop(0, tile_ends[-1], one_tile, jnp.zeros((P, N), F32))

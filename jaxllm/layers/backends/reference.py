@@ -58,6 +58,11 @@ def weights_as_bits(state: nnx.State) -> nnx.State:
     return state
 
 
+# Routed rows up to which the XLA MXFP4 grouped matmul decodes each row's expert (as many
+# decodings as rows, no loop) rather than each tile's (a loop; at most rows + experts tiles).
+MXFP4_ROW_DECODE = 8
+
+
 def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
@@ -245,24 +250,34 @@ class ReferenceBackend(Backend):
 
 
 def quantized_grouped_matmul(lhs, rhs: QuantizedWeight, group_sizes) -> jax.Array:
-    """The grouped matmul over MXFP4 experts (q [G, K / 2, N], scales [G, K / 32, N]) in XLA:
-    `tiled_grouped_matmul` decoding each tile's expert in lhs's dtype as it reads it, so no
-    float copy of all experts exists (16-row tiles up to 64 rows, then 64, where the decoding
-    of a tile's expert costs less against its rows); up to G rows (decode steps), each row's
-    expert decoded without the loop (on XLA:CPU the tiled loop is many times slower than the
-    float experts' path; see docs/quantization.md)."""
+    """The grouped matmul over MXFP4 experts (q [G, K / 2, N], scales [G, K / 32, N]) in XLA,
+    decoding only the experts it reads: up to MXFP4_ROW_DECODE rows (small decode steps) each
+    row's expert, in float32, in one batched dot (no loop); more rows in `tiled_grouped_matmul`, each tile's expert
+    decoded in lhs's dtype as it is read (16-row tiles up to 64 rows, then 64). Either way as
+    the kernel computes it: lhs's even and odd input columns against the low and high
+    nibbles' values, two dots whose operands are each one decoded half (XLA:CPU runs a dot of
+    a decoded, re-interleaved whole several times slower), so no float copy of all experts
+    exists."""
     (M, K), N = lhs.shape, rhs.scale.shape[-1]
+    h = K // 2
     x = mxfp4.even_odd(lhs, K)
 
-    def widen(w, dtype):  # [K, N], the even inputs' rows first (as even_odd orders x)
-        lo, hi = mxfp4.decode_halves(w.q.reshape(K // 2, N), w.scale.reshape(-1, N), dtype)
-        return jnp.concatenate([lo, hi], axis=0)
+    def halves(w, dtype):
+        return mxfp4.decode_halves(w.q.reshape(h, N), w.scale.reshape(-1, N), dtype)
 
-    G = group_sizes.shape[0]
-    if M <= G:  # few rows (decode): each row's expert decoded, in float32, and no loop
-        # (batched dots: XLA:CPU has no batched bf16 one)
-        w = jax.tree.map(lambda a: a[row_experts(group_sizes, M)], rhs)
-        return jnp.einsum("mk,mkn->mn", x.astype(jnp.float32),
-                          jax.vmap(lambda w: widen(w, jnp.float32))(w))
-    return tiled_grouped_matmul(x, rhs, group_sizes, 16 if M <= 64 else 64,
-                                widen=lambda w: widen(w, lhs.dtype))
+    if M <= MXFP4_ROW_DECODE:  # (batched dots in float32: XLA:CPU has no batched bf16 one)
+        lo, hi = jax.vmap(lambda w: halves(w, jnp.float32))(
+            jax.tree.map(lambda a: a[row_experts(group_sizes, M)], rhs))
+        x = x.astype(jnp.float32)
+        return (jnp.einsum("mk,mkn->mn", x[:, :h], lo)
+                + jnp.einsum("mk,mkn->mn", x[:, h:], hi))
+
+    def tile_dot(x, w):
+        lo, hi = halves(w, dtype)
+        x = x.astype(dtype)
+        return (jnp.dot(x[:, :h], lo, preferred_element_type=jnp.float32)
+                + jnp.dot(x[:, h:], hi, preferred_element_type=jnp.float32))
+
+    # float32 on XLA:CPU, whose bf16 dots convert their operands first
+    dtype = jnp.float32 if _on_cpu() else lhs.dtype
+    return tiled_grouped_matmul(x, rhs, group_sizes, 16 if M <= 64 else 64, tile_dot=tile_dot)
