@@ -8,11 +8,15 @@ reference and Pallas backends end to end, and the step exported for TPU and CUDA
 """
 
 import dataclasses
+import json
+import os
 import re
+import sys
 
 import numpy as np
 import pytest
 
+from conftest import run_with_host_devices
 from gptoss_checkpoints import MXFP4_CONFIG, gptoss_config, make_gptoss, make_gptoss_mxfp4
 from test_models import _prompts, assert_greedy_matches_transformers
 
@@ -196,3 +200,50 @@ def test_mxfp4_step_exports_for_the_accelerators(platform):
     kernel = rf"custom_call @{re.escape(KERNEL[platform])}.*_mxfp4_\w+_kernel"
     assert [len(re.findall(kernel, t)) for t in texts] == [2, 0]
     assert re.search(r"tensor<[0-9x]+x4x64x2x128xui8>", texts[0])  # gate/up values [L, X, ...]
+
+
+@pytest.mark.slow
+def test_tensor_and_expert_parallel_2_match_one_device(pair, tmp_path):
+    """tp=2 (each expert's FFN sharded, values and scales alike) and tp=2 with expert
+    parallelism, on virtual CPU devices, equal tp=1: with F = 64 (two scale groups of the down
+    projection's inputs, one a device: the experts run per shard under shard_map) and with
+    the module's F = 32 (one group: the down projection cannot split its groups, and runs
+    unsharded by shard_map)."""
+    f = make_gptoss(str(tmp_path / "float64"), intermediate_size=64)
+    q64 = str(tmp_path / "mxfp4_64")
+    make_gptoss_mxfp4(f, q64, str(tmp_path / "dequantized_64"))
+    proc = run_with_host_devices(2, [__file__, q64, pair[0]])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    for path in (q64, pair[0]):
+        base = runs[path]["tp1"]
+        for name in ("tp2", "ep2"):
+            two = runs[path][name]
+            assert two["devices"] == 2
+            assert "layers/0/experts_gate_up" in two["sharded"], (path, name)
+            assert "layers/0/experts_gate_up_scale" in two["sharded"], (path, name)
+            for key in ("prefill", "steps"):
+                np.testing.assert_allclose(np.array(two[key]), np.array(base[key]), atol=1e-4,
+                                           rtol=0, err_msg=f"{path} {name} {key}")
+            assert two["tokens"] == base["tokens"], (path, name)
+
+
+def _child(paths: list[str]) -> dict:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from conftest import greedy_record, load_tiny, sharded_params
+
+    prompts = _prompts((7, 19))
+    report = {}
+    for path in paths:
+        report[path] = {}
+        for name, kw in (("tp1", dict(tp=1)), ("tp2", dict(tp=2)),
+                         ("ep2", dict(tp=2, enable_expert_parallel=True))):
+            model, cfg, _ = load_tiny(path, **kw)
+            assert cfg.quant.method == "mxfp4"
+            report[path][name] = {"sharded": sharded_params(model),
+                                  **greedy_record(model, prompts, 8)}
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(sys.argv[1:])))

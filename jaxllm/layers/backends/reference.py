@@ -164,7 +164,7 @@ class ReferenceBackend(Backend):
         # for nothing there.
         def shard(x, ids, weights, w_gate_up, w_down, *bias):
             if expert_parallel:
-                ids = ids - jax.lax.axis_index("model") * w_gate_up.shape[0]
+                ids = ids - jax.lax.axis_index("model") * jax.tree.leaves(w_gate_up)[0].shape[0]
             return jax.lax.psum(run(x, ids, weights, w_gate_up, w_down, *bias or (None,)),
                                 "model")
 
@@ -252,12 +252,13 @@ class ReferenceBackend(Backend):
 def quantized_grouped_matmul(lhs, rhs: QuantizedWeight, group_sizes) -> jax.Array:
     """The grouped matmul over MXFP4 experts (q [G, K / 2, N], scales [G, K / 32, N]) in XLA,
     decoding only the experts it reads: up to MXFP4_ROW_DECODE rows (small decode steps) each
-    row's expert, in float32, in one batched dot (no loop); more rows in `tiled_grouped_matmul`, each tile's expert
-    decoded in lhs's dtype as it is read (16-row tiles up to 64 rows, then 64). Either way as
-    the kernel computes it: lhs's even and odd input columns against the low and high
-    nibbles' values, two dots whose operands are each one decoded half (XLA:CPU runs a dot of
-    a decoded, re-interleaved whole several times slower), so no float copy of all experts
-    exists."""
+    row's expert, in float32, in one batched dot (no loop); more rows in
+    `tiled_grouped_matmul`, each tile's expert decoded as it is read (in float32 on XLA:CPU,
+    whose bf16 dots convert their operands first; else in lhs's dtype), 16-row tiles up to 64
+    rows, then 64. Either way as the kernel computes it: lhs's even and odd input columns
+    against the low and high nibbles' values, two dots whose operands are each one decoded
+    half (XLA:CPU runs a dot of a decoded, re-interleaved whole several times slower). No
+    float copy of all experts is made."""
     (M, K), N = lhs.shape, rhs.scale.shape[-1]
     h = K // 2
     x = mxfp4.even_odd(lhs, K)
@@ -278,6 +279,5 @@ def quantized_grouped_matmul(lhs, rhs: QuantizedWeight, group_sizes) -> jax.Arra
         return (jnp.dot(x[:, :h], lo, preferred_element_type=jnp.float32)
                 + jnp.dot(x[:, h:], hi, preferred_element_type=jnp.float32))
 
-    # float32 on XLA:CPU, whose bf16 dots convert their operands first
     dtype = jnp.float32 if _on_cpu() else lhs.dtype
     return tiled_grouped_matmul(x, rhs, group_sizes, 16 if M <= 64 else 64, tile_dot=tile_dot)
