@@ -56,12 +56,16 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
-def block_sizes(M: int, K: int, N: int) -> tuple[int, int, int]:
+def block_sizes(M: int, K: int, N: int, variant: str = "gpu") -> tuple[int, int, int]:
     """(tm, tk, tn): 16 rows a tile at decode sizes, up to 128 for many rows; tk a power-of-two
-    multiple of the 32-input scale group (up to 512) dividing K; tn a power of two dividing
-    N (up to 128). Powers of two: Triton's blocks must be."""
+    multiple of the 32-input scale group (up to 512) dividing K, at least 64 where K allows
+    (whole 32-row uint8 tiles of q per chunk on TPU); tn a power of two dividing N, up to 128
+    (Triton's blocks must be powers of two), on TPU 128 or, where 128 does not divide N, all
+    of N (Mosaic's blocks: whole 128-lane tiles or the whole axis)."""
     tm = 16 if M <= 64 else 64 if M <= 1024 else 128
     tk = GROUP * _pow2_divisor(K // GROUP, 16)
+    if variant == "tpu":
+        return tm, tk, 128 if N % 128 == 0 else N
     return tm, tk, _pow2_divisor(N, 128)
 
 
@@ -76,7 +80,7 @@ def _tile(load_x, load_q, load_s, o_ref, *, K, tk, dtype, used, t):
     @pl.when(t < used)
     def _():
         def chunk(c, acc):
-            q, s = load_q(c * h, h), load_s(c * h, h)
+            q, s = load_q(c * h, h).astype(jnp.int32), load_s(c * h, h)  # (no 8-bit vector ops)
             lo = (e2m1(q & 15) * s).astype(dtype)
             hi = (e2m1(q >> 4) * s).astype(dtype)
             acc += jnp.dot(load_x(c * tk, h).astype(dtype), lo, preferred_element_type=F32)
@@ -122,7 +126,7 @@ def grouped_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, group_sizes: ja
     M, K = x.shape
     G, _, N = q.shape
     dtype = jnp.dtype(compute_dtype or x.dtype)
-    tm, tk, tn = block_sizes(M, K, N)
+    tm, tk, tn = block_sizes(M, K, N, variant)
     place, tile_group, used = tile_rows(group_sizes, M, tm)
     P = tile_group.shape[0] * tm
     xs = jnp.zeros((P + 1, K), x.dtype).at[place].set(even_odd(x, tk))[:P]
