@@ -4,7 +4,8 @@ pallas_kernels/grouped_matmul/{mxfp4,kernel_mxfp4}.py).
 The oracle is transformers: its `convert_moe_packed_tensors` for the decoding (to the bit), and
 its GPT-OSS model running the float checkpoint of that decoding (tests/gptoss_checkpoints.py)
 for the logits (f32, test_models' ATOL = 1e-4) and the greedy tokens. Slow-marked: the
-reference and Pallas backends end to end, and the step exported for TPU and CUDA.
+reference and Pallas backends end to end, the kernel's other variant and dtype, the step
+exported for TPU and CUDA, the engine, and TP 2 / EP 2 on virtual devices.
 """
 
 import dataclasses
@@ -200,6 +201,25 @@ def test_mxfp4_step_exports_for_the_accelerators(platform):
     kernel = rf"custom_call @{re.escape(KERNEL[platform])}.*_mxfp4_\w+_kernel"
     assert [len(re.findall(kernel, t)) for t in texts] == [2, 0]
     assert re.search(r"tensor<[0-9x]+x4x64x2x128xui8>", texts[0])  # gate/up values [L, X, ...]
+
+
+@pytest.mark.slow
+def test_engine_serves_the_kept_checkpoint_as_transformers(pair):
+    """Through the engine (chunked prefill over a 64-token budget, prefix caching on shared
+    prefixes, a batch and one request alone): transformers' greedy tokens on the dequantized
+    checkpoint, the experts resident as mxfp4 bytes."""
+    from test_engine import GREEDY, NEW, hf_greedy, mixed_prompts, small_llm, token_ids
+
+    prompts = mixed_prompts(6, seed=5)
+    prompts += [prompts[0] + p for p in mixed_prompts(2, seed=6)]
+    want = hf_greedy(pair[1], prompts, NEW)
+    llm = small_llm(pair[0])
+    assert llm.llm_engine.weight_bytes["mxfp4"] > llm.llm_engine.weight_bytes["float32"] / 8
+    assert token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                  use_tqdm=False)) == want
+    assert token_ids(llm.generate({"prompt_token_ids": prompts[1]}, GREEDY,
+                                  use_tqdm=False)) == want[1:2]
+    assert llm.llm_engine.kv_cache_manager.prefix_cache_hits > 0
 
 
 @pytest.mark.slow
