@@ -54,7 +54,7 @@ class LoadConfig:
 
 # --quantization's methods: a checkpoint's (detected from its config.json) and the online ones
 # (jaxllm/models/quant_config.py).
-QUANTIZATION_METHODS = ("compressed-tensors", "gptq", "awq", "gguf", "fp8")
+QUANTIZATION_METHODS = ("compressed-tensors", "gptq", "awq", "gguf", "fp8", "mxfp4")
 
 
 @dataclass(frozen=True)

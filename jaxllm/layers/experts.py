@@ -31,6 +31,8 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxllm.layers.quantization import QuantizedWeight
+
 F32 = jnp.float32
 
 
@@ -60,13 +62,21 @@ def ragged_dot(lhs, rhs, group_sizes) -> jax.Array:
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=F32)
 
 
-def tiled_grouped_matmul(lhs, rhs, group_sizes, tile: int = 16) -> jax.Array:
+def tiled_grouped_matmul(lhs, rhs, group_sizes, tile: int = 16,
+                         tile_dot: Optional[Callable] = None) -> jax.Array:
     """`ragged_dot` as a loop over `tile`-row tiles: each group's rows padded to whole tiles,
     then one [tile, K] x [K, N] matmul per tile with its group's rhs read in place, for only the
     tiles the groups fill (at most M / tile + G). XLA:CPU runs ragged_dot as a dense dot over
-    every group; this does ~1/G of that work once groups hold a few tiles each."""
+    every group; this does ~1/G of that work once groups hold a few tiles each.
+    tile_dot: rhs is then a pytree of stacked [G, ...] arrays (a `QuantizedWeight`) and
+    tile_dot(rows [tile, K], its group g) -> float32 [tile, N] the rows times that group's
+    matrix: quantized experts decoded one tile's expert at a time, never all at once."""
     M, K = lhs.shape
-    G, _, N = rhs.shape
+    G = group_sizes.shape[0]
+    if tile_dot is None:
+        def tile_dot(x, w):
+            return jnp.dot(x, w, preferred_element_type=F32)
+    N = jax.eval_shape(tile_dot, lhs[:tile], jax.tree.map(lambda a: a[0], rhs)).shape[1]
     starts = jnp.cumsum(group_sizes) - group_sizes
     tiles = (group_sizes + tile - 1) // tile
     tile_ends = jnp.cumsum(tiles)
@@ -80,8 +90,8 @@ def tiled_grouped_matmul(lhs, rhs, group_sizes, tile: int = 16) -> jax.Array:
                              G - 1)
 
     def one_tile(t, out):
-        y = jnp.dot(jax.lax.dynamic_slice_in_dim(padded, t * tile, tile), rhs[tile_group[t]],
-                    preferred_element_type=F32)
+        y = tile_dot(jax.lax.dynamic_slice_in_dim(padded, t * tile, tile),
+                     jax.tree.map(lambda a: a[tile_group[t]], rhs))
         return jax.lax.dynamic_update_slice_in_dim(out, y, t * tile, 0)
 
     out = jax.lax.fori_loop(0, tile_ends[-1], one_tile, jnp.zeros((P, N), F32))
@@ -92,9 +102,12 @@ def experts_ragged(x, ids, weights, w_gate_up, w_down, act: Callable,
                    grouped_matmul: Callable = ragged_dot,
                    gate_up_bias: Optional[jax.Array] = None) -> jax.Array:
     """grouped_matmul(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> float32 [M, N]: rows of
-    group g times rhs[g]; rows past the groups may hold anything (they are zeroed here)."""
-    X, E, _, F = w_gate_up.shape
-    w_gu = w_gate_up.reshape(X, E, 2 * F)
+    group g times rhs[g]; rows past the groups may hold anything (they are zeroed here). The
+    weights may be `QuantizedWeight`s (the grouped matmul then reads them so: MXFP4), whose
+    scales show the float layout's axes but the input's."""
+    X, _, _, F = (w_gate_up.scale if isinstance(w_gate_up, QuantizedWeight)
+                  else w_gate_up).shape
+    w_gu = jax.tree.map(lambda a: a.reshape(X, a.shape[1], 2 * F), w_gate_up)
 
     def up(xs, sizes):
         gu = grouped_matmul(xs, w_gu, sizes).reshape(-1, 2, F)

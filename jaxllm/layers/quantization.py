@@ -9,6 +9,9 @@ checkpoint format is brought to this one form at load (a per-tensor scale is rep
 channels), so the backends see one kind of quantized weight.
 
 The value is w = (q - zero) * scale, in float32, as compressed-tensors, AWQ and GPTQ define it.
+MXFP4 (GPT-OSS's experts) is the one other form: e2m1 codes two a byte along the input axis
+and uint8 e8m0 scales per 32 inputs (`pallas_kernels.grouped_matmul.mxfp4`); a uint8 scale
+marks it (`is_mxfp4`).
 The backends' `project` takes a `QuantizedWeight` wherever it takes a float weight.
 """
 
@@ -22,10 +25,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pallas_kernels.grouped_matmul import mxfp4
+
 # int4 is stored packed in uint8 (`pack_int4`): XLA:CPU hands out int4 arrays unpacked while
 # its compiled programs ask for them packed (jax 0.10), so an AOT-compiled step refuses them;
 # packing by hand keeps 4 bits per value on every platform.
-WEIGHT_DTYPES = {"int8": jnp.int8, "int4": jnp.uint8, "float8_e4m3fn": jnp.float8_e4m3fn}
+WEIGHT_DTYPES = {"int8": jnp.int8, "int4": jnp.uint8, "float8_e4m3fn": jnp.float8_e4m3fn,
+                 "mxfp4": jnp.uint8}
 # The largest value each storage dtype holds (symmetric integer schemes use [-max - 1, max]).
 _MAX = {"int8": 127.0, "int4": 7.0, "float8_e4m3fn": 448.0}
 
@@ -39,13 +45,16 @@ class QuantSpec:
     one scale per output channel); symmetric: False when zero points are stored;
     activations: what the checkpoint says about activations ('none', 'dynamic', 'static'),
     reported at start-up: they are not quantized here (see docs/quantization.md);
-    checkpoint_format: compressed-tensors' `format` (None for an online method)."""
+    checkpoint_format: compressed-tensors' `format` (None for an online method);
+    experts_only: only the stacked MoE experts are quantized, the other projections are float
+    (MXFP4 checkpoints)."""
     method: str
     weight_dtype: str
     group_size: Optional[int] = None
     symmetric: bool = True
     activations: str = "none"
     checkpoint_format: Optional[str] = None  # how the checkpoint stores them (the loader's)
+    experts_only: bool = False
 
     @property
     def storage_dtype(self):
@@ -65,16 +74,23 @@ class QuantSpec:
         acts = ("" if self.activations == "none" else
                 f"; the checkpoint's {self.activations} activation quantization is not applied "
                 "(activations stay in the model's dtype)")
-        return f"{self.method}: {self.weight_dtype} weights, {group}, {sym}{acts}"
+        which = "expert weights" if self.experts_only else "weights"
+        return f"{self.method}: {self.weight_dtype} {which}, {group}, {sym}{acts}"
 
 
 class QuantizedWeight(NamedTuple):
     """A projection's quantized values q [in..., out...], scale [groups, out...] (float32)
     and zero [groups, out...] (float32; None when symmetric). A pytree: it slices in the layer
-    scan as the float weights do."""
+    scan as the float weights do. MXFP4: q uint8 [in / 2, out...] (e2m1 codes, two a byte
+    along the input axis), scale uint8 [in / 32, out...] (e8m0), no zero."""
     q: jax.Array
     scale: jax.Array
     zero: Optional[jax.Array] = None
+
+
+def is_mxfp4(w) -> bool:
+    """Whether w is an MXFP4 `QuantizedWeight` (its scales are e8m0 bytes)."""
+    return isinstance(w, QuantizedWeight) and w.scale.dtype == jnp.uint8
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
@@ -92,7 +108,11 @@ def unpack_int4(p: jax.Array) -> jax.Array:
 
 
 def dequantize(w: QuantizedWeight, inputs: int, n: int, dtype) -> jax.Array:
-    """The weight as a float [inputs, n] matrix in dtype: (q - zero) * scale in float32."""
+    """The weight as a float [inputs, n] matrix in dtype: (q - zero) * scale in float32
+    (MXFP4: e2m1(q) * 2 ** (scale - 127))."""
+    if is_mxfp4(w):
+        return mxfp4.dequantize(w.q.reshape(inputs // 2, n),
+                                w.scale.reshape(inputs // mxfp4.GROUP, n), dtype)
     groups = w.scale.size // n
     q = unpack_int4(w.q) if w.q.dtype == jnp.uint8 else w.q
     q = q.reshape(groups, inputs // groups, n).astype(jnp.float32)

@@ -158,13 +158,13 @@ def read_weights(load: LoadConfig, cfg: ModelConfig, mesh: Mesh, seed: int = 0,
 
 def weight_bytes(model: Decoder) -> dict[str, int]:
     """Bytes of weights resident on the model's first device, by dtype name (int4 weights,
-    stored two a byte as uint8, named int4)."""
+    stored two a byte as uint8, named int4; MXFP4 values and e8m0 scales, uint8, mxfp4)."""
     quant = model.cfg.quant
-    packed = quant is not None and quant.weight_dtype == "int4"
+    packed = quant is not None and quant.weight_dtype in ("int4", "mxfp4")
     out: dict[str, int] = {}
     for leaf in jax.tree.leaves(nnx.state(model)):
         shard = leaf.addressable_shards[0].data
-        name = "int4" if packed and shard.dtype == jnp.uint8 else shard.dtype.name
+        name = quant.weight_dtype if packed and shard.dtype == jnp.uint8 else shard.dtype.name
         out[name] = out.get(name, 0) + shard.nbytes
     return out
 

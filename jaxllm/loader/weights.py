@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxllm.loader import gemma4_weights, qwen3_next_weights
-from jaxllm.loader.mxfp4 import dequantized_experts
+from jaxllm.loader.mxfp4 import kept_targets
 from jaxllm.loader.kv_scales import is_kv_scale, kv_scale_targets, missing_layers, warn_missing
 from jaxllm.models.kv_scales import FROM_CHECKPOINT
 from jaxllm.loader.text_names import TEXT_NAMES
@@ -52,8 +52,9 @@ def hf_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
     targets = _float_targets(cfg)
     if cfg.vision is not None:
         targets.update(_vision_targets(cfg))
+    mxfp4 = cfg.quant is not None and cfg.quant.method == "mxfp4"
     if cfg.architecture in FUSED_LAYOUTS or cfg.architecture in MOE_LAYOUTS:
-        if cfg.quant is not None:
+        if cfg.quant is not None and not mxfp4:
             raise CheckpointError(f"quantized {cfg.architecture} checkpoints (fused or stacked "
                                   "projections) are not supported")
     if cfg.architecture in FUSED_LAYOUTS:
@@ -62,6 +63,9 @@ def hf_targets(cfg: ModelConfig) -> dict[str, list[Target]]:
         targets.update(kv_scale_targets(layer_groups(cfg)))
     if cfg.quant is None:
         return targets
+    if mxfp4:  # GPT-OSS's experts, kept 4-bit
+        return kept_targets(targets, cfg.num_experts, cfg.hidden_size,
+                            cfg.moe_intermediate_size)
     return quantized_targets(targets, cfg.quant, (cfg.num_kv_heads, cfg.head_dim))
 
 
@@ -230,8 +234,8 @@ def _gpt_oss_mlp(cfg: ModelConfig, gate_up: Callable) -> list:
     """GPT-OSS stores each layer's experts stacked: mlp.experts.gate_up_proj [X, E, 2F] with
     gate and up interleaved (even columns gate, odd up), down_proj [X, F, E], and a bias for
     each, the router as mlp.router.{weight, bias}; with them the attention's self_attn.sinks
-    [H] (one logit per query head). MXFP4 checkpoints' blocks and scales arrive here
-    dequantized under the float names (jaxllm/loader/mxfp4.py)."""
+    [H] (one logit per query head). MXFP4 checkpoints' experts are blocks and scales under
+    these names plus _blocks / _scales (jaxllm/loader/mxfp4.py's `kept_targets`)."""
     E, X, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     K, G = cfg.num_kv_heads, cfg.q_per_kv
     same = lambda x: x  # noqa: E731
@@ -382,8 +386,6 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
     origin = (lambda name: where) if isinstance(where, str) else where
     if cfg.architecture in TEXT_NAMES:  # a multimodal checkpoint loaded for text only
         tensors, origin = _renamed(tensors, origin, TEXT_NAMES[cfg.architecture])
-    if cfg.mxfp4_experts:  # GPT-OSS's published experts: dequantized as they arrive
-        tensors = dequantized_experts(tensors, origin, CheckpointError, np.dtype(cfg.jnp_dtype))
     targets = hf_targets(cfg) if targets is None else targets
     state = nnx.state(model)
     shardings = param_shardings(state, mesh)

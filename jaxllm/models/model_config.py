@@ -104,7 +104,7 @@ class ModelConfig:
     # GPT-OSS: a learned logit per head in each softmax's denominator; biases on the router
     # and on every expert's gate/up and down projections; the experts' clamped SwiGLU
     # (swiglu_alpha, swiglu_limit: `jaxllm.layers.experts.ClampedSwiGLU`); expert weights
-    # published as MXFP4 blocks and scales, dequantized at load (jaxllm/loader/mxfp4.py).
+    # published as MXFP4 blocks and scales, kept 4-bit (`quant`, jaxllm/loader/mxfp4.py).
     attention_sinks: bool = False
     expert_bias: bool = False
     swiglu_clamp: Optional[tuple[float, float]] = None  # (alpha, limit)
@@ -257,12 +257,11 @@ class ModelConfig:
             raise ConfigError(f"--enable-expert-load-metrics: {arch} has no mixture-of-experts "
                               "layers to count")
         fields["count_expert_load"] = bool(options.enable_expert_load_metrics)
-        if fields.get("mxfp4_experts"):  # dequantized at load: a float model from here on
-            if options.quantization is not None:
-                raise ConfigError(f"--quantization {options.quantization}: the checkpoint's "
-                                  "experts are MXFP4 (dequantized at load)")
-            checkpoint_quant = None
         fields["quant"] = quant_spec(checkpoint_quant, options.quantization)
+        if fields["quant"] is not None and fields["quant"].method == "mxfp4" \
+                and not fields.get("mxfp4_experts"):  # kept 4-bit: GPT-OSS's experts only
+            raise ConfigError(f"mxfp4 quantization of {arch} is not supported (GPT-OSS's "
+                              "experts only)")
         fields["lora"] = options.lora
         fields["prompt_embeds"] = bool(options.enable_prompt_embeds)
         gemma4_inputs = getattr(fields.get("gemma4"), "per_layer_size", 0)

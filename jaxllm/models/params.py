@@ -13,6 +13,7 @@ from flax import nnx
 from jaxllm.layers.quantization import QuantizedWeight
 from jaxllm.layers.reductions import rowsum
 from jaxllm.models.model_config import ModelConfig
+from pallas_kernels.grouped_matmul import mxfp4
 
 
 def dummy_weight(seed: int, name: str, shape, axes, dtype) -> nnx.Param:
@@ -37,10 +38,14 @@ def projection(cfg: ModelConfig, seed: int, name: str, shape, axes, inputs: int,
     [L, groups, out...] ([L, X, groups, out...]) and, asymmetric, zero points `name`_zero
     (`QuantizedWeight`'s
     layout). Dummy quantized weights are the float dummy weights (named prefix + name)
-    quantized."""
+    quantized. A spec for the experts only (MXFP4) leaves the other projections float; MXFP4
+    values are e2m1 codes two a byte along the input axis, scales e8m0 bytes
+    (`pallas_kernels.grouped_matmul.mxfp4`)."""
     spec = cfg.quant
-    if spec is None:
+    if spec is None or (spec.experts_only and first != 2):
         return {name: dummy_weight(seed, prefix + name, shape, axes, cfg.jnp_dtype)}
+    if spec.weight_dtype == "mxfp4":
+        return _mxfp4_projection(seed, prefix + name, name, shape, axes, first)
     lead, ins, outs = shape[:first], shape[first:first + inputs], shape[first + inputs:]
     groups = spec.groups(math.prod(ins))
     scale_shape = (*lead, groups, *outs)
@@ -56,6 +61,19 @@ def projection(cfg: ModelConfig, seed: int, name: str, shape, axes, inputs: int,
     if not spec.symmetric:
         out[f"{name}_zero"] = constant(0.0, scale_shape, scale_axes, jnp.float32)
     return out
+
+
+def _mxfp4_projection(seed: int, full_name: str, name: str, shape, axes, first: int
+                      ) -> dict[str, nnx.Param]:
+    """Stacked experts [L, X, in, out...] as MXFP4 dummy weights: the float dummy weights
+    quantized (one input axis, at `first`)."""
+    lead, K, outs = shape[:first], shape[first], shape[first + 1:]
+    w = dummy_weight(seed, full_name, shape, axes, jnp.float32)[...]
+    w = w.reshape(-1, K, math.prod(outs))
+    q, scale = jax.vmap(mxfp4.quantize)(w)
+    return {name: nnx.Param(q.reshape(*lead, K // 2, *outs), out_sharding=axes),
+            f"{name}_scale": nnx.Param(scale.reshape(*lead, K // mxfp4.GROUP, *outs),
+                                       out_sharding=axes)}
 
 
 def lora_slots(cfg: ModelConfig, name: str, L: int, ins: tuple, in_axes: tuple, outs: tuple,

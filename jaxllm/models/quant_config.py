@@ -15,7 +15,7 @@ from jaxllm.engine_config import QUANTIZATION_METHODS, ConfigError
 from jaxllm.layers.quantization import QuantSpec
 
 ONLINE_METHODS = {"fp8": "float8_e4m3fn"}
-CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "gguf")
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "gguf", "mxfp4")
 SUPPORTED = QUANTIZATION_METHODS
 assert set(SUPPORTED) == {*CHECKPOINT_METHODS, *ONLINE_METHODS}
 # compressed-tensors formats whose tensors the loader reads (weight-only dequantization).
@@ -50,7 +50,7 @@ def quant_spec(quant_config, requested: Optional[str]) -> Optional[QuantSpec]:
                           f"quantization_config) is not supported; supported: "
                           f"{', '.join(SUPPORTED)}")
     return {"compressed-tensors": compressed_tensors_spec, "gptq": gptq_spec,
-            "awq": awq_spec, "gguf": gguf_spec}[method](quant_config)
+            "awq": awq_spec, "gguf": gguf_spec, "mxfp4": mxfp4_spec}[method](quant_config)
 
 
 # GGUF block types kept quantized (jaxllm/loader/gguf_quant.py): (weight dtype, symmetric)
@@ -207,3 +207,15 @@ def _matches(module: str, patterns) -> bool:
         elif p == name or name.endswith("." + p) or p == module:
             return True
     return False
+
+
+def mxfp4_spec(qc: dict) -> QuantSpec:
+    """OpenAI's MXFP4 checkpoints (GPT-OSS): the MoE experts as e2m1 blocks with an e8m0 scale
+    per 32 inputs, kept so (`pallas_kernels.grouped_matmul.mxfp4`); every other projection
+    is float (`modules_to_not_convert` names them)."""
+    kept = [m for m in qc.get("modules_to_not_convert") or () if "experts" in m]
+    if kept:
+        raise ConfigError(f"mxfp4 checkpoint: modules_to_not_convert naming the experts "
+                          f"({', '.join(kept)}) is not supported (supported: MXFP4 experts, "
+                          "every other projection float)")
+    return QuantSpec("mxfp4", "mxfp4", group_size=32, experts_only=True)

@@ -167,8 +167,8 @@ def _phi3(c) -> dict:  # Llama's math; fused checkpoint tensors and LongRoPE liv
 def _gpt_oss(c) -> dict:
     """GPT-OSS: attention with biases (`attention_bias`) and sinks over alternating sliding and
     full layers (`layer_types`), every layer's MLP a top-k router (softmax over the chosen
-    logits) with biased experts and a clamped SwiGLU; MXFP4 expert weights are dequantized at
-    load."""
+    logits) with biased experts and a clamped SwiGLU; MXFP4 expert weights are kept 4-bit (the
+    checkpoint's quantization_config: the `mxfp4` QuantSpec)."""
     qc = getattr(c, "quantization_config", None)
     qc = qc if qc is None or isinstance(qc, dict) else qc.to_dict()
     method = (qc or {}).get("quant_method")

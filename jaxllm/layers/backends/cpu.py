@@ -194,7 +194,7 @@ class CpuBackend(ReferenceBackend):
     def batch_variance(self, cfg, cache_dtype):
         if not self.native_matmul:
             return "the native matmul kernels did not build here (XLA's dots run instead)"
-        if cfg.quant is not None and not self.native_quant:
+        if cfg.quant is not None and not self.native_quant and not cfg.quant.experts_only:
             return (f"{cfg.quant.weight_dtype} weights run XLA's dots (the native matmul reads "
                     f"{' and '.join(NATIVE_QUANT)} ones)")
         if cfg.quant is not None and cfg.num_experts:

@@ -24,8 +24,10 @@ from jax.experimental.pallas.ops.tpu.megablox import gmm
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.attention import AttentionMetadata, KVCache
-from jaxllm.layers.backends.reference import ReferenceBackend
+from jaxllm.layers.backends.reference import ReferenceBackend, quantized_grouped_matmul
 from jaxllm.layers.experts import ragged_dot
+from jaxllm.layers.quantization import QuantizedWeight
+from pallas_kernels.grouped_matmul import kernel_mxfp4
 from pallas_kernels.gated_delta_rule import ops as gdn_ops
 from pallas_kernels.ragged_paged_attention import kernel
 from pallas_kernels.ragged_paged_mla.reference import write_latent
@@ -39,7 +41,16 @@ class PallasBackend(ReferenceBackend):
         return "ragged"  # whatever the host: the program is for the platform it lowers to
 
     def grouped_matmul(self, lhs, rhs, group_sizes):
-        """megablox `gmm` on TPU, `ragged_dot` on others (CPU: the same sum, for tests)."""
+        """megablox `gmm` on TPU, `ragged_dot` on others (CPU: the same sum, for tests);
+        MXFP4 experts in the MXFP4 grouped matmul kernel on TPU and GPU (decoded per tile in
+        the kernel), the XLA one elsewhere."""
+        if isinstance(rhs, QuantizedWeight):
+            def variant(name):
+                return lambda x, q, s, g: kernel_mxfp4.grouped_matmul(x, q, s, g, variant=name)
+            return lax.platform_dependent(
+                lhs, rhs.q, rhs.scale, group_sizes, tpu=variant("tpu"), cuda=variant("gpu"),
+                rocm=variant("gpu"),
+                default=lambda x, q, s, g: quantized_grouped_matmul(x, QuantizedWeight(q, s), g))
         return lax.platform_dependent(lhs, rhs, group_sizes, tpu=megablox_gmm,
                                       default=ragged_dot)
 

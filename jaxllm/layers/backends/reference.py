@@ -17,10 +17,13 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from jaxllm.layers.attention import REFERENCE_TILING, AttentionMetadata, KVCache
 from jaxllm.layers.backends.base import Backend
-from jaxllm.layers.experts import EXPERT_IMPLS, experts_ragged, ragged_dot
+from jaxllm.layers.experts import (EXPERT_IMPLS, experts_ragged, ragged_dot, row_experts,
+                                  tiled_grouped_matmul)
 from jaxllm.layers.lora import lora_delta
-from jaxllm.layers.quantization import QuantizedWeight, dequantize, dequantize_experts
+from jaxllm.layers.quantization import (QuantizedWeight, dequantize, dequantize_experts,
+                                        is_mxfp4)
 from pallas_kernels.activation import reference as activation_ref
+from pallas_kernels.grouped_matmul import mxfp4
 from pallas_kernels.gated_delta_rule import reference as gdn_ref
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
 from pallas_kernels.ragged_paged_mla.reference import ragged_paged_mla, write_latent
@@ -53,6 +56,11 @@ def weights_as_bits(state: nnx.State) -> nnx.State:
         if name in state:
             state[name] = jax.jit(lambda t: jax.tree.map(to_bits, t), donate_argnums=0)(state[name])
     return state
+
+
+# Routed rows up to which the XLA MXFP4 grouped matmul decodes each row's expert (as many
+# decodings as rows, no loop) rather than each tile's (a loop; at most rows + experts tiles).
+MXFP4_ROW_DECODE = 8
 
 
 def _on_cpu() -> bool:
@@ -114,21 +122,26 @@ class ReferenceBackend(Backend):
         return "loop" if jnp.dtype(dtype) == jnp.float32 else "dense"
 
     def grouped_matmul(self, lhs, rhs, group_sizes):
-        """The grouped matmul of the `ragged` experts (`jaxllm.layers.experts`)."""
+        """The grouped matmul of the `ragged` experts (`jaxllm.layers.experts`); MXFP4 experts
+        (`QuantizedWeight`) decoded per tile's expert (`quantized_grouped_matmul`)."""
+        if isinstance(rhs, QuantizedWeight):
+            return quantized_grouped_matmul(lhs, rhs, group_sizes)
         return ragged_dot(lhs, rhs, group_sizes)
 
     def moe(self, x, ids, weights, w_gate_up, w_down, layer, *, experts, ffn, activation,
             dtype, expert_parallel, gate_up_bias=None):
-        # Quantized experts are widened whole, then run as float ones (a grouped matmul that
-        # reads them quantized is a later part).
-        if isinstance(w_gate_up, QuantizedWeight):
+        # MXFP4 experts stay 4-bit: the grouped matmul decodes them a tile's expert at a time.
+        # Other quantized experts are widened whole, then run as float ones.
+        mxfp4 = is_mxfp4(w_gate_up)
+        if isinstance(w_gate_up, QuantizedWeight) and not mxfp4:
             w_gate_up = dequantize_experts(w_gate_up, x.shape[1], 2 * ffn, dtype)
             w_gate_up = w_gate_up.reshape(-1, x.shape[1], 2, ffn)
-        if isinstance(w_down, QuantizedWeight):
+        if isinstance(w_down, QuantizedWeight) and not mxfp4:
             w_down = dequantize_experts(w_down, ffn, x.shape[1], dtype)
 
         def run(x, ids, weights, w_gate_up, w_down, bias):  # the experts' weights: slices
-            name = self.moe_impl(*ids.shape, w_gate_up.shape[0], dtype)
+            X = jax.tree.leaves(w_gate_up)[0].shape[0]
+            name = "ragged" if mxfp4 else self.moe_impl(*ids.shape, X, dtype)
             act = lambda gu: self.gated_activation(gu, activation, dtype)  # noqa: E731
             kw = {} if bias is None else {"gate_up_bias": bias}
             if name == "ragged":
@@ -137,8 +150,12 @@ class ReferenceBackend(Backend):
             return EXPERT_IMPLS[name](x, ids, weights, w_gate_up, w_down, act, **kw)
 
         n = 1 if self.mesh is None else self.mesh.shape["model"]
-        split = w_gate_up.shape[0 if expert_parallel else 3]
-        if n == 1 or split % n:  # one device, or replicated (left to XLA's partitioner)
+        split = (w_gate_up.scale if mxfp4 else w_gate_up).shape[0 if expert_parallel else 3]
+        # MXFP4 down projections shard their inputs: whole scale groups to each device, or
+        # left to XLA's partitioner.
+        groups_split = not mxfp4 or expert_parallel or w_down.scale.shape[1] % n == 0
+        if n == 1 or split % n or not groups_split:  # one device, or replicated (left to
+            # XLA's partitioner)
             return run(x, ids, weights, w_gate_up, w_down, gate_up_bias)
 
         # Tokens stay replicated (each device has the whole batch after attention): every
@@ -147,13 +164,16 @@ class ReferenceBackend(Backend):
         # for nothing there.
         def shard(x, ids, weights, w_gate_up, w_down, *bias):
             if expert_parallel:
-                ids = ids - jax.lax.axis_index("model") * w_gate_up.shape[0]
+                ids = ids - jax.lax.axis_index("model") * jax.tree.leaves(w_gate_up)[0].shape[0]
             return jax.lax.psum(run(x, ids, weights, w_gate_up, w_down, *bias or (None,)),
                                 "model")
 
         specs = ((P("model"), P("model"), P("model")) if expert_parallel
                  else (P(None, None, None, "model"), P(None, "model", None),
                        P(None, None, "model")))  # the gate/up bias [X, 2, F] as the weights
+        if mxfp4:  # values and scales sharded alike
+            specs = (QuantizedWeight(specs[0], specs[0]), QuantizedWeight(specs[1], specs[1]),
+                     specs[2])
         bias = () if gate_up_bias is None else (gate_up_bias,)
         return jax.shard_map(shard, mesh=self.mesh,
                              in_specs=(P(), P(), P(), *specs[:2 + len(bias)]), out_specs=P(),
@@ -227,3 +247,37 @@ class ReferenceBackend(Backend):
         return (f"the {self.name} backend's XLA dots pick their summation order by shape, and "
                 "a batch's token count picks the shape; use --attention-backend cpu on one "
                 "CPU device")
+
+
+def quantized_grouped_matmul(lhs, rhs: QuantizedWeight, group_sizes) -> jax.Array:
+    """The grouped matmul over MXFP4 experts (q [G, K / 2, N], scales [G, K / 32, N]) in XLA,
+    decoding only the experts it reads: up to MXFP4_ROW_DECODE rows (small decode steps) each
+    row's expert, in float32, in one batched dot (no loop); more rows in
+    `tiled_grouped_matmul`, each tile's expert decoded as it is read (in float32 on XLA:CPU,
+    whose bf16 dots convert their operands first; else in lhs's dtype), 16-row tiles up to 64
+    rows, then 64. Either way as the kernel computes it: lhs's even and odd input columns
+    against the low and high nibbles' values, two dots whose operands are each one decoded
+    half (XLA:CPU runs a dot of a decoded, re-interleaved whole several times slower). No
+    float copy of all experts is made."""
+    (M, K), N = lhs.shape, rhs.scale.shape[-1]
+    h = K // 2
+    x = mxfp4.even_odd(lhs, K)
+
+    def halves(w, dtype):
+        return mxfp4.decode_halves(w.q.reshape(h, N), w.scale.reshape(-1, N), dtype)
+
+    if M <= MXFP4_ROW_DECODE:  # (batched dots in float32: XLA:CPU has no batched bf16 one)
+        lo, hi = jax.vmap(lambda w: halves(w, jnp.float32))(
+            jax.tree.map(lambda a: a[row_experts(group_sizes, M)], rhs))
+        x = x.astype(jnp.float32)
+        return (jnp.einsum("mk,mkn->mn", x[:, :h], lo)
+                + jnp.einsum("mk,mkn->mn", x[:, h:], hi))
+
+    def tile_dot(x, w):
+        lo, hi = halves(w, dtype)
+        x = x.astype(dtype)
+        return (jnp.dot(x[:, :h], lo, preferred_element_type=jnp.float32)
+                + jnp.dot(x[:, h:], hi, preferred_element_type=jnp.float32))
+
+    dtype = jnp.float32 if _on_cpu() else lhs.dtype
+    return tiled_grouped_matmul(x, rhs, group_sizes, 16 if M <= 64 else 64, tile_dot=tile_dot)
