@@ -33,8 +33,9 @@ def pair(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def kept(pair, load):
-    """The MXFP4 checkpoint loaded (CPU backend, float32 activations)."""
-    return load(pair[0])
+    """The MXFP4 checkpoint loaded kept 4-bit (CPU backend, float32 activations; on CPU the
+    default dequantizes it, so --quantization mxfp4 asks for the kept form)."""
+    return load(pair[0], quantization="mxfp4")
 
 
 def _random_experts(rng, X, N, G):
@@ -117,6 +118,17 @@ def test_greedy_matches_transformers_on_the_decoded_weights(pair, kept, greedy):
     assert_greedy_matches_transformers(pair[1], kept[0], _prompts(), greedy)
 
 
+def test_cpu_default_dequantizes_at_load(pair, load, greedy):
+    """On CPU without --quantization the experts are dequantized as they arrive (the native
+    grouped matmul takes float experts): no uint8 in the state, and the same tokens."""
+    from jaxllm.loader.loader import weight_bytes
+
+    model, cfg, _ = load(pair[0])
+    assert cfg.quant is None and cfg.mxfp4_experts
+    assert "mxfp4" not in weight_bytes(model)
+    assert_greedy_matches_transformers(pair[1], model, _prompts(), greedy)
+
+
 @pytest.mark.parametrize("variant,dtype", [
     ("gpu", "bfloat16"), pytest.param("gpu", "float32", marks=pytest.mark.slow),
     pytest.param("tpu", "bfloat16", marks=pytest.mark.slow),
@@ -160,7 +172,7 @@ def test_refusals(pair):
     hf.quantization_config = {**MXFP4_CONFIG, "modules_to_not_convert": [
         "model.layers.*.mlp.experts"]}
     with pytest.raises(ConfigError, match="modules_to_not_convert naming the experts"):
-        ModelConfig.from_hf(hf)
+        ModelConfig.from_hf(hf, ModelOptions(quantization="mxfp4"))
     llama = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     llama.architectures = ["LlamaForCausalLM"]
@@ -174,7 +186,7 @@ def test_refusals(pair):
 def test_other_backends_match_transformers(backend, pair, load, greedy):
     """reference: the XLA grouped matmul decoding a tile's expert at a time; pallas: the same
     on CPU (the kernels are for TPU and GPU), with the Pallas attention interpreted."""
-    model, _, _ = load(pair[0], attention_backend=backend)
+    model, _, _ = load(pair[0], attention_backend=backend, quantization="mxfp4")
     assert model.attention_backend == backend
     assert_greedy_matches_transformers(pair[1], model, _prompts(), greedy)
 
@@ -193,6 +205,7 @@ def test_mxfp4_step_exports_for_the_accelerators(platform):
     hf = gptoss_config(hidden_size=128, intermediate_size=128, num_local_experts=4)
     options = EngineArgs(model="tiny", dtype="bfloat16").create_engine_config().model
     float_cfg = ModelConfig.from_hf(hf, options)
+    options = dataclasses.replace(options, quantization="mxfp4")  # kept (a TPU/GPU's default)
     hf.quantization_config = MXFP4_CONFIG
     cfg = ModelConfig.from_hf(hf, options)
     assert cfg.quant.method == "mxfp4" and dataclasses.replace(
@@ -213,7 +226,7 @@ def test_engine_serves_the_kept_checkpoint_as_transformers(pair):
     prompts = mixed_prompts(6, seed=5)
     prompts += [prompts[0] + p for p in mixed_prompts(2, seed=6)]
     want = hf_greedy(pair[1], prompts, NEW)
-    llm = small_llm(pair[0])
+    llm = small_llm(pair[0], quantization="mxfp4")
     assert llm.llm_engine.weight_bytes["mxfp4"] > llm.llm_engine.weight_bytes["float32"] / 8
     assert token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                                   use_tqdm=False)) == want
@@ -258,7 +271,7 @@ def _child(paths: list[str]) -> dict:
         report[path] = {}
         for name, kw in (("tp1", dict(tp=1)), ("tp2", dict(tp=2)),
                          ("ep2", dict(tp=2, enable_expert_parallel=True))):
-            model, cfg, _ = load_tiny(path, **kw)
+            model, cfg, _ = load_tiny(path, quantization="mxfp4", **kw)
             assert cfg.quant.method == "mxfp4"
             report[path][name] = {"sharded": sharded_params(model),
                                   **greedy_record(model, prompts, 8)}

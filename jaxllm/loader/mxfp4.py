@@ -1,5 +1,6 @@
 """MXFP4 expert weights as GPT-OSS publishes them: kept 4-bit (`kept_targets`), or
-dequantized on the host (`dequantize_mxfp4`: transformers' math, for tests and tools).
+dequantized on the host as they arrive (`dequantized_experts`, with transformers' math in
+`dequantize_mxfp4`): the CPU default, where the native grouped matmul takes float experts.
 
 An MXFP4 tensor `W` [..., rows, cols] arrives as two: `W_blocks` uint8 [..., rows, cols/32,
 16] (two 4-bit e2m1 values a byte, the low nibble first) and `W_scales` uint8 [..., rows,
@@ -13,8 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from typing import Callable, Iterable, Iterator
+
 from jaxllm.loader.quantized import Target
 
+SUFFIXES = ("_blocks", "_scales")
 # The e2m1 values of the 16 nibbles (sign, 2 exponent bits, 1 mantissa bit).
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                  -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
@@ -67,3 +71,34 @@ def kept_targets(targets: dict, X: int, E: int, F: int) -> dict:
         out[name + "_blocks"] = [Target(t.param, t.start, (*shape, 16), blocks, np.uint8)]
         out[name + "_scales"] = [Target(param, t.start, shape, scales, np.uint8)]
     return out
+
+
+def dequantized_experts(tensors: Iterable, origin: Callable[[str], str], error: type,
+                        dtype=np.float32) -> Iterator[tuple[str, np.ndarray]]:
+    """The (name, array) stream with each `W_blocks` / `W_scales` pair replaced by W
+    dequantized to `dtype` (`dequantize_mxfp4`; the model's, so it is not cast again),
+    yielded once both halves have arrived (in either order); other tensors pass through. A
+    half whose partner never comes raises `error`."""
+    pending: dict[str, tuple[str, np.ndarray]] = {}
+    for name, array in tensors:
+        suffix = next((s for s in SUFFIXES if name.endswith(s)), None)
+        if suffix is None:
+            yield name, array
+            continue
+        base = name[:-len(suffix)]
+        if base not in pending:
+            pending[base] = (suffix, array)
+            continue
+        other_suffix, other = pending.pop(base)
+        if other_suffix == suffix:
+            raise error(f"{origin(name)}: tensor {name!r} appears twice")
+        blocks, scales = (array, other) if suffix == "_blocks" else (other, array)
+        try:
+            yield base, dequantize_mxfp4(blocks, scales, dtype)
+        except ValueError as e:
+            raise error(f"{origin(name)}: {base}: {e}") from e
+    if pending:
+        base, (suffix, _) = next(iter(pending.items()))
+        missing = base + ("_scales" if suffix == "_blocks" else "_blocks")
+        raise error(f"{origin(base + suffix)}: MXFP4 tensor {missing!r} is missing (its "
+                    f"{base + suffix!r} is there)")

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxllm.loader import gemma4_weights, qwen3_next_weights
-from jaxllm.loader.mxfp4 import kept_targets
+from jaxllm.loader.mxfp4 import dequantized_experts, kept_targets
 from jaxllm.loader.kv_scales import is_kv_scale, kv_scale_targets, missing_layers, warn_missing
 from jaxllm.models.kv_scales import FROM_CHECKPOINT
 from jaxllm.loader.text_names import TEXT_NAMES
@@ -386,6 +386,8 @@ def load_weights(model: Decoder, tensors: Iterable[tuple[str, np.ndarray]], mesh
     origin = (lambda name: where) if isinstance(where, str) else where
     if cfg.architecture in TEXT_NAMES:  # a multimodal checkpoint loaded for text only
         tensors, origin = _renamed(tensors, origin, TEXT_NAMES[cfg.architecture])
+    if cfg.mxfp4_experts and cfg.quant is None:  # GPT-OSS's experts, dequantized as they arrive
+        tensors = dequantized_experts(tensors, origin, CheckpointError, np.dtype(cfg.jnp_dtype))
     targets = hf_targets(cfg) if targets is None else targets
     state = nnx.state(model)
     shardings = param_shardings(state, mesh)
