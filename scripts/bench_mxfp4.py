@@ -47,8 +47,10 @@ def main() -> None:
                     num_attention_heads=8, num_key_value_heads=2, head_dim=64)
     q, dq = os.path.join(d, "mxfp4"), os.path.join(d, "dequantized")
     make_gptoss_mxfp4(f, q, dq)
-    models = {name: load_tiny(path, dtype=args.dtype, attention_backend=args.backend)[0]
-              for name, path in (("kept", q), ("dequantized", dq))}
+    # "kept" asks for --quantization mxfp4: on CPU the default dequantizes at load.
+    models = {name: load_tiny(path, dtype=args.dtype, attention_backend=args.backend, **kw)[0]
+              for name, path, kw in (("kept", q, {"quantization": "mxfp4"}),
+                                     ("dequantized", dq, {}))}
     for name, model in models.items():
         print(f"{name:12s} {describe_weights(weight_bytes(model))}  "
               f"({sum(weight_bytes(model).values())} bytes)")
