@@ -74,8 +74,9 @@ def test_quantized_checkpoint_serves_through_llm(tiny_llama, tmp_path):
     from jaxllm import LLM, SamplingParams
 
     path = write_quantized(tiny_llama, str(tmp_path / "w4a16"), "w4a16", group_size=32)
+    # 16-token steps (the prompt has 6): one token bucket to compile, not eight up to 2048
     llm = LLM(model=path, dtype="float32", max_model_len=128, max_num_seqs=4,
-              num_gpu_blocks_override=64)
+              max_num_batched_tokens=16, num_gpu_blocks_override=64)
     prompt = [1, 5, 9, 33, 70, 2]
     out = llm.generate([{"prompt_token_ids": prompt}],
                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import spread_grid
 from pallas_kernels.grouped_matmul import kernel_cpu, reference
 
 
@@ -27,14 +28,13 @@ def _weights(rng, shape, dtype):
 # Groups of 0 rows (no expert read), 1-4 rows (streamed strips), 5+ (register-blocked, a second
 # 48-row block past 48); rows past the groups (another device's experts) must come back zero.
 # Odd K (bf16 pairs padded), N not a multiple of the 16-column strip.
-@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bits"])
-@pytest.mark.parametrize("k,n,sizes,extra", [
+# 24 cases; the default suite runs a spread of 12 that meets every value (conftest.spread_grid).
+@pytest.mark.parametrize("k,n,sizes,extra,dtype,x_dtype", spread_grid([
     (37, 70, [3, 0, 20, 1, 10], 6),
     (64, 130, [0, 0, 0, 0], 5),
     (33, 1030, [1, 2, 3, 4, 0, 0, 5], 0),
     (600, 40, [55, 0, 7], 2),
-])
+], ["float32", "bfloat16", "bits"], ["float32", "bfloat16"], keep=2))
 def test_kernel_matches_ragged_dot(k, n, sizes, extra, dtype, x_dtype):
     rng = np.random.default_rng(k + n + len(sizes))
     L, G = 3, len(sizes)

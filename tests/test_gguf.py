@@ -11,8 +11,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import smollm2_oracle
 from jaxllm.config import DEFAULT_MODEL, EngineArgs
 from jaxllm.loader import default_model
 from jaxllm.loader.default_model import default_model_path, resolve_model
@@ -29,8 +29,7 @@ def gguf_path():
 
 @pytest.fixture(scope="module")
 def hf_model(gguf_path):
-    folder, name = os.path.split(gguf_path)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return smollm2_oracle.hf_model()  # transformers' reading of default_model_path()
 
 
 def test_default_model_is_found_and_resolved(gguf_path, caplog):
@@ -79,8 +78,7 @@ def test_config_matches_transformers(gguf_path, hf_model):
 
 def test_tokenizer_from_gguf_matches_transformers(gguf_path):
     tok = get_tokenizer(gguf_path)
-    folder, name = os.path.split(gguf_path)
-    ref = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    ref = smollm2_oracle.hf_tokenizer()
     assert tok(PROMPT).input_ids == ref(PROMPT).input_ids == [504, 3575, 282, 4649, 314]
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)

@@ -36,9 +36,9 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    path = default_model_path()
-    folder, name = os.path.split(path)
-    return path, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    from smollm2_oracle import hf_tokenizer
+
+    return default_model_path(), hf_tokenizer()
 
 
 def test_smollm2_tokenizer_equals_transformers(smollm2):

@@ -88,8 +88,10 @@ def test_host_tier_is_bounded_least_recently_saved_first():
 
 PROMPT = list(range(3, 43))  # 40 tokens: 10 blocks of 4
 OTHERS = [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(2)]
+# Steps of at most 64 tokens (max_model_len: a prompt still fits one step), not the default
+# 2048: three token buckets to compile instead of eight.
 ENGINE = dict(dtype="float32", max_model_len=64, block_size=4, num_gpu_blocks_override=16,
-              max_num_seqs=2, kv_offloading_size=0.01)
+              max_num_seqs=2, max_num_batched_tokens=64, kv_offloading_size=0.01)
 
 
 def test_engine_prompt_comes_back_from_host_memory(tiny_llama, caplog):

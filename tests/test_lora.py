@@ -63,10 +63,11 @@ def test_mixed_batch_equals_peft(tiny_llama, adapters):
 
 
 def test_waits_for_a_slot_and_keeps_kv_apart(tiny_llama, adapters):
-    """One slot, two adapters: the second adapter's request waits for the first's to finish
-    (it does not fail). The same prompt under two adapters and the base model never shares
+    """Two slots, three adapters at once: the third adapter's request waits for a slot (it
+    does not fail). The same prompt under two adapters and the base model never shares
     prefix-cache blocks: each result equals its own oracle, run after the others cached it."""
-    llm = lora_llm(tiny_llama, max_loras=1, enable_prefix_caching=True)
+    # The other tests' configuration (its programs are compiled once for the module).
+    llm = lora_llm(tiny_llama, enable_prefix_caching=True)
     reqs = requests(adapters)
     prompt = list(range(5, 5 + 17))  # four full blocks of 4
     sp = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
@@ -74,9 +75,10 @@ def test_waits_for_a_slot_and_keeps_kv_apart(tiny_llama, adapters):
         out = llm.generate({"prompt_token_ids": prompt}, sp, lora_request=reqs.get(name),
                            use_tqdm=False)[0]
         assert list(out.outputs[0].token_ids) == oracle(adapters[name][1], prompt, NEW)[0], name
-    both = llm.generate([{"prompt_token_ids": prompt}] * 2, sp,
-                        lora_request=[reqs["qv"], reqs["oud"]], use_tqdm=False)
-    for name, out in zip(["qv", "oud"], both):
+    names = ["qv", "oud", "all"]
+    three = llm.generate([{"prompt_token_ids": prompt}] * 3, sp,
+                         lora_request=[reqs[n] for n in names], use_tqdm=False)
+    for name, out in zip(names, three):
         assert list(out.outputs[0].token_ids) == oracle(adapters[name][1], prompt, NEW)[0]
 
 
@@ -202,7 +204,9 @@ def test_adapters_over_a_quantized_base(tiny_llama, adapters, tmp_path):
     from quant_checkpoints import write_quantized
 
     path = write_quantized(tiny_llama, str(tmp_path / "w8a16"), "w8a16")
-    llm = lora_llm(path)
+    # One request at a time, 15 tokens: two rows and 16-token steps (three forward programs
+    # for this model of its own, not seven).
+    llm = lora_llm(path, max_num_seqs=2, max_num_batched_tokens=16)
     hf = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32,
         quantization_config=CompressedTensorsConfig(dequantize=True)).eval()

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import spread_grid
 from jaxllm.layers.quantization import pack_int4
 from pallas_kernels.matmul import kernel_cpu
 
@@ -61,9 +62,9 @@ CASES = [(1, 96, 40, None, False), (3, 97, 40, None, True), (4, 576, 200, 32, Fa
          (17, 384, 520, 128, False), (150, 97, 40, None, True), (133, 256, 72, 128, False)]
 
 
-@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("m,k,n,group,zero", CASES)
+# 48 cases; the default suite runs a spread of 24 that meets every value (conftest.spread_grid).
+@pytest.mark.parametrize("m,k,n,group,zero,bits,x_dtype", spread_grid(
+    CASES, [8, 4], ["float32", "bfloat16"], keep=2))
 def test_matches_the_dequantized_product(m, k, n, group, zero, bits, x_dtype):
     rng = np.random.default_rng([m, k, n, bits])
     q, stored, scale, z = weights(rng, bits, k, n, group, zero)

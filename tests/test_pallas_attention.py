@@ -19,6 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_paged
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as jax_tpu_paged
 
+from conftest import spread_grid
 from pallas_kernels.ragged_paged_attention import kernel, reference
 
 VARIANTS = ["tpu", "gpu"]
@@ -93,8 +94,9 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("shape", SHAPES)
+# Each grid below runs every shape (feature, dtype) in the default suite, on one variant or
+# the other in turn (conftest.spread_grid); the slow run has both variants of each.
+@pytest.mark.parametrize("shape,variant", spread_grid(list(SHAPES), VARIANTS, keep=2))
 def test_matches_reference(shape, variant):
     *spec, blocks = SHAPES[shape]
     ker, want, n, kw = case(0, *spec)
@@ -112,8 +114,7 @@ FEATURES = {
 }
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("feature,variant", spread_grid(list(FEATURES), VARIANTS, keep=2))
 def test_window_and_softcap(feature, variant):
     window, cap, bs, blocks = FEATURES[feature]
     ker, want, n, kw = case(1, (5, 1, 40, 1), (50, 9, 140, 260), 8, 2, 64, bs, window=window,
@@ -134,8 +135,7 @@ DTYPES = {
 }
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,variant", spread_grid(list(DTYPES), VARIANTS, keep=2))
 def test_cache_dtypes(dtype, variant):
     cache_dtype, q_dtype, scale = DTYPES[dtype]
     ker, want, n, kw = case(2, (1, 6, 1), (33, 6, 70), 4, 2, 64, 16, cache_dtype, q_dtype,
@@ -271,8 +271,8 @@ def _decode_case(seed, hq, hkv, d):
     return ker, (q * d ** -0.5, k, v, kv_lens, tables)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (8, 1, 128)])
+@pytest.mark.parametrize("hq,hkv,d,variant", spread_grid([(8, 2, 64), (8, 1, 128)], VARIANTS,
+                                                         keep=2))
 def test_decode_matches_jax_tpu_paged_attention(variant, hq, hkv, d):
     ker, (q, k, v, kv_lens, tables) = _decode_case(6, hq, hkv, d)
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
@@ -310,8 +310,8 @@ def test_lowers(variant, platform, cache_dtype, q_dtype):
     assert ("tpu_custom_call" if variant == "tpu" else "xla.gpu.triton") in lowered.as_text()
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("shape", ["mixed_gqa4", "group3_head_dim24"])
+@pytest.mark.parametrize("shape,variant", spread_grid(["mixed_gqa4", "group3_head_dim24"],
+                                                     VARIANTS, keep=2))
 def test_sinks_match_reference(shape, variant):
     """Attention sinks in the kernels (interpret mode) equal the reference's; group 3 pads
     the group to 4 rows, whose sinks must not leak."""

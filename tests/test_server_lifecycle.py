@@ -23,6 +23,7 @@ from jaxllm.sampling_params import SamplingParams
 from server_process import ENGINE_FLAGS, ServerProcess
 
 NAME = "tiny"
+RUNNING = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--max-num-seqs") + 1])  # the module server's
 
 
 class FakeEngine:
@@ -125,10 +126,10 @@ def test_injected_step_fault_fails_the_request_and_exits_1(tiny_llama, monkeypat
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    """max-num-seqs 8 plus at most 4 waiting sequences; no --trust-request-chat-template."""
-    flags = [f for f in ENGINE_FLAGS]
-    flags[flags.index("--max-num-seqs") + 1] = "8"
-    srv = ServerProcess(tiny_llama, *flags, "--served-model-name", NAME,
+    """The other server tests' engine flags (their compiled programs are in the executable
+    cache): max-num-seqs 32 plus at most 4 waiting sequences; no
+    --trust-request-chat-template."""
+    srv = ServerProcess(tiny_llama, *ENGINE_FLAGS, "--served-model-name", NAME,
                         "--max-waiting-requests", "4", "--shutdown-timeout", "20")
     yield srv
     srv.stop()
@@ -153,7 +154,7 @@ def test_request_chat_templates_need_the_operators_trust(server):
 def test_overload_is_a_503_with_retry_after(server):
     started, lines = threading.Event(), []
     first = threading.Thread(target=stream_lines, args=(
-        server, {"prompt": "Hello", "max_tokens": 100, "n": 10}, started, lines))
+        server, {"prompt": "Hello", "max_tokens": 100, "n": RUNNING + 2}, started, lines))
     first.start()
     assert started.wait(30)
     r = httpx.post(server.url + "/v1/completions", timeout=30,

@@ -23,8 +23,10 @@ from serving.dev_routes import DEV_MODE_ENV, dev_mode
 
 PROMPTS = [[5, 17, 42, 9], [3, 3, 8, 100, 21, 7, 64]]
 SP = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# 16-token steps: the prompts are short, and the default step budget (2048 tokens) would
+# compile eight token buckets (16 to 2048) for them.
 ENGINE = dict(dtype="float32", max_model_len=64, kv_cache_memory_bytes=2 << 20,
-              max_num_seqs=4, enable_sleep_mode=True)
+              max_num_seqs=4, max_num_batched_tokens=16, enable_sleep_mode=True)
 
 
 def _tokens(llm) -> list[list[int]]:

@@ -3,12 +3,9 @@ loading the same GGUF: greedy tokens identical, and the engine's default model s
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.loader.default_model import default_model_path
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 NEW = 32
@@ -24,13 +21,11 @@ def llm():
 @pytest.fixture(scope="module")
 def hf_model():
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from smollm2_oracle import hf_model, hf_tokenizer
 
     torch.set_num_threads(1)
-    folder, name = os.path.split(default_model_path())
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model.generation_config.eos_token_id = None  # like our ignore_eos: always NEW tokens
-    return model.eval(), AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return hf_model(), hf_tokenizer()
 
 
 def test_default_model_is_smollm2(llm):
@@ -41,11 +36,13 @@ def test_default_model_is_smollm2(llm):
     assert "Paris" in out.outputs[0].text
 
 
-def test_greedy_tokens_match_transformers(llm, hf_model):
+def test_greedy_tokens_match_transformers(llm, hf_model, monkeypatch):
     import torch
 
     model, tok = hf_model
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    # No EOS, like our ignore_eos: always NEW tokens (the model is shared: put back after).
+    monkeypatch.setattr(model.generation_config, "eos_token_id", None)
     ours = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, ours):
         ids = tok(prompt, return_tensors="pt").input_ids
