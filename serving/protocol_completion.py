@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from serving.errors import APIError
 from serving.protocol import SamplingRequest, UsageInfo
@@ -15,15 +15,25 @@ from serving.protocol import SamplingRequest, UsageInfo
 
 class CompletionRequest(SamplingRequest):
     beam_search_supported: ClassVar[bool] = True
-    prompt: Optional[Union[str, list[str], list[int], list[list[int]]]] = None
     # vLLM's (--enable-prompt-embeds): base64 torch.save tensors [tokens, hidden size], one
-    # prompt each, in place of `prompt` (serving/prompt_embeds.py reads them).
+    # prompt each, in place of `prompt` (serving/prompt_embeds.py reads them). Declared first:
+    # `prompt`'s validator reads it.
     prompt_embeds: Optional[Union[str, list[str]]] = None
+    prompt: Optional[Union[str, list[str], list[int], list[list[int]]]] = Field(
+        None, validate_default=True)
     echo: bool = False
     logprobs: Optional[int] = None
     max_tokens: Optional[int] = 16
     suffix: Optional[str] = None
     add_special_tokens: bool = True
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_or_embeds(cls, value, info):
+        if value is None and info.data.get("prompt_embeds") is None:
+            raise ValueError("Field required (prompt, or prompt_embeds with "
+                             "--enable-prompt-embeds)")
+        return value
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -149,8 +149,10 @@ def test_completion_request_takes_one_of_prompt_and_prompt_embeds():
     from serving.errors import APIError
     from serving.protocol_completion import CompletionRequest
 
-    for body, match in (({}, "either prompt or prompt_embeds"),
-                        ({"prompt": "a", "prompt_embeds": "x"}, "either prompt"),
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError, match="prompt_embeds"):  # neither: a 400 on `prompt`
+        CompletionRequest(model="m")
+    for body, match in (({"prompt": "a", "prompt_embeds": "x"}, "either prompt"),
                         ({"prompt_embeds": "x", "echo": True}, "echo"),
                         ({"prompt_embeds": "x", "use_beam_search": True}, "use_beam_search")):
         with pytest.raises(APIError, match=match):
